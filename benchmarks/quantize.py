@@ -1,0 +1,218 @@
+"""Per-tensor FP8 quantize: achieved bandwidth and host overhead, torchte vs the torch reference.
+
+GPU-bound: quantize_delayed (rowwise + columnwise) and quantize_current on an 8192 x 8192 bf16
+matrix; bandwidth = bytes the op must move (reads + writes) / time, as a fraction of the
+bandwidth of a device-to-device copy (read + write counted). quantize_current reads x twice
+(amax, then cast), and both reads are counted.
+CPU-bound: host microseconds per launcher call at 16 x 1024 (calls queued back to back, one
+synchronize at the end), and for update_delayed_scaling on a (1024, 3) history.
+
+Also sweeps the cast tile and the amax block (printed before the main table). Never asserts.
+
+    python benchmarks/quantize.py [--json out.json] [--rows 8192 --cols 8192]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import time
+
+import torch
+
+from torchte.kernels import cast_transpose as ct
+from torchte.kernels import scaling
+
+FP8 = torch.float8_e4m3fn
+CAST_SWEEP = [
+    (32, 128, 4),
+    (64, 64, 4),
+    (64, 128, 4),
+    (128, 64, 4),
+    (128, 64, 8),
+    (128, 128, 8),
+    (64, 256, 8),
+]
+AMAX_SWEEP = [(4096, 4), (8192, 8), (16384, 8), (32768, 16)]
+
+
+def gpu_ms(fn, reps: int = 20, warmup: int = 3) -> float:
+    """Median milliseconds of fn on the GPU (CUDA events around each call)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def host_us(fn, calls: int = 2000, warmup: int = 50) -> float:
+    """Wall microseconds per call of fn, calls queued back to back, one synchronize."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+        best = min(best, (time.perf_counter() - start) / calls * 1e6)
+    return best
+
+
+def quantize_fns(x: torch.Tensor) -> dict[str, tuple]:
+    """name -> (torchte fn, reference fn) on x, all outputs asked for."""
+    dev = x.device
+    scale, amax = torch.ones(1, device=dev), torch.zeros(1, device=dev)
+    scale_inv = torch.empty(1, device=dev)
+    return {
+        "quantize_delayed": (
+            lambda: ct.quantize_delayed(x, scale, amax, scale_inv, FP8, True, True),
+            lambda: ct.quantize_delayed_reference(x, scale, amax, scale_inv, FP8, True, True),
+        ),
+        "quantize_current": (
+            lambda: ct.quantize_current(x, scale_inv, FP8, 0.0, False, True, True),
+            lambda: ct.quantize_current_reference(x, scale_inv, FP8, 0.0, False, True, True),
+        ),
+        "record_amax": (
+            lambda: ct.record_amax(x, amax),
+            lambda: ct.record_amax_reference(x, amax),
+        ),
+    }
+
+
+def bandwidth(rows: int, cols: int) -> tuple[list[dict], list[dict]]:
+    """(main rows, sweep rows) at rows x cols bf16."""
+    x = torch.randn((rows, cols), device="cuda", dtype=torch.bfloat16)
+    x_bytes = x.numel() * x.element_size()
+    out_bytes = rows * cols + cols * ct.round_up(rows, ct.COLUMNWISE_ALIGN)
+    dst = torch.empty_like(x)
+    copy_ms = gpu_ms(lambda: dst.copy_(x))
+    copy_gbs = 2 * x_bytes / copy_ms / 1e6
+    moved = {
+        "quantize_delayed": x_bytes + out_bytes,
+        "quantize_current": 2 * x_bytes + out_bytes,
+        "record_amax": x_bytes,
+    }
+    main = [{"op": "copy_ (d2d)", "impl": "torch", "ms": copy_ms, "GB/s": copy_gbs, "frac": 1.0}]
+    for name, (fn, ref) in quantize_fns(x).items():
+        for impl, f in (("torchte", fn), ("torch ref", ref)):
+            try:
+                ms = gpu_ms(f)
+            except Exception as exc:  # a benchmark reports, never stops
+                main.append({"op": name, "impl": impl, "error": repr(exc)})
+                continue
+            gbs = moved[name] / ms / 1e6
+            main.append({"op": name, "impl": impl, "ms": ms, "GB/s": gbs, "frac": gbs / copy_gbs})
+    sweep = []
+    scale, amax, scale_inv = (torch.ones(1, device="cuda") for _ in range(3))
+    for cfg in CAST_SWEEP:
+        try:
+            ms = gpu_ms(
+                lambda cfg=cfg: ct._cast_transpose(
+                    x, scale, amax, scale_inv, FP8, True, True, False, 0.0, False, cfg
+                )
+            )
+        except Exception as exc:
+            sweep.append({"kernel": "cast", "config": cfg, "error": repr(exc)})
+            continue
+        gbs = moved["quantize_delayed"] / ms / 1e6
+        sweep.append({"kernel": "cast", "config": cfg, "ms": ms, "frac": gbs / copy_gbs})
+    for cfg in AMAX_SWEEP:
+        try:
+            ms = gpu_ms(lambda cfg=cfg: ct._launch_amax(x, amax, cfg))
+        except Exception as exc:
+            sweep.append({"kernel": "amax", "config": cfg, "error": repr(exc)})
+            continue
+        gbs = x_bytes / ms / 1e6
+        sweep.append({"kernel": "amax", "config": cfg, "ms": ms, "frac": gbs / copy_gbs})
+    return main, sweep
+
+
+def host_overhead(rows: int = 16, cols: int = 1024) -> list[dict]:
+    """Host microseconds per call of each launcher and of its torch reference."""
+    x = torch.randn((rows, cols), device="cuda", dtype=torch.bfloat16)
+    fns = quantize_fns(x)
+    history, scale = torch.zeros((1024, 3), device="cuda"), torch.ones(3, device="cuda")
+    fns["update_delayed_scaling"] = (
+        lambda: scaling.update_delayed_scaling(history, scale, 448.0, 0, "max"),
+        lambda: scaling.update_delayed_scaling_reference(history, scale, 448.0, 0, "max"),
+    )
+    out = []
+    for name, (fn, ref) in fns.items():
+        row = {"op": name}
+        for impl, f in (("torchte_us", fn), ("torch_ref_us", ref)):
+            try:
+                row[impl] = host_us(f)
+            except Exception as exc:
+                row[impl] = None
+                row[impl + "_error"] = repr(exc)
+        out.append(row)
+    return out
+
+
+def fmt(value, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", default=None, help="write the results here")
+    parser.add_argument("--rows", type=int, default=8192)
+    parser.add_argument("--cols", type=int, default=8192)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("quantize benchmark: no CUDA device, nothing measured")
+        return
+    main_rows, sweep = bandwidth(args.rows, args.cols)
+    host = host_overhead()
+
+    print(f"\nsweep at {args.rows}x{args.cols} bf16 -> e4m3 (fraction of d2d copy bandwidth)")
+    for row in sweep:
+        print(f"  {row['kernel']:5s} {row['config']!s:16s} ", end="")
+        print(row.get("error") or f"{row['ms']:.4f} ms  {row['frac']:.3f}")
+
+    print("\nhost us per call at 16x1024 bf16 (update: (1024, 3) history)")
+    print(f"  {'op':24s} {'torchte':>9s} {'torch ref':>10s} {'ratio':>6s}")
+    for row in host:
+        te, ref = row.get("torchte_us"), row.get("torch_ref_us")
+        ratio = ref / te if te and ref else None
+        print(f"  {row['op']:24s} {fmt(te, '9.1f')} {fmt(ref, '10.1f')} {fmt(ratio, '6.2f')}")
+
+    print(f"\nbandwidth at {args.rows}x{args.cols} bf16 -> e4m3 on {torch.cuda.get_device_name()}")
+    print(f"  {'op':18s} {'impl':10s} {'ms':>8s} {'GB/s':>8s} {'of copy':>8s}")
+    for row in main_rows:
+        if "error" in row:
+            print(f"  {row['op']:18s} {row['impl']:10s} {row['error']}")
+            continue
+        print(
+            f"  {row['op']:18s} {row['impl']:10s} {row['ms']:8.4f} {row['GB/s']:8.1f} "
+            f"{row['frac']:8.3f}"
+        )
+    if args.json:
+        import triton
+
+        result = {
+            "device": torch.cuda.get_device_name(),
+            "torch": torch.__version__,
+            "triton": triton.__version__,
+            "date": datetime.date.today().isoformat(),
+            "shape": [args.rows, args.cols],
+            "bandwidth": main_rows,
+            "sweep": sweep,
+            "host_us": host,
+        }
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

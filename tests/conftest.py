@@ -1,0 +1,28 @@
+"""Shared pytest setup: skip `gpu` tests without CUDA, and seed torch before every test.
+
+The `gpu` marker and RuntimeWarning-as-error live in pyproject.toml; nothing is registered
+here. This folder is on sys.path, so tests import helpers as `from tolerances import ...`.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+SEED = 1234
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark tests carrying the `gpu` marker as skipped when no CUDA device is available."""
+    if torch.cuda.is_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
+    for item in items:
+        if item.get_closest_marker("gpu") is not None:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture(autouse=True)
+def _seed_torch() -> None:
+    """Seed torch's generators (CPU and every CUDA device) so each test is reproducible."""
+    torch.manual_seed(SEED)

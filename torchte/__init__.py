@@ -1,0 +1,24 @@
+"""torchte: Transformer Engine layers for PyTorch in Python and Triton.
+
+Use it as Transformer Engine's `transformer_engine.pytorch`: `import torchte as te`.
+"""
+
+from . import recipe
+from ._device import is_fp8_available
+from .autocast import autocast, fp8_autocast
+from .module.linear import Linear
+from .quantization.float8_tensor import Float8Tensor
+from .quantization.model_init import fp8_model_init, quantized_model_init
+
+__all__ = [
+    "Float8Tensor",
+    "Linear",
+    "autocast",
+    "fp8_autocast",
+    "fp8_model_init",
+    "is_fp8_available",
+    "quantized_model_init",
+    "recipe",
+]
+
+__version__ = "0.1.0"

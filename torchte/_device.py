@@ -1,0 +1,44 @@
+"""Device defaults and capability checks, each computed once per device."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+__all__ = ["default_device", "fp8_support", "is_fp8_available"]
+
+
+def default_device(device: torch.device | str | int | None) -> torch.device:
+    """The device a module is built on: the one given; else torch's default device if the user
+    set one; else CUDA where there is a GPU and the CPU where there is none."""
+    if device is not None:
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        return device
+    user_default = getattr(torch._GLOBAL_DEVICE_CONTEXT, "device_context", None) is not None
+    if user_default or torch.get_default_device().type != "cpu":
+        return default_device(torch.get_default_device())
+    return default_device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+@functools.cache
+def fp8_support(device: torch.device) -> tuple[bool, str]:
+    """(supported, reason) for FP8 on `device`: native on compute capability >= 8.9, emulated
+    with the same bytes on the CPU, unavailable on older GPUs."""
+    if device.type == "cpu":
+        return True, "FP8 is emulated on the CPU (same bytes as on a GPU, computed in fp32)"
+    if device.type != "cuda":
+        return False, f"FP8 is not supported on device type {device.type!r}"
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) < (8, 9):
+        return False, (
+            f"FP8 needs a GPU of compute capability 8.9 or higher; {device} has {major}.{minor}"
+        )
+    return True, ""
+
+
+def is_fp8_available() -> tuple[bool, str]:
+    """(available, reason) for FP8 on the device modules are built on by default."""
+    return fp8_support(default_device(None))

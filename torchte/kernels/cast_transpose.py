@@ -1,0 +1,301 @@
+"""FP8 cast + transpose + amax: one pass over a high-precision matrix.
+
+Shapes: x (M, N) high precision (fp32/bf16/fp16), contiguous. Outputs: rowwise data (M, N) and
+columnwise data (N, Mp) in an FP8 dtype, where Mp = M rounded up to a multiple of 16 and the
+padding columns are zero (so a wgrad GEMM can take Mp as its inner dimension for any M).
+Scalars are fp32 tensors of one element on x's device.
+
+On CUDA with Triton the kernels below run; elsewhere the torch reference beside them, which
+gives the same bytes.
+
+Launches per call: quantize_delayed 1 (cast + transpose + amax + scale_inv), quantize_current 3
+(zeroing the amax buffer, amax, cast), record_amax 1.
+
+amax is max-accumulated as the int32 bit pattern of |x|: for non-negative floats the integer
+order is the float order, and NaN (0x7FC00000 and up) sorts above inf, so a NaN in x reaches
+amax as torch.maximum would carry it (a float atomic max drops NaN).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from torchte.quantization.base import round_up
+
+from ._triton import triton_available
+
+FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+COLUMNWISE_ALIGN = 16
+
+# Cast tile (BLOCK_M, BLOCK_N, num_warps) and amax block (BLOCK, num_warps); BLOCK_M must be a
+# multiple of COLUMNWISE_ALIGN so the row tiles that cover M also cover the padding up to Mp.
+CAST_CONFIG = (64, 64, 4)
+AMAX_CONFIG = (8192, 8)
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the torch reference runs
+    triton = None
+
+if triton is not None:
+
+    @triton.jit
+    def _scale_from_amax(amax, amax_epsilon, FP8_MAX: tl.constexpr, POWER_2: tl.constexpr):
+        """compute_scale_reference on one fp32 scalar (amax >= 0 or NaN)."""
+        # amax >= 0, so clamping it by an epsilon <= 0 changes nothing, as in the reference.
+        amax = tl.maximum(amax, amax_epsilon, propagate_nan=tl.PropagateNan.ALL)
+        scale = tl.math.div_rn(FP8_MAX, amax)
+        # Special values by their bits: exponent all ones is inf or NaN.
+        fp32_max = tl.full((), 0x7F7FFFFF, tl.int32).to(tl.float32, bitcast=True)
+        scale_bits = scale.to(tl.int32, bitcast=True)
+        scale = tl.where((scale_bits & 0x7FFFFFFF) == 0x7F800000, fp32_max, scale)
+        amax_finite = (amax.to(tl.int32, bitcast=True) & 0x7F800000) != 0x7F800000
+        scale = tl.where((amax == 0) | ~amax_finite, 1.0, scale)
+        if POWER_2:
+            scale = (scale.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
+        return scale
+
+    @triton.jit
+    def _atomic_amax(amax_ptr, x):
+        """amax = max(amax, max |x|) through the int32 bits of |x| (see the module docstring)."""
+        bits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+        tl.atomic_max(amax_ptr.to(tl.pointer_type(tl.int32)), tl.max(bits), sem="relaxed")
+
+    @triton.jit
+    def _cast_transpose_kernel(
+        x_ptr,  # (M, N) fp32 / bf16 / fp16, contiguous
+        scale_ptr,  # (1,) fp32: the scale (delayed); unused when CURRENT
+        amax_ptr,  # (1,) fp32: max-accumulated (delayed); read to make the scale (CURRENT)
+        scale_inv_ptr,  # (1,) fp32: 1 / scale, written by program (0, 0)
+        out_ptr,  # (M, N) fp8 rowwise data; written when ROWWISE
+        out_t_ptr,  # (N, Mp) fp8 columnwise data, Mp = round_up(M, 16); written when COLUMNWISE
+        M,
+        N,
+        amax_epsilon,  # fp32; used when CURRENT
+        FP8_MAX: tl.constexpr,
+        CURRENT: tl.constexpr,
+        POWER_2: tl.constexpr,
+        ROWWISE: tl.constexpr,
+        COLUMNWISE: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+    ):
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        if CURRENT:
+            scale = _scale_from_amax(tl.load(amax_ptr), amax_epsilon, FP8_MAX, POWER_2)
+        else:
+            scale = tl.load(scale_ptr)
+        first = (pid_m == 0) & (pid_n == 0)
+        tl.store(scale_inv_ptr, tl.math.div_rn(1.0, scale), mask=first)
+
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_in = rows < M
+        col_in = cols < N
+        mask = row_in[:, None] & col_in[None, :]
+        offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
+        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        if not CURRENT:
+            _atomic_amax(amax_ptr, x)
+        if ROWWISE or COLUMNWISE:
+            y = tl.clamp(x * scale, -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
+            # Rows past M are the columnwise padding: zero bytes whatever the scale (0 * inf).
+            y = tl.where(row_in[:, None], y, 0.0)
+            if ROWWISE:
+                tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+            if COLUMNWISE:
+                Mp = tl.multiple_of(tl.cdiv(M, 16) * 16, 16)
+                offs_t = cols.to(tl.int64)[:, None] * Mp + rows[None, :]
+                mask_t = col_in[:, None] & (rows < Mp)[None, :]
+                y_t = tl.trans(y.to(out_t_ptr.dtype.element_ty))
+                tl.store(out_t_ptr + offs_t, y_t, mask=mask_t)
+
+    @triton.jit
+    def _amax_kernel(
+        x_ptr,  # (numel,) fp32 / bf16 / fp16, contiguous
+        amax_ptr,  # (1,) fp32, max-accumulated
+        numel,
+        BLOCK: tl.constexpr,
+    ):
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + offs, mask=offs < numel, other=0.0).to(tl.float32)
+        _atomic_amax(amax_ptr, x)
+
+
+def _use_triton(x: torch.Tensor) -> bool:
+    return x.is_cuda and triton_available()
+
+
+# ----------------------------------------------------------------------------------------------
+# Launchers
+# ----------------------------------------------------------------------------------------------
+
+
+def quantize_delayed(
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    amax: torch.Tensor,
+    scale_inv: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    rowwise: bool,
+    columnwise: bool,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Quantize x (M, N) with a given scale (1,); max-accumulate |x| into amax (1,) in place;
+    write 1/scale into scale_inv (1,). Returns (rowwise (M, N) | None, columnwise (N, Mp) | None).
+    """
+    if x.is_cuda and triton_available() and x.numel() > 0:
+        return _cast_transpose(
+            x, scale, amax, scale_inv, fp8_dtype, rowwise, columnwise, False, 0.0, False
+        )
+    return quantize_delayed_reference(x, scale, amax, scale_inv, fp8_dtype, rowwise, columnwise)
+
+
+def quantize_current(
+    x: torch.Tensor,
+    scale_inv: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    amax_epsilon: float,
+    power_2_scale: bool,
+    rowwise: bool,
+    columnwise: bool,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Quantize x (M, N) with the scale computed from its own amax (current scaling); write
+    1/scale into scale_inv (1,). Returns (rowwise (M, N) | None, columnwise (N, Mp) | None).
+    """
+    if x.is_cuda and triton_available() and x.numel() > 0:
+        amax = torch.zeros(1, dtype=torch.float32, device=x.device)
+        _launch_amax(x, amax)
+        current = (True, amax_epsilon, power_2_scale)
+        return _cast_transpose(x, amax, amax, scale_inv, fp8_dtype, rowwise, columnwise, *current)
+    return quantize_current_reference(
+        x, scale_inv, fp8_dtype, amax_epsilon, power_2_scale, rowwise, columnwise
+    )
+
+
+def record_amax(x: torch.Tensor, amax: torch.Tensor) -> None:
+    """amax (1,) = max(amax, max |x|), in place (calibration: amax without quantizing)."""
+    if x.is_cuda and triton_available():
+        if x.numel() > 0:
+            _launch_amax(x, amax)
+        return
+    record_amax_reference(x, amax)
+
+
+def fp8_transpose(data: torch.Tensor) -> torch.Tensor:
+    """Rowwise FP8 data (M, N) -> columnwise (N, Mp), zero-padded; an exact byte copy."""
+    rows, cols = data.shape
+    out = torch.zeros(
+        (cols, round_up(rows, COLUMNWISE_ALIGN)), dtype=torch.uint8, device=data.device
+    )
+    out[:, :rows] = data.view(torch.uint8).t()
+    return out.view(data.dtype)
+
+
+def _cast_transpose(
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    amax: torch.Tensor,
+    scale_inv: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    rowwise: bool,
+    columnwise: bool,
+    current: bool,
+    amax_epsilon: float,
+    power_2_scale: bool,
+    config: tuple[int, int, int] = CAST_CONFIG,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Launch _cast_transpose_kernel on x (M, N), M, N > 0. Delayed: scale is the scale and amax
+    is max-accumulated; current (`current=True`): amax is read and the scale made from it."""
+    if not x.is_contiguous():
+        x = x.contiguous()
+    rows, cols = x.shape
+    block_m, block_n, num_warps = config
+    data = torch.empty((rows, cols), dtype=fp8_dtype, device=x.device) if rowwise else None
+    data_t = None
+    if columnwise:
+        rows_p = (rows + COLUMNWISE_ALIGN - 1) // COLUMNWISE_ALIGN * COLUMNWISE_ALIGN
+        data_t = torch.empty((cols, rows_p), dtype=fp8_dtype, device=x.device)
+    # An output not asked for is never stored to: any pointer will do.
+    out = scale_inv if data is None else data
+    out_t = scale_inv if data_t is None else data_t
+    grid = ((rows + block_m - 1) // block_m, (cols + block_n - 1) // block_n)
+    _cast_transpose_kernel[grid](
+        x, scale, amax, scale_inv, out, out_t, rows, cols, amax_epsilon,
+        FP8_MAX=FP8_MAX[fp8_dtype], CURRENT=current, POWER_2=power_2_scale, ROWWISE=rowwise,
+        COLUMNWISE=columnwise, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+    )  # fmt: skip
+    return data, data_t
+
+
+def _launch_amax(
+    x: torch.Tensor, amax: torch.Tensor, config: tuple[int, int] = AMAX_CONFIG
+) -> None:
+    """Launch _amax_kernel: amax (1,) = max(amax, max |x|) for a non-empty x."""
+    if not x.is_contiguous():
+        x = x.contiguous()
+    numel = x.numel()
+    block, num_warps = config
+    _amax_kernel[((numel + block - 1) // block,)](x, amax, numel, BLOCK=block, num_warps=num_warps)
+
+
+# ----------------------------------------------------------------------------------------------
+# Torch reference: the same function, used on CPU and in tests
+# ----------------------------------------------------------------------------------------------
+
+
+def compute_scale_reference(
+    amax: torch.Tensor, fp8_max: float, amax_epsilon: float, power_2_scale: bool
+) -> torch.Tensor:
+    """scale (1,) fp32 = fp8_max / max(amax, eps); 1 where that amax is 0 or not finite; the
+    largest finite fp32 where the quotient overflows; rounded down to a power of two on request.
+    """
+    amax = amax.float()
+    if amax_epsilon > 0:
+        amax = torch.clamp_min(amax, amax_epsilon)
+    scale = torch.full_like(amax, fp8_max) / amax
+    scale = torch.where(torch.isinf(scale), torch.finfo(torch.float32).max, scale)
+    scale = torch.where((amax == 0) | ~torch.isfinite(amax), 1.0, scale)
+    if power_2_scale:
+        # Keep only the exponent bits: the largest power of two <= scale (scale is normal).
+        scale = (scale.view(torch.int32) & 0x7F800000).view(torch.float32)
+    return scale
+
+
+def cast_reference(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
+    """x * scale in fp32, clamped to the FP8 range, rounded to nearest even."""
+    fp8_max = FP8_MAX[fp8_dtype]
+    return (x.float() * scale).clamp(-fp8_max, fp8_max).to(fp8_dtype)
+
+
+def _outputs(
+    data: torch.Tensor, rowwise: bool, columnwise: bool
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    return (data if rowwise else None), (fp8_transpose(data) if columnwise else None)
+
+
+def quantize_delayed_reference(
+    x, scale, amax, scale_inv, fp8_dtype, rowwise, columnwise
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Torch reference of quantize_delayed."""
+    record_amax_reference(x, amax)
+    torch.reciprocal(scale, out=scale_inv)
+    return _outputs(cast_reference(x, scale, fp8_dtype), rowwise, columnwise)
+
+
+def quantize_current_reference(
+    x, scale_inv, fp8_dtype, amax_epsilon, power_2_scale, rowwise, columnwise
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Torch reference of quantize_current."""
+    amax = torch.zeros(1, dtype=torch.float32, device=x.device)
+    record_amax_reference(x, amax)
+    scale = compute_scale_reference(amax, FP8_MAX[fp8_dtype], amax_epsilon, power_2_scale)
+    torch.reciprocal(scale, out=scale_inv)
+    return _outputs(cast_reference(x, scale, fp8_dtype), rowwise, columnwise)
+
+
+def record_amax_reference(x: torch.Tensor, amax: torch.Tensor) -> None:
+    """Torch reference of record_amax."""
+    if x.numel() > 0:
+        torch.maximum(amax, x.detach().abs().max().float().reshape(1), out=amax)

@@ -1,0 +1,137 @@
+"""Delayed-scaling update: amax from the history, new scale, history rolled, in one pass.
+
+Shapes: amax_history (L, n) fp32, scale (n,) fp32, both updated in place (views into them stay
+valid). Column j is one tensor's history; row 0 is the amax being recorded this iteration.
+
+On CUDA with Triton one kernel launch does the whole update: a single program walks the
+history in chunks of rows, so any L works; n is small (one column per quantized tensor).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ._triton import triton_available
+
+# Elements of the history one chunk holds (BLOCK_L * BLOCK_N), and the warps of the program.
+CHUNK_ELEMENTS = 4096
+NUM_WARPS = 4
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the torch reference runs
+    triton = None
+
+if triton is not None:
+
+    @triton.jit
+    def _update_delayed_scaling_kernel(
+        history_ptr,  # (L, n) fp32, contiguous: amax history, rolled up by one row in place
+        scale_ptr,  # (n,) fp32: scales, replaced where the amax is finite and > 0
+        L,
+        n,
+        fp8_max,  # fp32
+        margin_div,  # fp32: 2**margin
+        MOST_RECENT: tl.constexpr,
+        BLOCK_L: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+    ):
+        cols = tl.arange(0, BLOCK_N)
+        col_in = cols < n
+        row0 = tl.load(history_ptr + cols, mask=col_in, other=0.0)
+        amax = row0
+        has_nan = row0 != row0
+        for start in range(0, L, BLOCK_L):
+            rows = start + tl.arange(0, BLOCK_L)
+            # The new row i is the old row i + 1; the old row 0 (held in row0) becomes row L - 1.
+            src_in = (rows + 1) < L
+            mask = src_in[:, None] & col_in[None, :]
+            old = tl.load(history_ptr + (rows + 1)[:, None] * n + cols[None, :], mask=mask)
+            if not MOST_RECENT:
+                # tl.max may drop NaN: amax keeps the largest number, has_nan says if any was NaN.
+                amax = tl.maximum(amax, tl.max(tl.where(mask, old, -float("inf")), axis=0))
+                has_nan = has_nan | (tl.max(((old != old) & mask).to(tl.int32), axis=0) > 0)
+            new = tl.where(rows[:, None] == L - 1, row0[None, :], old)
+            new = tl.where(rows[:, None] == 0, 0.0, new)
+            # Every thread has read the rows this chunk shifts before any thread overwrites one
+            # (a row read here by one warp is written, one row down, by another).
+            tl.debug_barrier()
+            dst_mask = (rows < L)[:, None] & col_in[None, :]
+            tl.store(history_ptr + rows[:, None] * n + cols[None, :], new, mask=dst_mask)
+        new_scale = tl.math.div_rn(tl.math.div_rn(fp8_max, amax), margin_div)
+        # amax < inf is False for inf and NaN; has_nan catches a NaN tl.maximum let through.
+        update = (amax > 0) & (amax < float("inf")) & ~has_nan
+        tl.store(scale_ptr + cols, new_scale, mask=col_in & update)
+
+
+@functools.cache
+def _blocks(rows: int, cols: int) -> tuple[int, int]:
+    """(BLOCK_L, BLOCK_N) for a history of (rows, cols): all columns, rows in chunks."""
+    block_n = triton.next_power_of_2(cols)
+    block_l = min(triton.next_power_of_2(rows), max(CHUNK_ELEMENTS // block_n, 1))
+    return block_l, block_n
+
+
+def update_delayed_scaling(
+    amax_history: torch.Tensor, scale: torch.Tensor, fp8_max: float, margin: int, algo: str
+) -> None:
+    """For each column j: amax = max over the history ("max") or row 0 ("most_recent");
+    scale[j] = fp8_max / amax / 2**margin where amax is finite and > 0, else unchanged; then the
+    history is rolled up by one row (row 0 moves to the end) and row 0 is zeroed.
+    """
+    if amax_history.is_cuda and triton_available():
+        _launch_update(amax_history, scale, fp8_max, margin, algo)
+        return
+    update_delayed_scaling_reference(amax_history, scale, fp8_max, margin, algo)
+
+
+def _launch_update(
+    amax_history: torch.Tensor, scale: torch.Tensor, fp8_max: float, margin: int, algo: str
+) -> None:
+    """One launch of _update_delayed_scaling_kernel (a single program) on a contiguous history."""
+    rows, cols = amax_history.shape
+    if rows == 0 or cols == 0:
+        return
+    if not amax_history.is_contiguous():
+        raise ValueError(
+            "update_delayed_scaling: amax_history must be contiguous (updated in place)"
+        )
+    block_l, block_n = _blocks(rows, cols)
+    _update_delayed_scaling_kernel[(1,)](
+        amax_history, scale, rows, cols, fp8_max, float(2**margin),
+        MOST_RECENT=algo != "max", BLOCK_L=block_l, BLOCK_N=block_n, num_warps=NUM_WARPS,
+    )  # fmt: skip
+
+
+# ----------------------------------------------------------------------------------------------
+# Torch reference: the same function, used on CPU and in tests
+# ----------------------------------------------------------------------------------------------
+
+
+def update_delayed_scaling_reference(
+    amax_history: torch.Tensor, scale: torch.Tensor, fp8_max: float, margin: int, algo: str
+) -> None:
+    """Torch reference of update_delayed_scaling."""
+    amax = amax_history.amax(dim=0) if algo == "max" else amax_history[0].clone()
+    new_scale = scale_from_amax_reference(amax, scale, fp8_max, margin)
+    scale.copy_(new_scale)
+    roll_history_reference(amax_history)
+
+
+def scale_from_amax_reference(
+    amax: torch.Tensor, scale: torch.Tensor, fp8_max: float, margin: int
+) -> torch.Tensor:
+    """fp8_max / amax / 2**margin where amax is finite and > 0; the old scale elsewhere."""
+    new_scale = (torch.full_like(amax, fp8_max) / amax) / float(2**margin)
+    keep = ~(amax > 0) | ~torch.isfinite(amax)
+    return torch.where(keep, scale, new_scale)
+
+
+def roll_history_reference(amax_history: torch.Tensor) -> None:
+    """Roll the history up by one row in place and zero row 0."""
+    if amax_history.shape[0] > 1:
+        amax_history.copy_(torch.roll(amax_history, -1, 0))
+    amax_history[0].zero_()

@@ -1,0 +1,192 @@
+"""Pieces every module's autograd.Function uses: saving FP8 values, reaching main_grad, splits."""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Sequence
+
+import torch
+
+from torchte.quantization.float8 import Float8Storage
+
+__all__ = [
+    "MainGradTarget",
+    "NoopCat",
+    "restore_saved",
+    "save_for_backward",
+    "split_parameter_names",
+]
+
+
+def save_for_backward(ctx, *values: torch.Tensor | Float8Storage | None) -> None:
+    """Save tensors and FP8 storages so that saved_tensors_hooks see every data tensor.
+
+    A storage is saved as a shallow copy (the original, e.g. a cached FP8 weight, stays whole);
+    its data tensors go through ctx.save_for_backward.
+    """
+    tensors: list[torch.Tensor | None] = []
+    layout: list[Float8Storage | None] = []
+    for value in values:
+        if isinstance(value, Float8Storage):
+            copy = Float8Storage(
+                value.rowwise_data,
+                value.columnwise_data,
+                value.scale_inv,
+                value.fp8_dtype,
+                value.shape,
+            )
+            data, copy = copy.prepare_for_saving()
+            tensors.extend(data)
+            layout.append(copy)
+        else:
+            tensors.append(value)
+            layout.append(None)
+    ctx.save_for_backward(*tensors)
+    ctx.saved_layout = layout
+
+
+def restore_saved(ctx) -> list[torch.Tensor | Float8Storage | None]:
+    """The values given to save_for_backward, in order, storages refilled."""
+    tensors = list(ctx.saved_tensors)
+    values: list[torch.Tensor | Float8Storage | None] = []
+    for storage in ctx.saved_layout:
+        if storage is None:
+            values.append(tensors.pop(0))
+        else:
+            tensors = storage.restore_from_saved(tensors)
+            values.append(storage)
+    return values
+
+
+class MainGradTarget:
+    """Where a weight's gradient is accumulated with fuse_wgrad_accumulation (rule 9).
+
+    Holds weakrefs to the weight parameter(s), so saved-tensor hooks that replace saved tensors
+    cannot break it, and the row range of each parameter within the full weight.
+    """
+
+    __slots__ = ("_dummy", "parts")
+
+    def __init__(self, params: Sequence[torch.nn.Parameter]) -> None:
+        self.parts = []
+        start = 0
+        for param in params:
+            self.parts.append((weakref.ref(param), start, start + param.shape[0]))
+            start += param.shape[0]
+        self._dummy: torch.Tensor | None = None
+
+    def params(self) -> list[tuple[torch.nn.Parameter, int, int]]:
+        """(parameter, first row, end row) for each part; raises if a parameter is gone."""
+        out = []
+        for ref, start, end in self.parts:
+            param = ref()
+            if param is None:
+                raise RuntimeError("the weight parameter was freed before its backward ran")
+            if getattr(param, "main_grad", None) is None:
+                raise RuntimeError(
+                    "fuse_wgrad_accumulation=True needs weight.main_grad (an fp32 tensor of the "
+                    "weight's shape) set before backward"
+                )
+            out.append((param, start, end))
+        return out
+
+    def finish(
+        self, shape: torch.Size, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor | None:
+        """After accumulating: mark the parameters and give autograd a grad for the weight.
+
+        Where the parameters have `grad_added_to_main_grad`, it is set and a cached dummy
+        tensor is returned (Megatron ignores .grad then); otherwise None (no .grad).
+        """
+        marked = False
+        for param, _, _ in self.params():
+            if hasattr(param, "grad_added_to_main_grad"):
+                param.grad_added_to_main_grad = True
+                marked = True
+        if not marked:
+            return None
+        dummy = self._dummy
+        if dummy is None or dummy.shape != shape or dummy.dtype != dtype:
+            dummy = torch.empty(shape, dtype=dtype, device=device)
+            self._dummy = dummy
+        return dummy
+
+
+def should_overwrite(param: torch.nn.Parameter, is_first_microbatch: bool | None) -> bool:
+    """main_grad is overwritten (not added to) on the first microbatch or when asked."""
+    return bool(is_first_microbatch) or bool(getattr(param, "overwrite_main_grad", False))
+
+
+class NoopCat(torch.autograd.Function):
+    """Concatenate parameters along dim 0; a view, not a copy, when they are adjacent in memory.
+
+    Used for parameters_split, where the split parameters are views of one buffer.
+    """
+
+    @staticmethod
+    def forward(ctx, *parts: torch.Tensor) -> torch.Tensor:
+        ctx.sizes = [p.shape[0] for p in parts]
+        first = parts[0]
+        shape = (sum(ctx.sizes), *first.shape[1:])
+        if _adjacent(parts):
+            return first.as_strided(shape, _contiguous_strides(shape), first.storage_offset())
+        return torch.cat(parts)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        if grad is None:
+            return (None,) * len(ctx.sizes)
+        return tuple(grad.split(ctx.sizes))
+
+
+def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= size
+    return tuple(reversed(strides))
+
+
+def _adjacent(parts: Sequence[torch.Tensor]) -> bool:
+    if type(parts[0]) is not torch.nn.Parameter and type(parts[0]) is not torch.Tensor:
+        return False
+    storage = parts[0].untyped_storage().data_ptr()
+    expected = parts[0].data_ptr()
+    for part in parts:
+        if (
+            not part.is_contiguous()
+            or part.data_ptr() != expected
+            or part.untyped_storage().data_ptr() != storage
+        ):
+            return False
+        expected += part.numel() * part.element_size()
+    return True
+
+
+def split_parameter_names(
+    parameters_split: Sequence[str] | dict[str, int] | None, size: int, what: str
+) -> list[tuple[str, int]]:
+    """[(name prefix, rows)] for Transformer Engine's parameters_split along dim 0.
+
+    A sequence of names splits `size` evenly; a dict gives each name its size. Trailing
+    underscores are stripped ("query_" -> "query").
+    """
+    if parameters_split is None:
+        return [("", size)]
+    if isinstance(parameters_split, dict):
+        splits = [(name.rstrip("_"), int(rows)) for name, rows in parameters_split.items()]
+    else:
+        names = [name.rstrip("_") for name in parameters_split]
+        if not names or size % len(names) != 0:
+            raise ValueError(
+                f"parameters_split with {len(names)} names cannot split {what}={size} evenly"
+            )
+        splits = [(name, size // len(names)) for name in names]
+    if sum(rows for _, rows in splits) != size or any(rows <= 0 for _, rows in splits):
+        raise ValueError(
+            f"parameters_split sizes {[rows for _, rows in splits]} must be positive and sum "
+            f"to {what}={size}"
+        )
+    if len({name for name, _ in splits}) != len(splits) or any(not n for n, _ in splits):
+        raise ValueError(f"parameters_split names must be distinct and non-empty: {splits}")
+    return splits

@@ -1,0 +1,265 @@
+"""What every te module shares: the hot-path rules of DESIGN.md and FP8 bookkeeping.
+
+- `__setattr__` warns after construction; per-call state goes through `_fast_setattr`.
+- The module's device is fixed at construction; capability checks are cached per device.
+- Quantizers are built once per recipe (`FP8Setup`), delayed-scaling state lives per module and
+  goes into the state_dict as extra state.
+- A weight is quantized once per change: the FP8 copy is cached by the parameter's `_version`
+  and the delayed-scaling generation of its scale.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+from torch import nn
+
+from torchte._device import default_device, fp8_support
+from torchte.kernels.cast_transpose import compute_scale_reference
+from torchte.quantization.delayed import DelayedScalingState
+from torchte.quantization.float8 import Float8CurrentScalingQuantizer, Float8Storage
+from torchte.recipe import DelayedScaling, Float8CurrentScaling, Recipe
+
+__all__ = ["FP8Setup", "TransformerEngineBaseModule"]
+
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class FP8Setup:
+    """The quantizers of one module under one recipe, one entry per GEMM.
+
+    input/weight/output quantize forward tensors; grad_output/grad_input backward ones.
+    output and grad_input make user-visible Float8Tensors (fp8_output / fp8_grad).
+    fwd_state/bwd_state are the DelayedScalingStates (None under current scaling).
+    """
+
+    __slots__ = (
+        "bwd_state",
+        "fwd_state",
+        "grad_input",
+        "grad_output",
+        "input",
+        "output",
+        "recipe",
+        "weight",
+        "weight_cache",
+    )
+
+    def __init__(self, recipe: Recipe, num_gemms: int, states) -> None:
+        self.recipe = recipe
+        # Per GEMM, [(key, Float8Storage)] of the cached FP8 weight (see fp8_weight_cached).
+        self.weight_cache = [[None] for _ in range(num_gemms)]
+        fwd_dtype, bwd_dtype = recipe.fp8_format.fwd_dtype, recipe.fp8_format.bwd_dtype
+        gemms = range(num_gemms)
+        if isinstance(recipe, DelayedScaling):
+            self.fwd_state, self.bwd_state = states
+            fwd, bwd = self.fwd_state, self.bwd_state
+            self.input = [fwd.quantizer("input", fwd_dtype, True, g) for g in gemms]
+            self.weight = [fwd.quantizer("weight", fwd_dtype, True, g) for g in gemms]
+            self.output = [fwd.quantizer("output", fwd_dtype, False, g) for g in gemms]
+            self.grad_output = [bwd.quantizer("grad_output", bwd_dtype, True, g) for g in gemms]
+            self.grad_input = [bwd.quantizer("grad_input", bwd_dtype, False, g) for g in gemms]
+        else:
+            self.fwd_state = self.bwd_state = None
+
+            def current(dtype, internal):
+                q = Float8CurrentScalingQuantizer(
+                    dtype, recipe.use_power_2_scales, recipe.amax_epsilon, internal
+                )
+                return [q] * num_gemms
+
+            self.input = current(fwd_dtype, True)
+            self.weight = current(fwd_dtype, True)
+            self.output = current(fwd_dtype, False)
+            self.grad_output = current(bwd_dtype, True)
+            self.grad_input = current(bwd_dtype, False)
+
+
+def check_recipe(recipe: Recipe, device: torch.device) -> None:
+    """Raise unless `recipe` runs on `device` in this release."""
+    if not isinstance(recipe, Recipe):
+        raise TypeError(f"unknown recipe {recipe!r}: expected a torchte.recipe.Recipe")
+    if not isinstance(recipe, (DelayedScaling, Float8CurrentScaling)):
+        raise NotImplementedError(
+            f"recipe {type(recipe).__name__} is not implemented in torchte yet; "
+            "use recipe.DelayedScaling or recipe.Float8CurrentScaling"
+        )
+    supported, reason = fp8_support(device)
+    if not supported:
+        raise RuntimeError(f"FP8 recipe {type(recipe).__name__} cannot run: {reason}")
+
+
+class TransformerEngineBaseModule(nn.Module):
+    """Base of te modules: device and dtype defaults, FP8 state, the setattr guard."""
+
+    def __init__(self, device, params_dtype: torch.dtype | None, num_gemms: int = 1) -> None:
+        super().__init__()
+        self.__dict__["_initialized"] = False
+        self.device = default_device(device)
+        self.params_dtype = torch.get_default_dtype() if params_dtype is None else params_dtype
+        if self.params_dtype not in SUPPORTED_DTYPES:
+            raise TypeError(
+                f"params_dtype must be one of torch.float32, torch.bfloat16, torch.float16; "
+                f"got {self.params_dtype}"
+            )
+        self.num_gemms = num_gemms
+        # history_len -> (forward state, backward state); the last used one is saved.
+        self._delayed_states: dict[int, tuple[DelayedScalingState, DelayedScalingState]] = {}
+        self._saved_history_len: int | None = None
+        self._fp8_setups: dict[Recipe, FP8Setup] = {}
+
+    def _finish_init(self) -> None:
+        """Call at the end of a subclass __init__: from here on, setattr warns."""
+        self.__dict__["_initialized"] = True
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if self.__dict__.get("_initialized", False) and not isinstance(
+            value, (nn.Parameter, nn.Module)
+        ):
+            warnings.warn(
+                f"{type(self).__name__}.{name} set through nn.Module.__setattr__ after "
+                "construction: this is slow on the hot path; use _fast_setattr",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        super().__setattr__(name, value)
+
+    def _fast_setattr(self, name: str, value: Any) -> None:
+        """Set a plain attribute without nn.Module's bookkeeping (hot path)."""
+        self.__dict__[name] = value
+
+    def train(self, mode: bool = True) -> TransformerEngineBaseModule:
+        self.__dict__["training"] = mode
+        for module in self.children():
+            module.train(mode)
+        return self
+
+    # -- FP8 state ------------------------------------------------------------------------------
+
+    def _fp8_setup(self, recipe: Recipe) -> FP8Setup:
+        """The quantizers for `recipe` (built once, after the recipe is checked)."""
+        setup = self._fp8_setups.get(recipe)
+        if setup is None:
+            check_recipe(recipe, self.device)
+            states = None
+            if isinstance(recipe, DelayedScaling):
+                states = self._delayed_state_pair(recipe.amax_history_len)
+            setup = FP8Setup(recipe, self.num_gemms, states)
+            self._fp8_setups[recipe] = setup
+        if setup.fwd_state is not None:
+            self.__dict__["_saved_history_len"] = recipe.amax_history_len
+        return setup
+
+    def _delayed_state_pair(self, history_len: int):
+        pair = self._delayed_states.get(history_len)
+        if pair is None:
+            pair = tuple(
+                DelayedScalingState(forward, history_len, self.device, self.num_gemms)
+                for forward in (True, False)
+            )
+            self._delayed_states[history_len] = pair
+        return pair
+
+    def get_extra_state(self) -> dict[str, Any]:
+        """Delayed-scaling scales and amax histories (of the last used history length)."""
+        length = self._saved_history_len
+        if length is None:
+            return {}
+        fwd, bwd = self._delayed_states[length]
+        return {
+            "amax_history_len": length,
+            "fwd_scale": fwd.scale.clone(),
+            "fwd_amax_history": fwd.amax_history.clone(),
+            "bwd_scale": bwd.scale.clone(),
+            "bwd_amax_history": bwd.amax_history.clone(),
+        }
+
+    def set_extra_state(self, state: dict[str, Any] | None) -> None:
+        if not state:
+            return
+        length = int(state["amax_history_len"])
+        fwd, bwd = self._delayed_state_pair(length)
+        fwd.load(state["fwd_scale"], state["fwd_amax_history"])
+        bwd.load(state["bwd_scale"], state["bwd_amax_history"])
+        self.__dict__["_saved_history_len"] = length
+
+    # -- checks shared by forwards ----------------------------------------------------------------
+
+    def _check_input(self, inp: torch.Tensor, features: int, what: str = "in_features") -> None:
+        """Raise before any kernel runs when `inp` cannot go through this module."""
+        if not isinstance(inp, torch.Tensor):
+            raise TypeError(f"{type(self).__name__} input must be a torch.Tensor, got {inp!r}")
+        if inp.dim() == 0 or inp.shape[-1] != features:
+            raise ValueError(
+                f"{type(self).__name__}: input's last dimension is "
+                f"{inp.shape[-1] if inp.dim() else 'missing (0-d input)'}, "
+                f"but {what} is {features}"
+            )
+        if inp.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(
+                f"{type(self).__name__}: input dtype {inp.dtype} is not supported; "
+                "use torch.float32, torch.bfloat16 or torch.float16"
+            )
+        if inp.device != self.device:
+            raise ValueError(
+                f"{type(self).__name__}: input is on {inp.device} but the module's parameters "
+                f"are on {self.device}"
+            )
+
+
+def check_fp8_dims(module: str, **dims: int) -> None:
+    """FP8 GEMMs need every named dimension divisible by 16."""
+    for name, size in dims.items():
+        if size % 16 != 0:
+            raise ValueError(
+                f"{module}: FP8 GEMMs need {name} divisible by 16, but {name} is {size}; "
+                "pad it or run this layer outside te.autocast"
+            )
+
+
+def fp8_weight_cached(
+    cache: list,
+    weight: torch.Tensor,
+    quantizer,
+    version,
+    generation: int,
+    is_first_microbatch: bool | None,
+    columnwise: bool,
+) -> Float8Storage:
+    """The FP8 copy of `weight`, requantized only when the weight or its scale changed.
+
+    cache is a one-element list [(key, storage)] owned by the caller. is_first_microbatch=True
+    forces a requantize; False reuses any cached copy; None decides by `version` (the weight
+    parameters' _version counters) and the scale's generation.
+    """
+    key = (version, generation)
+    entry = cache[0]
+    if entry is not None and (
+        is_first_microbatch is False or (is_first_microbatch is None and entry[0] == key)
+    ):
+        storage = entry[1]
+        if columnwise and storage.columnwise_data is None:
+            storage.update_usage(columnwise_usage=True)
+        return storage
+    with torch.no_grad():
+        storage = quantizer.quantize(weight, rowwise=True, columnwise=columnwise)
+    cache[0] = (key, storage)
+    return storage
+
+
+def prime_weight_scale(setup: FP8Setup, weight: torch.Tensor, gemm: int = 0) -> None:
+    """Before a weight is first quantized under delayed scaling (quantized_model_init), give
+    its scale slot the value the weight's own amax asks for, instead of the initial 1.0, which
+    would flush a small-valued weight into FP8 subnormals."""
+    if setup.fwd_state is None:
+        return
+    quantizer = setup.weight[gemm]
+    recipe = setup.recipe
+    with torch.no_grad():
+        quantizer.record_amax(weight)
+        scale = compute_scale_reference(
+            quantizer.amax, recipe.fp8_format.value.max_fwd, 0.0, False
+        ) / float(2**recipe.margin)
+        quantizer.scale.copy_(scale)

@@ -1,0 +1,94 @@
+"""Delayed-scaling state: the scales and amax history of a module's forward or backward tensors.
+
+Shapes: amax_history (L, n) fp32, scale (n,) fp32 (n = slots per GEMM x GEMMs), on the module's device. Slot j is one tensor
+(forward: input, weight, output; backward: grad_output, grad_input). Quantizers hold views into
+row 0 of the history and into the scale, so both are only ever updated in place.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from torchte.kernels.scaling import (
+    roll_history_reference,
+    scale_from_amax_reference,
+    update_delayed_scaling,
+)
+from torchte.recipe import DelayedScaling
+
+from .float8 import Float8Quantizer
+
+__all__ = ["FORWARD_SLOTS", "BACKWARD_SLOTS", "DelayedScalingState"]
+
+FORWARD_SLOTS = ("input", "weight", "output")
+BACKWARD_SLOTS = ("grad_output", "grad_input")
+
+
+class DelayedScalingState:
+    """Scales and amax history of one direction (forward or backward) of one module."""
+
+    __slots__ = ("amax_history", "forward", "generation", "scale", "slots")
+
+    def __init__(
+        self, forward: bool, history_len: int, device: torch.device, num_gemms: int = 1
+    ) -> None:
+        self.forward = forward
+        self.slots = FORWARD_SLOTS if forward else BACKWARD_SLOTS
+        n = len(self.slots) * num_gemms
+        self.amax_history = torch.zeros(history_len, n, dtype=torch.float32, device=device)
+        self.scale = torch.ones(n, dtype=torch.float32, device=device)
+        # Bumped at each update: a cached FP8 weight made with an older scale is stale.
+        self.generation = 0
+
+    def quantizer(
+        self, slot: str, fp8_dtype: torch.dtype, internal: bool = True, gemm: int = 0
+    ) -> Float8Quantizer:
+        """A Float8Quantizer for `slot` of GEMM number `gemm`: it reads this state's scale and
+        records into its amax history."""
+        j = gemm * len(self.slots) + self.slots.index(slot)
+        return Float8Quantizer(
+            self.scale[j : j + 1], self.amax_history[0, j : j + 1], fp8_dtype, internal
+        )
+
+    def update(self, recipe: DelayedScaling) -> None:
+        """New scales from the history, then roll it (done once per step for each direction)."""
+        fmt = recipe.fp8_format.value
+        fp8_max = fmt.max_fwd if self.forward else fmt.max_bwd
+        custom_amax = callable(recipe.amax_compute_algo)
+        if not custom_amax and recipe.scaling_factor_compute_algo is None:
+            update_delayed_scaling(
+                self.amax_history, self.scale, fp8_max, recipe.margin, recipe.amax_compute_algo
+            )
+        else:
+            self._update_custom(recipe, fp8_max)
+        self.generation += 1
+
+    def _update_custom(self, recipe: DelayedScaling, fp8_max: float) -> None:
+        algo = recipe.amax_compute_algo
+        if callable(algo):
+            amax = algo(self.amax_history)
+        elif algo == "max":
+            amax = self.amax_history.amax(dim=0)
+        else:
+            amax = self.amax_history[0].clone()
+        if recipe.scaling_factor_compute_algo is not None:
+            new_scale = recipe.scaling_factor_compute_algo(amax, self.scale, fp8_max, recipe)
+        else:
+            new_scale = scale_from_amax_reference(amax, self.scale, fp8_max, recipe.margin)
+        self.scale.copy_(new_scale)
+        roll_history_reference(self.amax_history)
+
+    def discard_pending(self) -> None:
+        """Forget the amax values recorded since the last update (row 0)."""
+        self.amax_history[0].zero_()
+
+    def load(self, scale: torch.Tensor, amax_history: torch.Tensor) -> None:
+        """Copy saved values in place (views held by quantizers stay valid)."""
+        if amax_history.shape != self.amax_history.shape:
+            raise ValueError(
+                f"saved amax history has shape {tuple(amax_history.shape)}, "
+                f"this module's has {tuple(self.amax_history.shape)}"
+            )
+        self.scale.copy_(scale)
+        self.amax_history.copy_(amax_history)
+        self.generation += 1

@@ -1,0 +1,189 @@
+"""Per-tensor FP8: Float8Storage and the delayed / current scaling quantizers.
+
+Shapes: a value of shape (..., N) with M = prod(...) rows is kept as rowwise data (M, N) and/or
+columnwise data (N, Mp) (the transpose, Mp = M rounded up to 16, zero padding), both in one
+FP8 dtype, with one fp32 scale_inv of shape (1,): value = data * scale_inv.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from torchte.kernels import cast_transpose as ct
+
+from .base import Quantizer
+
+__all__ = ["Float8CurrentScalingQuantizer", "Float8Quantizer", "Float8Storage"]
+
+
+class Float8Storage:
+    """An FP8 value inside autograd: data tensors and a scale_inv, no Tensor subclass."""
+
+    __slots__ = ("columnwise_data", "fp8_dtype", "rowwise_data", "scale_inv", "shape")
+
+    def __init__(
+        self,
+        rowwise_data: torch.Tensor | None,
+        columnwise_data: torch.Tensor | None,
+        scale_inv: torch.Tensor,
+        fp8_dtype: torch.dtype,
+        shape: tuple[int, ...],
+    ) -> None:
+        self.rowwise_data = rowwise_data
+        self.columnwise_data = columnwise_data
+        self.scale_inv = scale_inv
+        self.fp8_dtype = fp8_dtype
+        self.shape = tuple(shape)
+
+    @property
+    def num_rows(self) -> int:
+        return math.prod(self.shape[:-1])
+
+    @property
+    def device(self) -> torch.device:
+        return self.scale_inv.device
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The high-precision value (shape `self.shape`, `dtype`)."""
+        if self.rowwise_data is not None:
+            data = self.rowwise_data
+        elif self.columnwise_data is not None:
+            data = self.columnwise_data[:, : self.num_rows].t()
+        else:
+            raise RuntimeError("Float8Storage holds no data (emptied by prepare_for_saving?)")
+        return (data.float() * self.scale_inv).to(dtype).reshape(self.shape)
+
+    def update_usage(
+        self, rowwise_usage: bool | None = None, columnwise_usage: bool | None = None
+    ) -> None:
+        """Make or drop the rowwise / columnwise copies (an exact byte transpose)."""
+        if rowwise_usage and self.rowwise_data is None:
+            self._require_data("rowwise")
+            cols = self.columnwise_data[:, : self.num_rows]
+            self.rowwise_data = cols.view(torch.uint8).t().contiguous().view(self.fp8_dtype)
+        if columnwise_usage and self.columnwise_data is None:
+            self._require_data("columnwise")
+            self.columnwise_data = ct.fp8_transpose(self.rowwise_data)
+        if rowwise_usage is False:
+            self.rowwise_data = None
+        if columnwise_usage is False:
+            self.columnwise_data = None
+
+    def _require_data(self, wanted: str) -> None:
+        if self.rowwise_data is None and self.columnwise_data is None:
+            raise RuntimeError(f"cannot make {wanted} FP8 data: the Float8Storage holds none")
+
+    def prepare_for_saving(self) -> tuple[list[torch.Tensor | None], Float8Storage]:
+        """Its data tensors (rowwise, columnwise, scale_inv), and itself emptied of them."""
+        tensors = [self.rowwise_data, self.columnwise_data, self.scale_inv]
+        self.rowwise_data = self.columnwise_data = self.scale_inv = None
+        return tensors, self
+
+    def restore_from_saved(self, tensors: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+        """Take back (rowwise, columnwise, scale_inv) from the front of tensors; return the rest."""
+        self.rowwise_data, self.columnwise_data, self.scale_inv = tensors[:3]
+        return tensors[3:]
+
+    def get_data_tensors(self) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+        """(rowwise_data, columnwise_data, scale_inv)."""
+        return self.rowwise_data, self.columnwise_data, self.scale_inv
+
+    def copy_from_(self, src: Float8Storage) -> None:
+        """Overwrite this value's bytes with src's, keeping every data tensor's address."""
+        for name in ("rowwise_data", "columnwise_data", "scale_inv"):
+            dst_t, src_t = getattr(self, name), getattr(src, name)
+            if dst_t is None:
+                continue
+            if src_t is None:
+                raise RuntimeError(f"cannot copy FP8 {name}: the source has none")
+            dst_t.copy_(src_t)
+
+    def __repr__(self) -> str:
+        usage = [n for n in ("rowwise", "columnwise") if getattr(self, f"{n}_data") is not None]
+        return f"Float8Storage(shape={self.shape}, dtype={self.fp8_dtype}, usage={usage})"
+
+
+def _as_2d(x: torch.Tensor) -> torch.Tensor:
+    x2d = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
+    return x2d if x2d.is_contiguous() else x2d.contiguous()
+
+
+def _wrap(
+    quantizer: Quantizer, x: torch.Tensor, data, data_t, scale_inv
+) -> Float8Storage | torch.Tensor:
+    storage = Float8Storage(data, data_t, scale_inv, quantizer.fp8_dtype, tuple(x.shape))
+    if quantizer.internal:
+        return storage
+    from .float8_tensor import Float8Tensor
+
+    return Float8Tensor.from_storage(storage, dtype=x.dtype, quantizer=quantizer)
+
+
+class Float8Quantizer(Quantizer):
+    """Delayed scaling: quantize with a scale computed earlier; record amax for later.
+
+    scale (1,) fp32 and amax (1,) fp32 are views into a DelayedScalingState (its scale and row 0
+    of its amax history), so updating the state moves them too.
+    """
+
+    __slots__ = ("amax", "scale")
+
+    def __init__(
+        self,
+        scale: torch.Tensor,
+        amax: torch.Tensor,
+        fp8_dtype: torch.dtype,
+        internal: bool = True,
+    ) -> None:
+        super().__init__(fp8_dtype, internal)
+        self.scale = scale
+        self.amax = amax
+
+    def quantize(self, x_hp, *, rowwise=True, columnwise=True):
+        """x_hp (..., N) -> Float8Storage (or Float8Tensor when not internal)."""
+        x2d = _as_2d(x_hp)
+        scale_inv = torch.empty(1, dtype=torch.float32, device=x2d.device)
+        data, data_t = ct.quantize_delayed(
+            x2d, self.scale, self.amax, scale_inv, self.fp8_dtype, rowwise, columnwise
+        )
+        return _wrap(self, x_hp, data, data_t, scale_inv)
+
+    def record_amax(self, x_hp: torch.Tensor) -> None:
+        ct.record_amax(_as_2d(x_hp), self.amax)
+
+
+class Float8CurrentScalingQuantizer(Quantizer):
+    """Current scaling: the scale comes from the amax of the tensor being quantized."""
+
+    __slots__ = ("amax_epsilon", "power_2_scale")
+
+    def __init__(
+        self,
+        fp8_dtype: torch.dtype,
+        power_2_scale: bool = False,
+        amax_epsilon: float = 0.0,
+        internal: bool = True,
+    ) -> None:
+        super().__init__(fp8_dtype, internal)
+        self.power_2_scale = power_2_scale
+        self.amax_epsilon = amax_epsilon
+
+    def quantize(self, x_hp, *, rowwise=True, columnwise=True):
+        """x_hp (..., N) -> Float8Storage (or Float8Tensor when not internal)."""
+        x2d = _as_2d(x_hp)
+        scale_inv = torch.empty(1, dtype=torch.float32, device=x2d.device)
+        data, data_t = ct.quantize_current(
+            x2d,
+            scale_inv,
+            self.fp8_dtype,
+            self.amax_epsilon,
+            self.power_2_scale,
+            rowwise,
+            columnwise,
+        )
+        return _wrap(self, x_hp, data, data_t, scale_inv)
+
+    def record_amax(self, x_hp: torch.Tensor) -> None:
+        """Current scaling keeps no amax between calls: nothing to record."""

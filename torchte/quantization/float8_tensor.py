@@ -1,0 +1,423 @@
+"""Float8Tensor: an FP8 value a user holds (FP8 parameters, FP8 outputs), as a torch.Tensor.
+
+A Float8Tensor is a wrapper subclass over a Float8Storage: its shape, nominal dtype (the
+high-precision dtype it stands for: fp32, bf16 or fp16) and device are those of the value; its
+bytes live in the storage's data tensors. Modules read `_storage` directly and skip quantizing.
+
+What __torch_dispatch__ does, per kind of op:
+- detach / alias / a view that keeps shape and strides: a Float8Tensor over the same storage.
+- copy_ into a Float8Tensor: requantize in place (an FP8 source of the same fp8 dtype is copied
+  byte for byte, so checkpoints load exactly).
+- any op that writes a Float8Tensor argument (add_, mul_, addcdiv_, lerp_, zero_, fill_, ...;
+  found from the op's schema): run on the dequantized value, then requantize in place. This is
+  how torch.optim updates FP8 parameters.
+- _to_copy: a new dtype gives the plain dequantized tensor; a new device only, a Float8Tensor.
+- clone: a Float8Tensor with copied data. Anything else: run on the dequantized values and
+  return plain tensors.
+In-place requantization keeps the address of every data tensor (CUDA graphs, cached weights).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from types import MappingProxyType
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_map_only
+
+from .base import Quantizer
+from .float8 import Float8CurrentScalingQuantizer, Float8Storage
+
+__all__ = ["Float8Tensor"]
+
+aten = torch.ops.aten
+_TensorBase = torch._C.TensorBase
+_REPR_VALUES = 6
+
+
+class _Dequantize(torch.autograd.Function):
+    """Float8Tensor -> plain tensor of `dtype`; the gradient passes straight through."""
+
+    @staticmethod
+    def forward(ctx, tensor: Float8Tensor, dtype: torch.dtype) -> torch.Tensor:
+        ctx.nominal_dtype = tensor.dtype
+        return tensor._storage.dequantize(dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad.to(ctx.nominal_dtype), None
+
+
+class Float8Tensor(torch.Tensor):
+    """An FP8 value (Float8Storage) seen by torch as a tensor of its nominal dtype.
+
+    Shape is the storage's shape, dtype the nominal high-precision dtype (fp32/bf16/fp16),
+    device the storage's device. `_storage` holds the FP8 bytes (rowwise (M, N) and/or
+    columnwise (N, Mp) data, scale_inv (1,) fp32); `_quantizer` requantizes it in place (None:
+    current scaling in the storage's fp8 dtype). Works as an nn.Parameter; gradients are plain
+    tensors of the nominal dtype.
+    """
+
+    _storage: Float8Storage
+    _quantizer: Quantizer | None
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @staticmethod
+    def __new__(
+        cls,
+        storage: Float8Storage,
+        dtype: torch.dtype,
+        quantizer: Quantizer | None = None,
+        requires_grad: bool = False,
+    ) -> Float8Tensor:
+        tensor = _TensorBase._make_wrapper_subclass(
+            cls, storage.shape, dtype=dtype, device=storage.device, requires_grad=requires_grad
+        )
+        tensor._storage = storage
+        tensor._quantizer = quantizer
+        return tensor
+
+    @classmethod
+    def from_storage(
+        cls, storage: Float8Storage, dtype: torch.dtype, quantizer: Quantizer | None
+    ) -> Float8Tensor:
+        """Wrap `storage` (no copy) as a Float8Tensor of nominal `dtype`; shape storage.shape."""
+        tensor = _TensorBase._make_wrapper_subclass(
+            cls, storage.shape, dtype=dtype, device=storage.scale_inv.device
+        )
+        tensor._storage = storage
+        tensor._quantizer = quantizer
+        return tensor
+
+    @property
+    def fp8_dtype(self) -> torch.dtype:
+        """The FP8 dtype of the data (torch.float8_e4m3fn or torch.float8_e5m2)."""
+        return self._storage.fp8_dtype
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The plain value, shape self.shape, in `dtype` (default: the nominal dtype).
+
+        Differentiable: a gradient on the result flows to this tensor unchanged.
+        """
+        dtype = self.dtype if dtype is None else dtype
+        if self.requires_grad and torch.is_grad_enabled():
+            return _Dequantize.apply(self, dtype)
+        return self._storage.dequantize(dtype)
+
+    def quantize_(self, src_hp: torch.Tensor) -> Float8Tensor:
+        """Requantize `src_hp` (broadcastable to self.shape; plain or Float8Tensor) into self.
+
+        Uses self's quantizer (current scaling when it has none) and keeps the addresses of
+        the data tensors. Returns self.
+        """
+        with torch.no_grad():
+            self._requantize_(src_hp)
+        torch.autograd.graph.increment_version(self)
+        return self
+
+    def _requantize_(self, src: torch.Tensor) -> None:
+        storage = self._storage
+        if isinstance(src, Float8Tensor):
+            if src._storage.fp8_dtype == storage.fp8_dtype and src.shape == self.shape:
+                # Same format: copy the bytes (and scale_inv), so the value is kept exactly.
+                src_storage = _with_usages_of(src._storage, storage)
+                storage.copy_from_(src_storage)
+                return
+            src = src._storage.dequantize(self.dtype)
+        src = src.to(device=self.device, dtype=self.dtype)
+        if src.shape != self.shape:
+            src = src.expand(self.shape)
+        quantizer = self._quantizer
+        if quantizer is None:
+            quantizer = Float8CurrentScalingQuantizer(storage.fp8_dtype)
+        elif quantizer.fp8_dtype != storage.fp8_dtype:
+            raise ValueError(
+                f"Float8Tensor quantizer makes {quantizer.fp8_dtype} but the tensor holds "
+                f"{storage.fp8_dtype}"
+            )
+        fresh = quantizer.quantize(
+            src,
+            rowwise=storage.rowwise_data is not None,
+            columnwise=storage.columnwise_data is not None,
+        )
+        storage.copy_from_(fresh._storage if isinstance(fresh, Float8Tensor) else fresh)
+
+    def _get_data(self) -> Float8Tensor:
+        return _TensorBase.data.__get__(self, type(self))
+
+    def _set_data(self, value: torch.Tensor) -> None:
+        """`t.data = value`: self takes value's storage (a plain value is quantized first)."""
+        if not isinstance(value, Float8Tensor):
+            quantizer = self._quantizer or Float8CurrentScalingQuantizer(self.fp8_dtype)
+            with torch.no_grad():
+                fresh = quantizer.quantize(value.detach())
+            if not isinstance(fresh, Float8Tensor):
+                fresh = Float8Tensor.from_storage(fresh, value.dtype, quantizer)
+            value = fresh
+        if (value.shape, value.dtype, value.device) != (self.shape, self.dtype, self.device):
+            # Change the wrapper's own metadata through torch's setter, then take the storage.
+            meta = _TensorBase._make_wrapper_subclass(
+                Float8Tensor, value.shape, dtype=value.dtype, device=value.device
+            )
+            _TensorBase.data.__set__(self, meta)
+        self._storage = value._storage
+        self._quantizer = value._quantizer
+
+    data = property(_get_data, _set_data)
+
+    def __repr__(self, *, tensor_contents: Any = None) -> str:
+        storage = self._storage
+        try:
+            flat = storage.dequantize(torch.float32).reshape(-1)
+        except RuntimeError:
+            values = "<no data>"
+        else:
+            shown = ", ".join(f"{v:.4g}" for v in flat[:_REPR_VALUES].tolist())
+            values = f"[{shown}{', ...' if flat.numel() > _REPR_VALUES else ''}]"
+        grad = ", requires_grad=True" if self.requires_grad else ""
+        return (
+            f"Float8Tensor(shape={tuple(self.shape)}, dtype={self.dtype}, "
+            f"fp8_dtype={storage.fp8_dtype}, device={self.device}{grad}, values={values})"
+        )
+
+    def __reduce_ex__(self, protocol: int) -> tuple[Callable[..., Float8Tensor], tuple]:
+        storage = self._storage
+        args = (
+            storage.rowwise_data,
+            storage.columnwise_data,
+            storage.scale_inv,
+            storage.fp8_dtype,
+            tuple(storage.shape),
+            self.dtype,
+            self.requires_grad,
+            bool(getattr(self, "_is_param", False)),
+        )
+        return _rebuild_float8_tensor, args
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = {} if kwargs is None else kwargs
+        handler = _HANDLERS.get(func)
+        if handler is not None:
+            return handler(func, args, kwargs)
+        written = _written_args(func)
+        if written:
+            return _run_in_place(func, args, kwargs, written)
+        return _run_dequantized(func, args, kwargs)
+
+
+def _rebuild_float8_tensor(
+    rowwise_data: torch.Tensor | None,
+    columnwise_data: torch.Tensor | None,
+    scale_inv: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    requires_grad: bool,
+    is_param: bool,
+) -> Float8Tensor:
+    """Unpickle a Float8Tensor (its quantizer is not saved: it comes back as None)."""
+    storage = Float8Storage(rowwise_data, columnwise_data, scale_inv, fp8_dtype, shape)
+    tensor = Float8Tensor(storage, dtype, None, requires_grad=requires_grad)
+    if is_param:
+        return torch.nn.Parameter(tensor, requires_grad=requires_grad)
+    return tensor
+
+
+# torch.load defaults to weights_only=True, which rebuilds only allow-listed callables.
+torch.serialization.add_safe_globals([_rebuild_float8_tensor])
+
+
+# ----------------------------------------------------------------------------------------------
+# __torch_dispatch__ helpers
+# ----------------------------------------------------------------------------------------------
+
+
+def _map_storage(storage: Float8Storage, fn: Callable[[torch.Tensor], torch.Tensor]):
+    """A new Float8Storage with fn applied to each data tensor (None stays None)."""
+    row, col = storage.rowwise_data, storage.columnwise_data
+    return Float8Storage(
+        None if row is None else fn(row),
+        None if col is None else fn(col),
+        fn(storage.scale_inv),
+        storage.fp8_dtype,
+        storage.shape,
+    )
+
+
+def _with_usages_of(src: Float8Storage, dst: Float8Storage) -> Float8Storage:
+    """src, or a shallow copy of it that also has every usage (rowwise/columnwise) dst has."""
+    need_row = dst.rowwise_data is not None and src.rowwise_data is None
+    need_col = dst.columnwise_data is not None and src.columnwise_data is None
+    if not (need_row or need_col):
+        return src
+    copy = Float8Storage(
+        src.rowwise_data, src.columnwise_data, src.scale_inv, src.fp8_dtype, src.shape
+    )
+    copy.update_usage(rowwise_usage=need_row or None, columnwise_usage=need_col or None)
+    return copy
+
+
+def _dequantize_arg(tensor: Float8Tensor) -> torch.Tensor:
+    return tensor._storage.dequantize(tensor.dtype)
+
+
+def _run_dequantized(func, args, kwargs):
+    """Fallback: run func on the dequantized values; the results are plain tensors."""
+    args = tree_map_only(Float8Tensor, _dequantize_arg, args)
+    kwargs = tree_map_only(Float8Tensor, _dequantize_arg, kwargs)
+    return func(*args, **kwargs)
+
+
+_WRITTEN_ARGS: dict[Any, tuple[tuple[int, str], ...]] = {}
+
+
+def _written_args(func) -> tuple[tuple[int, str], ...]:
+    """(position, name) of each argument func's schema marks as written (Tensor(a!))."""
+    written = _WRITTEN_ARGS.get(func)
+    if written is None:
+        written = tuple(
+            (i, arg.name)
+            for i, arg in enumerate(func._schema.arguments)
+            if arg.alias_info is not None and arg.alias_info.is_write
+        )
+        _WRITTEN_ARGS[func] = written
+    return written
+
+
+def _run_in_place(func, args, kwargs, written):
+    """An op that writes Float8Tensor arguments: run on their dequantized values, requantize.
+
+    Arguments it writes that are plain tensors are written as usual; returned values that are
+    the stand-ins of Float8Tensors are replaced by those Float8Tensors.
+    """
+    args, kwargs = list(args), dict(kwargs)
+    targets: list[tuple[Float8Tensor, torch.Tensor]] = []
+
+    def stand_in(value):
+        if isinstance(value, Float8Tensor):
+            hp = _dequantize_arg(value)
+            targets.append((value, hp))
+            return hp
+        if isinstance(value, list | tuple):
+            return type(value)(stand_in(v) for v in value)
+        return value
+
+    for position, name in written:
+        if position < len(args):
+            args[position] = stand_in(args[position])
+        elif name in kwargs:
+            kwargs[name] = stand_in(kwargs[name])
+    out = _run_dequantized(func, args, kwargs)
+    for tensor, hp in targets:
+        tensor._requantize_(hp)
+    if not targets:
+        return out
+    originals = {id(hp): tensor for tensor, hp in targets}
+    return tree_map_only(torch.Tensor, lambda t: originals.get(id(t), t), out)
+
+
+def _alias(tensor: Float8Tensor) -> Float8Tensor:
+    return Float8Tensor.from_storage(tensor._storage, tensor.dtype, tensor._quantizer)
+
+
+def _handle_alias(func, args, kwargs):
+    return _alias(args[0])
+
+
+def _handle_view(func, args, kwargs):
+    """A view op: an alias when it keeps shape, strides and offset; else the plain result."""
+    self = args[0]
+    meta = torch.empty_strided(self.shape, self.stride(), dtype=self.dtype, device="meta")
+    out = func(meta, *args[1:], **kwargs)
+    if (
+        isinstance(out, torch.Tensor)
+        and out.shape == self.shape
+        and out.stride() == self.stride()
+        and out.storage_offset() == 0
+    ):
+        return _alias(self)
+    return _run_dequantized(func, args, kwargs)
+
+
+def _handle_copy(func, args, kwargs):
+    dst = args[0]
+    if not isinstance(dst, Float8Tensor):
+        return _run_dequantized(func, args, kwargs)
+    dst._requantize_(args[1])
+    return dst
+
+
+def _handle_clone(func, args, kwargs):
+    self = args[0]
+    storage = _map_storage(self._storage, torch.clone)
+    return Float8Tensor.from_storage(storage, self.dtype, self._quantizer)
+
+
+def _handle_to_copy(func, args, kwargs):
+    """A new dtype: the plain dequantized tensor; otherwise a Float8Tensor copy (maybe moved)."""
+    self = args[0]
+    dtype = kwargs.get("dtype")
+    if dtype is not None and dtype != self.dtype:
+        return _run_dequantized(func, args, kwargs)
+    device = kwargs.get("device")
+    device = self.device if device is None else torch.device(device)
+    non_blocking = bool(kwargs.get("non_blocking", False))
+    storage = _map_storage(
+        self._storage, lambda t: t.to(device=device, non_blocking=non_blocking, copy=True)
+    )
+    return Float8Tensor.from_storage(storage, self.dtype, self._quantizer)
+
+
+def _handle_like(func, args, kwargs):
+    """empty_like, zeros_like, new_zeros, ...: only metadata is read, so skip dequantizing."""
+    self = args[0]
+    if isinstance(self, Float8Tensor):
+        placeholder = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        args = (placeholder, *args[1:])
+    return _run_dequantized(func, args, kwargs)
+
+
+def _build_handlers() -> MappingProxyType:
+    handlers: dict[Any, Callable] = {
+        aten.detach.default: _handle_alias,
+        aten.alias.default: _handle_alias,
+        aten.copy_.default: _handle_copy,
+        aten.clone.default: _handle_clone,
+        aten._to_copy.default: _handle_to_copy,
+    }
+    views = (
+        aten.view.default,
+        aten._unsafe_view.default,
+        aten._reshape_alias.default,
+        aten.expand.default,
+        aten.slice.Tensor,
+        aten.as_strided.default,
+        aten.squeeze.default,
+        aten.squeeze.dim,
+        aten.squeeze.dims,
+        aten.permute.default,
+        aten.transpose.int,
+        aten.t.default,
+    )
+    likes = (
+        aten.empty_like.default,
+        aten.zeros_like.default,
+        aten.ones_like.default,
+        aten.full_like.default,
+        aten.rand_like.default,
+        aten.randn_like.default,
+        aten.new_empty.default,
+        aten.new_empty_strided.default,
+        aten.new_zeros.default,
+        aten.new_ones.default,
+        aten.new_full.default,
+    )
+    handlers.update(dict.fromkeys(views, _handle_view))
+    handlers.update(dict.fromkeys(likes, _handle_like))
+    return MappingProxyType(handlers)
+
+
+_HANDLERS = _build_handlers()
