@@ -195,10 +195,12 @@ def _target(name: str, ratio_key: str) -> tuple[str, float] | None:
     return None
 
 
-def _cell(r: dict, key: str, ratio_key: str, fmt: str) -> str:
-    if key not in r:
+def _cell(r: dict, key: str, ratio_key: str) -> str:
+    if key not in r or ratio_key not in r:
         return "-"
-    text = f"{r[key]:{fmt}} ({r[ratio_key]:.2f}x"
+    value = r[key]
+    text = f"{value:.1f}" if value >= 10 else f"{value:.3f}"
+    text += f" ({r[ratio_key]:.2f}x"
     target = _target(r["name"], ratio_key)
     if target:
         op, bound = target
@@ -219,9 +221,9 @@ def print_table(results: list[dict], args: argparse.Namespace) -> None:
     print(f"\n{'config':<16} {cols[0]:<30} {cols[1]:<30} {cols[2]}")
     for r in results:
         cells = (
-            _cell(r, "host_fwd_us", "host_fwd_ratio", ".1f"),
-            _cell(r, "host_fwd_bwd_us", "host_fwd_bwd_ratio", ".1f"),
-            _cell(r, "tflops", "tflops_ratio", ".1f"),
+            _cell(r, "host_fwd_us", "host_fwd_ratio"),
+            _cell(r, "host_fwd_bwd_us", "host_fwd_bwd_ratio"),
+            _cell(r, "tflops", "tflops_ratio"),
         )
         print(f"{r['name']:<16} {cells[0]:<30} {cells[1]:<30} {cells[2]}")
         if "error" in r:

@@ -20,6 +20,16 @@ E5M2_MAX = 57344.0
 IN, OUT = 32, 16
 
 
+@pytest.fixture(autouse=True)
+def _cpu_default_device():
+    """Build layers and tensors on the CPU (the FP8 emulation) even on a GPU machine."""
+    previous = getattr(torch._GLOBAL_DEVICE_CONTEXT, "device_context", None)
+    previous = torch.get_default_device() if previous is not None else None
+    torch.set_default_device("cpu")
+    yield
+    torch.set_default_device(previous)
+
+
 def f32(value: float) -> float:
     """value rounded once to fp32."""
     return torch.tensor(value, dtype=torch.float64).float().item()
@@ -84,9 +94,12 @@ def test_nesting_restores_each_level():
 
 def test_exception_restores_state():
     state = autocast_state()
-    with pytest.raises(KeyError), te.autocast(recipe=Float8CurrentScaling()):
-        with te.autocast(enabled=False):
-            raise KeyError("boom")
+    with (
+        pytest.raises(KeyError),
+        te.autocast(recipe=Float8CurrentScaling()),
+        te.autocast(enabled=False),
+    ):
+        raise KeyError("boom")
     assert_clean_state()
     assert state.recipe == DelayedScaling()
 
@@ -347,6 +360,37 @@ def test_exception_in_body_discards_pending_amaxes():
     x = torch.randn(3, IN)
     with te.autocast(recipe=recipe):
         layer(x)
+    assert fwd.scale[0].item() == f32(E4M3_MAX / amax(x))
+
+
+def test_step_after_a_discarded_one_records_the_weight_amax():
+    """Discarded amaxes include the weight's: its FP8 copy cached in the failed step must be
+    remade (recording the amax again), or the next scale update misses the weight."""
+    layer = make_layer()
+    recipe = DelayedScaling(amax_history_len=1)
+    x = torch.randn(3, IN)
+    with pytest.raises(RuntimeError, match="step failed"), te.autocast(recipe=recipe):
+        layer(x)
+        raise RuntimeError("step failed")
+    with te.autocast(recipe=recipe):
+        layer(x)
+        fwd, _ = states(layer, 1)
+        assert fwd.amax_history[0].tolist() == [amax(x), amax(layer.weight), 0.0]
+    assert fwd.scale[1].item() == f32(E4M3_MAX / amax(layer.weight))
+
+
+def test_disabled_region_inside_fp8_region_runs_high_precision():
+    layer = te.Linear(IN, OUT, bias=True)
+    x = torch.randn(4, IN)
+    recipe = DelayedScaling(amax_history_len=4)
+    with te.autocast(recipe=recipe):
+        with te.autocast(enabled=False):
+            y_hp = layer(x)
+        y_fp8 = layer(x)
+    assert torch.equal(y_hp, F.linear(x, layer.weight, layer.bias))
+    assert not torch.equal(y_fp8, y_hp)
+    # Only the FP8 forward recorded: its amaxes, not the disabled region's, made the scales.
+    fwd, _ = states(layer, 4)
     assert fwd.scale[0].item() == f32(E4M3_MAX / amax(x))
 
 

@@ -40,6 +40,7 @@ class AutocastState:
         "pending_backward",
         "pending_forward",
         "recipe",
+        "step",
     )
 
     def __init__(self) -> None:
@@ -52,13 +53,19 @@ class AutocastState:
         self.pending_forward: dict[int, tuple] = {}
         self.pending_backward: dict[int, tuple] = {}
         self.backward_task = -1
+        # Counts outermost region exits: an FP8 weight cache made in an earlier step is stale
+        # even where the weight's _version did not move (writes through .data).
+        self.step = 0
 
     def register_forward(self, state: DelayedScalingState, recipe, group) -> None:
         """A forward recorded amaxes into `state`: update it when the outermost region exits."""
         self.pending_forward[id(state)] = (state, recipe, group)
 
-    def is_registered(self, state: DelayedScalingState) -> bool:
-        return id(state) in self.pending_forward
+    def drop_forward(self, state: DelayedScalingState) -> None:
+        """A forward into `state` failed: drop every amax it recorded this step, and the
+        update, so the scales stay as they were (nothing half-recorded is used)."""
+        self.pending_forward.pop(id(state), None)
+        state.discard_pending()
 
     def register_backward(self, state: DelayedScalingState, recipe, group) -> None:
         """A backward recorded gradient amaxes: update `state` when this backward pass ends."""
@@ -112,6 +119,7 @@ def autocast(
         state.enabled, state.calibrating, state.recipe, state.group = saved
         state.depth -= 1
         if state.depth == 0:
+            state.step += 1
             pending, state.pending_forward = state.pending_forward, {}
             if completed:
                 _update(pending.values())

@@ -89,10 +89,12 @@ def _scaled_mm_cuda(a, a_scale_inv, b, b_scale_inv, out_dtype, bias, out, accumu
 
 
 def _empty_product(m, n, device, out_dtype, bias, out, accumulate) -> torch.Tensor:
-    """An (M, N) product with an empty dimension: zeros (plus bias), or `out` left / zeroed."""
-    if out is not None:
-        return out if accumulate else out.zero_()
-    result = torch.zeros(m, n, dtype=out_dtype, device=device)
+    """An (M, N) product with an empty dimension: zeros plus bias, written to / added to `out`
+    when given."""
+    if out is None:
+        out = torch.zeros(m, n, dtype=out_dtype, device=device)
+    elif not accumulate:
+        out.zero_()
     if bias is not None and m > 0:
-        result += bias.to(out_dtype)
-    return result
+        out += bias.to(out.dtype)
+    return out

@@ -63,7 +63,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="bf16 or fp32 (no FP8), FP8 delayed or current scaling; "
         "all: bf16, delayed, current (default)",
     )
-    p.add_argument("--steps", type=_positive(int), default=1000, help="optimizer steps per recipe")
+    p.add_argument("--steps", type=_positive(int), default=500, help="optimizer steps per recipe")
     p.add_argument("--batch", type=_positive(int, 16), default=64, help="samples per step")
     p.add_argument("--width", type=_positive(int, 16), default=256, help="input, hidden width")
     p.add_argument("--lr", type=_positive(float), default=1e-3, help="Adam learning rate")

@@ -43,8 +43,9 @@ if triton is not None:
     @triton.jit
     def _scale_from_amax(amax, amax_epsilon, FP8_MAX: tl.constexpr, POWER_2: tl.constexpr):
         """compute_scale_reference on one fp32 scalar (amax >= 0 or NaN)."""
-        # amax >= 0, so clamping it by an epsilon <= 0 changes nothing, as in the reference.
-        amax = tl.maximum(amax, amax_epsilon, propagate_nan=tl.PropagateNan.ALL)
+        # amax >= 0, so clamping it by an epsilon <= 0 changes nothing, as in the reference;
+        # a NaN amax fails the comparison and stays NaN.
+        amax = tl.where(amax < amax_epsilon, amax_epsilon, amax)
         scale = tl.math.div_rn(FP8_MAX, amax)
         # Special values by their bits: exponent all ones is inf or NaN.
         fp32_max = tl.full((), 0x7F7FFFFF, tl.int32).to(tl.float32, bitcast=True)
@@ -57,10 +58,9 @@ if triton is not None:
         return scale
 
     @triton.jit
-    def _atomic_amax(amax_ptr, x):
-        """amax = max(amax, max |x|) through the int32 bits of |x| (see the module docstring)."""
-        bits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
-        tl.atomic_max(amax_ptr.to(tl.pointer_type(tl.int32)), tl.max(bits), sem="relaxed")
+    def _abs_bits(x):
+        """The int32 bit pattern of |x| for fp32 x (see the module docstring)."""
+        return x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
 
     @triton.jit
     def _cast_transpose_kernel(
@@ -90,27 +90,47 @@ if triton is not None:
         first = (pid_m == 0) & (pid_n == 0)
         tl.store(scale_inv_ptr, tl.math.div_rn(1.0, scale), mask=first)
 
-        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        # The tile is read as four (BLOCK_M // 4, BLOCK_N) slices, rows 4i + k for k = 0..3, so
+        # the columnwise bytes of rows 4i..4i+3 pack into one int32 word (little endian) and
+        # the transpose moves 32-bit words. Transposing the FP8 tile itself makes Triton 3.6
+        # shuffle 8-bit values through shared memory, which it miscompiles on Hopper
+        # (triton-lang/triton#11111: corrupted transposed FP8 stores).
+        group = pid_m * BLOCK_M + 4 * tl.arange(0, BLOCK_M // 4)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        row_in = rows < M
         col_in = cols < N
-        mask = row_in[:, None] & col_in[None, :]
-        offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
-        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        bits = tl.zeros((BLOCK_M // 4, BLOCK_N), tl.int32)
+        words = tl.zeros((BLOCK_M // 4, BLOCK_N), tl.int32)
+        for k in tl.static_range(4):
+            rows = group + k
+            row_in = rows < M
+            mask = row_in[:, None] & col_in[None, :]
+            offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
+            x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            if not CURRENT:
+                bits = tl.maximum(bits, _abs_bits(x))
+            if ROWWISE or COLUMNWISE:
+                # Clamp with comparisons: NaN passes through (as torch.clamp), and no
+                # min.NaN / max.NaN instruction is emitted (they trip triton#11111 too).
+                y = x * scale
+                y = tl.where(y > FP8_MAX, FP8_MAX, y)
+                y = tl.where(y < -FP8_MAX, -FP8_MAX, y)
+                # Rows past M are the columnwise padding: zero bytes whatever the scale.
+                y = tl.where(row_in[:, None], y, 0.0)
+                if ROWWISE:
+                    tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+                if COLUMNWISE:
+                    byte = y.to(out_t_ptr.dtype.element_ty).to(tl.uint8, bitcast=True)
+                    words = words | (byte.to(tl.int32) << (8 * k))
         if not CURRENT:
-            _atomic_amax(amax_ptr, x)
-        if ROWWISE or COLUMNWISE:
-            y = tl.clamp(x * scale, -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
-            # Rows past M are the columnwise padding: zero bytes whatever the scale (0 * inf).
-            y = tl.where(row_in[:, None], y, 0.0)
-            if ROWWISE:
-                tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
-            if COLUMNWISE:
-                Mp = tl.multiple_of(tl.cdiv(M, 16) * 16, 16)
-                offs_t = cols.to(tl.int64)[:, None] * Mp + rows[None, :]
-                mask_t = col_in[:, None] & (rows < Mp)[None, :]
-                y_t = tl.trans(y.to(out_t_ptr.dtype.element_ty))
-                tl.store(out_t_ptr + offs_t, y_t, mask=mask_t)
+            tl.atomic_max(amax_ptr.to(tl.pointer_type(tl.int32)), tl.max(bits), sem="relaxed")
+        if COLUMNWISE:
+            # out_t as int32 words: (N, Mp // 4); word w of row n holds rows 4w..4w+3.
+            words_per_row = tl.multiple_of(tl.cdiv(M, 16) * 4, 4)
+            word_cols = pid_m * (BLOCK_M // 4) + tl.arange(0, BLOCK_M // 4)
+            offs_t = cols.to(tl.int64)[:, None] * words_per_row + word_cols[None, :]
+            mask_t = col_in[:, None] & (word_cols < words_per_row)[None, :]
+            out_words_ptr = out_t_ptr.to(tl.pointer_type(tl.int32))
+            tl.store(out_words_ptr + offs_t, tl.trans(words), mask=mask_t)
 
     @triton.jit
     def _amax_kernel(
@@ -121,7 +141,8 @@ if triton is not None:
     ):
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         x = tl.load(x_ptr + offs, mask=offs < numel, other=0.0).to(tl.float32)
-        _atomic_amax(amax_ptr, x)
+        bits = tl.max(_abs_bits(x))
+        tl.atomic_max(amax_ptr.to(tl.pointer_type(tl.int32)), bits, sem="relaxed")
 
 
 def _use_triton(x: torch.Tensor) -> bool:

@@ -125,6 +125,7 @@ class NoopCat(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, *parts: torch.Tensor) -> torch.Tensor:
+        ctx.set_materialize_grads(False)  # a None grad (fused wgrad) stays None per part
         ctx.sizes = [p.shape[0] for p in parts]
         first = parts[0]
         shape = (sum(ctx.sizes), *first.shape[1:])

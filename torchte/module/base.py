@@ -148,8 +148,6 @@ class TransformerEngineBaseModule(nn.Module):
                 states = self._delayed_state_pair(recipe.amax_history_len)
             setup = FP8Setup(recipe, self.num_gemms, states)
             self._fp8_setups[recipe] = setup
-        if setup.fwd_state is not None:
-            self.__dict__["_saved_history_len"] = recipe.amax_history_len
         return setup
 
     def _delayed_state_pair(self, history_len: int):
@@ -224,7 +222,7 @@ def fp8_weight_cached(
     weight: torch.Tensor,
     quantizer,
     version,
-    generation: int,
+    generation,
     is_first_microbatch: bool | None,
     columnwise: bool,
 ) -> Float8Storage:
@@ -232,7 +230,8 @@ def fp8_weight_cached(
 
     cache is a one-element list [(key, storage)] owned by the caller. is_first_microbatch=True
     forces a requantize; False reuses any cached copy; None decides by `version` (the weight
-    parameters' _version counters) and the scale's generation.
+    parameters' _version counters) and `generation` (the autocast step and the delayed scale's
+    generation).
     """
     key = (version, generation)
     entry = cache[0]

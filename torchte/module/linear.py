@@ -251,8 +251,7 @@ class Linear(TransformerEngineBaseModule):
         _check_unsupported(unsupported, tp_group, tp_size, parallel_mode, sequence_parallel)
         if in_features <= 0 or out_features <= 0:
             raise ValueError(
-                f"in_features and out_features must be positive, got {in_features}, "
-                f"{out_features}"
+                f"in_features and out_features must be positive, got {in_features}, {out_features}"
             )
         self.in_features, self.out_features = in_features, out_features
         self.use_bias, self.return_bias = bias, return_bias
@@ -391,7 +390,6 @@ class Linear(TransformerEngineBaseModule):
         """The autograd.Function path (FP8, calibration, fused wgrad), exception-safe."""
         setup = plan.setup
         fwd_state = setup.fwd_state if setup is not None else None
-        fresh = fwd_state is not None and not _STATE.is_registered(fwd_state)
         _nvtx.range_push(f"te.Linear.forward {self.name or ''}")
         try:
             w_fp8 = self._weight_fp8(weight, plan, is_first_microbatch, inp.requires_grad)
@@ -400,13 +398,14 @@ class Linear(TransformerEngineBaseModule):
             else:
                 out = _linear_forward(inp, weight, bias, w_fp8, plan, False, False)[0]
         except BaseException:
-            if fresh:
-                fwd_state.discard_pending()  # no half-recorded amaxes survive a failed forward
+            if fwd_state is not None:
+                _STATE.drop_forward(fwd_state)  # no half-recorded amaxes survive a failure
             raise
         finally:
             _nvtx.range_pop()
         if fwd_state is not None:
             _STATE.register_forward(fwd_state, plan.recipe, plan.group)
+            self.__dict__["_saved_history_len"] = plan.recipe.amax_history_len
         return out
 
     def _weight_fp8(self, weight, plan, is_first_microbatch, need_columnwise):
@@ -419,10 +418,10 @@ class Linear(TransformerEngineBaseModule):
             return storage
         setup = plan.setup
         names = self.weight_names
-        version = tuple(getattr(self, n)._version for n in names) if len(names) > 1 else (
-            weight._version
+        version = (
+            tuple(getattr(self, n)._version for n in names) if len(names) > 1 else (weight._version)
         )
-        generation = setup.fwd_state.generation if setup.fwd_state is not None else 0
+        generation = (_STATE.step, setup.fwd_state.generation if setup.fwd_state else 0)
         return fp8_weight_cached(
             setup.weight_cache[0],
             weight,
@@ -432,6 +431,12 @@ class Linear(TransformerEngineBaseModule):
             is_first_microbatch,
             need_columnwise,
         )
+
+    def __getstate__(self) -> dict:
+        # Plans hold weakrefs to this module's parameters: a copy builds its own.
+        state = self.__dict__.copy()
+        state.update(_plans={}, _last_plan=None, _fp8_setups={})
+        return state
 
     def extra_repr(self) -> str:
         return (

@@ -1,8 +1,9 @@
 """Delayed-scaling state: the scales and amax history of a module's forward or backward tensors.
 
-Shapes: amax_history (L, n) fp32, scale (n,) fp32 (n = slots per GEMM x GEMMs), on the module's device. Slot j is one tensor
-(forward: input, weight, output; backward: grad_output, grad_input). Quantizers hold views into
-row 0 of the history and into the scale, so both are only ever updated in place.
+Shapes: amax_history (L, n) fp32, scale (n,) fp32, n = slots per GEMM x GEMMs, on the module's
+device. Slot j is one tensor (forward: input, weight, output; backward: grad_output,
+grad_input). Quantizers hold views into row 0 of the history and into the scale, so both are
+only ever updated in place.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from torchte.recipe import DelayedScaling
 
 from .float8 import Float8Quantizer
 
-__all__ = ["FORWARD_SLOTS", "BACKWARD_SLOTS", "DelayedScalingState"]
+__all__ = ["BACKWARD_SLOTS", "FORWARD_SLOTS", "DelayedScalingState"]
 
 FORWARD_SLOTS = ("input", "weight", "output")
 BACKWARD_SLOTS = ("grad_output", "grad_input")
@@ -79,8 +80,10 @@ class DelayedScalingState:
         roll_history_reference(self.amax_history)
 
     def discard_pending(self) -> None:
-        """Forget the amax values recorded since the last update (row 0)."""
+        """Forget the amax values recorded since the last update (row 0). A weight cached in
+        the meantime is made stale, so that its amax is recorded again."""
         self.amax_history[0].zero_()
+        self.generation += 1
 
     def load(self, scale: torch.Tensor, amax_history: torch.Tensor) -> None:
         """Copy saved values in place (views held by quantizers stay valid)."""

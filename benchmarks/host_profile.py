@@ -1,0 +1,144 @@
+"""Where the host time of an FP8 te.Linear step goes: each piece timed alone, then cProfile.
+
+    PYTHONPATH=. python benchmarks/host_profile.py [--json out.json]
+
+Host-bound regime (16 tokens x 1024 x 1024): each piece runs in a loop with no synchronization
+inside; the figure is the median over rounds of microseconds per call. Nothing here asserts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+import torchte as te
+from torchte import recipe
+from torchte.kernels import cast_transpose as ct
+from torchte.kernels.scaling import update_delayed_scaling
+
+
+def host_us(fn, calls: int = 300, rounds: int = 7) -> float:
+    """Median over rounds of host microseconds per call of fn (synchronized per round)."""
+    for _ in range(50):
+        fn()
+    torch.cuda.synchronize()
+    per_call = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        per_call.append((time.perf_counter() - start) / calls * 1e6)
+        torch.cuda.synchronize()
+    return statistics.median(per_call)
+
+
+def pieces(tokens: int, features: int) -> dict[str, float]:
+    dev = "cuda"
+    x = torch.randn(tokens, features, device=dev, dtype=torch.bfloat16)
+    w = torch.randn(features, features, device=dev, dtype=torch.bfloat16)
+    b = torch.randn(features, device=dev, dtype=torch.bfloat16)
+    a8 = x.to(torch.float8_e4m3fn)
+    w8 = w.to(torch.float8_e4m3fn)
+    one = torch.ones(1, device=dev)
+    amax = torch.zeros(1, device=dev)
+    scale_inv = torch.empty(1, device=dev)
+    hist = torch.zeros(1024, 3, device=dev)
+    scale = torch.ones(3, device=dev)
+    e4m3 = torch.float8_e4m3fn
+    lin = torch.nn.Linear(features, features, device=dev, dtype=torch.bfloat16)
+    layer = te.Linear(features, features, device=dev, params_dtype=torch.bfloat16)
+    xg = x.clone().requires_grad_()
+    delayed, current = recipe.DelayedScaling(), recipe.Float8CurrentScaling()
+
+    def fwd_in_region(r):
+        def run():
+            with te.autocast(recipe=r):
+                layer(xg)
+
+        return run
+
+    results = {
+        "python call": host_us(lambda: None),
+        "torch.empty(1)": host_us(lambda: torch.empty(1, device=dev)),
+        "torch.zeros(1)": host_us(lambda: torch.zeros(1, device=dev)),
+        "F.linear bf16": host_us(lambda: F.linear(x, w, b)),
+        "nn.Linear fwd": host_us(lambda: lin(x)),
+        "_scaled_mm": host_us(
+            lambda: torch._scaled_mm(a8, w8.t(), one, one, b, None, torch.bfloat16, True)
+        ),
+        "quantize_delayed": host_us(
+            lambda: ct.quantize_delayed(x, one, amax, scale_inv, e4m3, True, True)
+        ),
+        "quantize_current": host_us(
+            lambda: ct.quantize_current(x, scale_inv, e4m3, 0.0, False, True, True)
+        ),
+        "update_delayed_scaling": host_us(
+            lambda: update_delayed_scaling(hist, scale, 448.0, 0, "max")
+        ),
+        "autocast enter+exit": host_us(lambda: te.autocast(recipe=delayed).__enter__()),
+        "te.Linear bf16 fwd": host_us(lambda: layer(x)),
+    }
+    with te.autocast(recipe=delayed):  # outer region: inner exits do not update scales
+        results["te fwd delayed (no update)"] = host_us(lambda: layer(xg))
+    with te.autocast(recipe=current):
+        results["te fwd current"] = host_us(lambda: layer(xg))
+    results["te fwd delayed + region"] = host_us(fwd_in_region(delayed))
+    return results
+
+
+def profile_step(tokens: int, features: int, fp8_recipe, steps: int = 300) -> str:
+    layer = te.Linear(features, features, device="cuda", params_dtype=torch.bfloat16)
+    x = torch.randn(tokens, features, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(tokens, features, device="cuda", dtype=torch.bfloat16)
+
+    def step():
+        x.grad = layer.weight.grad = layer.bias.grad = None
+        with te.autocast(recipe=fp8_recipe):
+            y = layer(x)
+        y.backward(dy)
+
+    for _ in range(30):
+        step()
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        step()
+    prof.disable()
+    torch.cuda.synchronize()
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(22)
+    return out.getvalue()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--tokens", type=int, default=16)
+    parser.add_argument("--features", type=int, default=1024)
+    args = parser.parse_args()
+    for name, r in (
+        ("delayed", recipe.DelayedScaling()),
+        ("current", recipe.Float8CurrentScaling()),
+    ):
+        print(f"=== cProfile, {name}, per 300 fwd+bwd steps (tottime)")
+        print(profile_step(args.tokens, args.features, r))
+    results = pieces(args.tokens, args.features)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+    print(f"{'piece':32s} {'host us/call':>12s}")
+    for name, us in results.items():
+        print(f"{name:32s} {us:12.1f}")
+
+
+if __name__ == "__main__":
+    main()
