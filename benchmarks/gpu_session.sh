@@ -15,6 +15,7 @@ python -m pytest -q -m gpu -p no:cacheprovider -s tests >"$OUT/pytest_gpu.log" 2
 echo "pytest exit: $?" >>"$OUT/pytest_gpu.log"
 python benchmarks/quantize.py --json "$OUT/quantize.json" >"$OUT/quantize.log" 2>&1
 python benchmarks/linear.py --json "$OUT/linear.json" >"$OUT/linear.log" 2>&1
+python benchmarks/host_profile.py --json "$OUT/host_profile.json" >"$OUT/host_profile.log" 2>&1
 
 echo "== gpu tests"
 grep -E "^(FAILED|ERROR)|passed|failed|launches|pytest exit" "$OUT/pytest_gpu.log" | tail -40
@@ -22,3 +23,4 @@ echo "== quantize"
 tail -n 15 "$OUT/quantize.log"
 echo "== linear"
 tail -n 25 "$OUT/linear.log"
+echo "== host profile"; tail -n 18 "$OUT/host_profile.log"

@@ -137,6 +137,25 @@ def bandwidth(rows: int, cols: int) -> tuple[list[dict], list[dict]]:
     return main, sweep
 
 
+def launch_only(x: torch.Tensor) -> dict[str, tuple]:
+    """The cast kernel's launch alone: torchte's FastLaunch vs Triton's kernel[grid](...)."""
+    rows, cols = x.shape
+    block_m, block_n, num_warps = ct.CAST_CONFIG
+    scale, amax, scale_inv = (torch.ones(1, device=x.device) for _ in range(3))
+    data = torch.empty((rows, cols), dtype=FP8, device=x.device)
+    data_t = torch.empty((cols, ct.round_up(rows, 16)), dtype=FP8, device=x.device)
+    grid = (-(-rows // block_m), -(-cols // block_n), 1)
+    args = (x, scale, amax, scale_inv, data, data_t, rows, cols, 0.0, 448.0, False, False, True)
+    args += (True, block_m, block_n)
+    key = ("benchmark", x.dtype, rows, cols)
+    return {
+        "cast launch only": (
+            lambda: ct._launch_cast_transpose(key, grid, num_warps, *args),
+            lambda: ct._cast_transpose_kernel[grid](*args, num_warps=num_warps),
+        )
+    }
+
+
 def host_overhead(rows: int = 16, cols: int = 1024) -> list[dict]:
     """Host microseconds per call of each launcher and of its torch reference."""
     x = torch.randn((rows, cols), device="cuda", dtype=torch.bfloat16)
@@ -146,6 +165,7 @@ def host_overhead(rows: int = 16, cols: int = 1024) -> list[dict]:
         lambda: scaling.update_delayed_scaling(history, scale, 448.0, 0, "max"),
         lambda: scaling.update_delayed_scaling_reference(history, scale, 448.0, 0, "max"),
     )
+    fns.update(launch_only(x))
     out = []
     for name, (fn, ref) in fns.items():
         row = {"op": name}
@@ -180,7 +200,8 @@ def main() -> None:
         print(f"  {row['kernel']:5s} {row['config']!s:16s} ", end="")
         print(row.get("error") or f"{row['ms']:.4f} ms  {row['frac']:.3f}")
 
-    print("\nhost us per call at 16x1024 bf16 (update: (1024, 3) history)")
+    print("\nhost us per call at 16x1024 bf16 (update: (1024, 3) history; 'cast launch only':")
+    print("torchte's FastLaunch vs Triton's kernel[grid](...) in the 'torch ref' column)")
     print(f"  {'op':24s} {'torchte':>9s} {'torch ref':>10s} {'ratio':>6s}")
     for row in host:
         te, ref = row.get("torchte_us"), row.get("torch_ref_us")

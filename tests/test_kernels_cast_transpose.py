@@ -8,7 +8,12 @@ powers of two, so x * scale is exact in fp32 and ties between FP8 neighbours do 
 
 from __future__ import annotations
 
+import importlib.util
 import math
+import os
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -261,6 +266,80 @@ def test_fp8_transpose_pads_with_zeros():
 
 
 # ----------------------------------------------------------------------------------------------
+# The Triton kernels under Triton's CPU interpreter (where triton is installed)
+# ----------------------------------------------------------------------------------------------
+
+# Runs in a fresh process: TRITON_INTERPRET must be set before the kernels are defined. The
+# kernels encode FP8 in integer arithmetic, so the interpreter gives their exact bytes.
+INTERPRETER_SCRIPT = """
+import math
+import torch
+torch.cuda.current_device = lambda: 0  # the launch cache asks; the interpreter runs on CPU
+from torchte.kernels import cast_transpose as ct
+
+def check(x, fp8, mode, config, scale_value=7.25, eps=0.0):
+    scale_inv, scale_inv_ref = torch.empty(1), torch.empty(1)
+    if mode == "delayed":
+        scale, amax, amax_ref = torch.tensor([scale_value]), torch.ones(1), torch.ones(1)
+        ref = ct.quantize_delayed_reference(x, scale, amax_ref, scale_inv_ref, fp8, True, True)
+        out = ct._cast_transpose(x, scale, amax, scale_inv, fp8, True, True, False, 0.0, False,
+                                 config)
+    else:
+        power_2 = mode == "current_p2"
+        ref = ct.quantize_current_reference(x, scale_inv_ref, fp8, eps, power_2, True, True)
+        amax = amax_ref = torch.zeros(1)
+        ct._launch_amax(x, amax, (64, 4))
+        out = ct._cast_transpose(x, amax, amax, scale_inv, fp8, True, True, True, eps, power_2,
+                                 config)
+    for got, want in zip(out, ref):
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), (x.shape, fp8, mode)
+    assert torch.equal(amax.nan_to_num(-1.0), amax_ref.nan_to_num(-1.0)), (x.shape, mode)
+    assert torch.equal(scale_inv, scale_inv_ref), (x.shape, fp8, mode)
+
+torch.manual_seed(0)
+for shape in [(1, 1), (17, 1), (1, 17), (33, 48), (70, 130)]:
+    for dtype in [torch.float32, torch.bfloat16, torch.float16]:
+        for fp8 in [torch.float8_e4m3fn, torch.float8_e5m2]:
+            for mode in ["delayed", "current", "current_p2"]:
+                x = torch.randn(shape) * 3
+                x.view(-1)[::7] *= 1e-3
+                x.view(-1)[::11] *= 1e-5
+                x.view(-1)[::13] *= 300
+                x.view(-1)[::29] = 0.0
+                config = (32, 32, 4) if sum(shape) % 2 else (16, 64, 4)
+                check(x.to(dtype), fp8, mode, config, eps=1e-3 if shape[0] == 33 else 0.0)
+for fp8 in [torch.float8_e4m3fn, torch.float8_e5m2]:
+    # Every FP8 value, every tie, quarter points, specials, and random fp32 bit patterns.
+    values = torch.arange(256, dtype=torch.uint8).view(fp8).float()
+    values = values[torch.isfinite(values)].sort().values
+    lo, hi = values[:-1], values[1:]
+    specials = [math.nan, -math.nan, -0.0, 1e-40, -1e-42, 1e30, -math.inf, 3e38]
+    y = torch.cat([values, (lo + hi) / 2, lo + (hi - lo) / 4, lo + 3 * (hi - lo) / 4,
+                   torch.tensor(specials)])
+    y = torch.cat([y, -y, torch.zeros((-2 * len(y)) % 64)]).reshape(-1, 64)
+    check(y, fp8, "delayed", (32, 64, 4), scale_value=1.0)
+    bits = torch.randint(-(2**31), 2**31 - 1, (64, 64), dtype=torch.int64).to(torch.int32)
+    check(bits.view(torch.float32).clone(), fp8, "delayed", (32, 64, 4), scale_value=1.0)
+print("ok")
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
+def test_triton_kernels_in_interpreter_match_reference():
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONWARNINGS="ignore")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
+    result = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(INTERPRETER_SCRIPT)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-4000:]
+
+
+# ----------------------------------------------------------------------------------------------
 # Triton vs the reference, byte for byte (GPU)
 # ----------------------------------------------------------------------------------------------
 
@@ -405,6 +484,29 @@ def test_triton_record_amax(hp_dtype):
     x[1, 2] = math.nan
     ct.record_amax(x, amax)
     assert math.isnan(amax.item())
+
+
+@pytest.mark.gpu
+@requires_triton
+def test_triton_views_of_any_alignment():
+    # The launchers key their compiled kernels on pointer alignment: an aligned call followed by
+    # unaligned views of the same shapes (amax and scale inside a delayed-scaling state, x at an
+    # odd offset) must each get a kernel specialized for them.
+    fp8 = torch.float8_e4m3fn
+    base = random_input((1, 64 * 128 + 1), torch.bfloat16).view(-1)
+    history, scales = torch.zeros((4, 3), device="cuda"), torch.full((3,), 2.0, device="cuda")
+    for offset, col in [(0, 0), (1, 1), (0, 2), (1, 0)]:
+        x = base[offset : offset + 64 * 128].view(64, 128)
+        amax, scale = history[0, col : col + 1], scales[col : col + 1]
+        amax_ref = amax.clone()
+        scale_inv, scale_inv_ref = torch.empty(2, device="cuda"), torch.empty(1, device="cuda")
+        out = ct.quantize_delayed(x, scale, amax, scale_inv[1:], fp8, True, True)
+        ref = ct.quantize_delayed_reference(x, scale, amax_ref, scale_inv_ref, fp8, True, True)
+        assert_same(out, ref)
+        assert torch.equal(amax, amax_ref) and torch.equal(scale_inv[1:], scale_inv_ref)
+        history[1].zero_()
+        ct.record_amax(x[1:], history[1, col : col + 1])
+        assert history[1, col].item() == x[1:].float().abs().max().item()
 
 
 @pytest.mark.gpu

@@ -124,6 +124,20 @@ def test_triton_repeated_updates():
 
 @pytest.mark.gpu
 @requires_triton
+def test_triton_unaligned_views():
+    # A history and scales that are views at odd offsets (the launcher keys its compiled kernel
+    # on pointer alignment), after an aligned call of the same shape.
+    for offset in (0, 1):
+        store, scale_store = torch.rand(1024 * 3 + 1, device="cuda"), torch.ones(4, device="cuda")
+        history, scale = store[offset : offset + 1024 * 3].view(1024, 3), scale_store[offset:][:3]
+        want_history, want_scale = history.clone(), scale.clone()
+        scaling.update_delayed_scaling(history, scale, 448.0, 0, "max")
+        scaling.update_delayed_scaling_reference(want_history, want_scale, 448.0, 0, "max")
+        assert torch.equal(history, want_history) and torch.equal(scale, want_scale)
+
+
+@pytest.mark.gpu
+@requires_triton
 def test_triton_one_launch():
     from torch.profiler import ProfilerActivity, profile
 

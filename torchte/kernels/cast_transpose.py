@@ -14,6 +14,12 @@ Launches per call: quantize_delayed 1 (cast + transpose + amax + scale_inv), qua
 amax is max-accumulated as the int32 bit pattern of |x|: for non-negative floats the integer
 order is the float order, and NaN (0x7FC00000 and up) sorts above inf, so a NaN in x reaches
 amax as torch.maximum would carry it (a float atomic max drops NaN).
+
+The kernel holds no FP8-typed value: it encodes FP8 bytes itself, in int32 arithmetic (the
+algorithm of torch's own conversion, c10's fp8*_from_fp32_value), and stores uint8 bytes
+(rowwise) and int32 words of four bytes (columnwise). On an H200 with Triton 3.6, kernels that
+cast to tl.float8e4nv / tl.float8e5 and also transpose or repack the FP8 values stored wrong
+bytes (see triton-lang/triton#11111 for one such miscompile), while integer code is safe.
 """
 
 from __future__ import annotations
@@ -29,8 +35,9 @@ COLUMNWISE_ALIGN = 16
 
 # Cast tile (BLOCK_M, BLOCK_N, num_warps) and amax block (BLOCK, num_warps); BLOCK_M must be a
 # multiple of COLUMNWISE_ALIGN so the row tiles that cover M also cover the padding up to Mp.
-CAST_CONFIG = (64, 64, 4)
-AMAX_CONFIG = (8192, 8)
+# Measured on an H200 (benchmarks/quantize.py sweep, 8192 x 8192 bf16).
+CAST_CONFIG = (32, 128, 4)
+AMAX_CONFIG = (16384, 8)
 
 try:
     import triton
@@ -63,17 +70,38 @@ if triton is not None:
         return x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
 
     @triton.jit
+    def _fp8_code(y, FP8_MAX: tl.constexpr):
+        """The FP8 byte (0..255, in an int32) of fp32 y, |y| <= FP8_MAX or NaN: round to nearest
+        even, NaN to 0x7F with y's sign; exactly torch's conversion (c10), step for step."""
+        bits = y.to(tl.int32, bitcast=True)
+        mag = bits & 0x7FFFFFFF
+        if FP8_MAX == 448.0:  # e4m3: bias 7, 3 mantissa bits, normal from 2**-6
+            mant_odd = (mag >> 20) & 1
+            normal = (mag - (120 << 23) + 0x7FFFF + mant_odd) >> 20
+            # Below 2**-6: adding 2**14 leaves |y| rounded (by the fp32 add, to nearest even)
+            # to a multiple of 2**-9, the smallest subnormal, in the low mantissa bits.
+            sub = (mag.to(tl.float32, bitcast=True) + 16384.0).to(tl.int32, bitcast=True)
+            code = tl.where(mag < (121 << 23), sub - (141 << 23), normal)
+        else:  # e5m2: bias 15, 2 mantissa bits, normal from 2**-14; subnormals of 2**-16
+            mant_odd = (mag >> 21) & 1
+            normal = (mag - (112 << 23) + 0xFFFFF + mant_odd) >> 21
+            sub = (mag.to(tl.float32, bitcast=True) + 128.0).to(tl.int32, bitcast=True)
+            code = tl.where(mag < (113 << 23), sub - (134 << 23), normal)
+        code = tl.where(mag > 0x7F800000, 0x7F, code)
+        return code | ((bits >> 24) & 0x80)
+
+    @triton.jit
     def _cast_transpose_kernel(
         x_ptr,  # (M, N) fp32 / bf16 / fp16, contiguous
         scale_ptr,  # (1,) fp32: the scale (delayed); unused when CURRENT
         amax_ptr,  # (1,) fp32: max-accumulated (delayed); read to make the scale (CURRENT)
         scale_inv_ptr,  # (1,) fp32: 1 / scale, written by program (0, 0)
-        out_ptr,  # (M, N) fp8 rowwise data; written when ROWWISE
-        out_t_ptr,  # (N, Mp) fp8 columnwise data, Mp = round_up(M, 16); written when COLUMNWISE
+        out_ptr,  # (M, N) fp8 rowwise data, written as uint8 bytes when ROWWISE
+        out_t_ptr,  # (N, Mp) fp8 columnwise data, Mp = round_up(M, 16), written as int32 words
         M,
         N,
         amax_epsilon,  # fp32; used when CURRENT
-        FP8_MAX: tl.constexpr,
+        FP8_MAX: tl.constexpr,  # 448.0 (e4m3) or 57344.0 (e5m2)
         CURRENT: tl.constexpr,
         POWER_2: tl.constexpr,
         ROWWISE: tl.constexpr,
@@ -91,10 +119,8 @@ if triton is not None:
         tl.store(scale_inv_ptr, tl.math.div_rn(1.0, scale), mask=first)
 
         # The tile is read as four (BLOCK_M // 4, BLOCK_N) slices, rows 4i + k for k = 0..3, so
-        # the columnwise bytes of rows 4i..4i+3 pack into one int32 word (little endian) and
-        # the transpose moves 32-bit words. Transposing the FP8 tile itself makes Triton 3.6
-        # shuffle 8-bit values through shared memory, which it miscompiles on Hopper
-        # (triton-lang/triton#11111: corrupted transposed FP8 stores).
+        # the columnwise bytes of rows 4i..4i+3 pack into one int32 word (little endian) and the
+        # transpose moves 32-bit words, never 8-bit values.
         group = pid_m * BLOCK_M + 4 * tl.arange(0, BLOCK_M // 4)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         col_in = cols < N
@@ -109,18 +135,17 @@ if triton is not None:
             if not CURRENT:
                 bits = tl.maximum(bits, _abs_bits(x))
             if ROWWISE or COLUMNWISE:
-                # Clamp with comparisons: NaN passes through (as torch.clamp), and no
-                # min.NaN / max.NaN instruction is emitted (they trip triton#11111 too).
+                # Clamp with comparisons: NaN passes through, as in torch.clamp.
                 y = x * scale
                 y = tl.where(y > FP8_MAX, FP8_MAX, y)
                 y = tl.where(y < -FP8_MAX, -FP8_MAX, y)
                 # Rows past M are the columnwise padding: zero bytes whatever the scale.
-                y = tl.where(row_in[:, None], y, 0.0)
+                code = _fp8_code(tl.where(row_in[:, None], y, 0.0), FP8_MAX)
                 if ROWWISE:
-                    tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+                    out_bytes_ptr = out_ptr.to(tl.pointer_type(tl.uint8))
+                    tl.store(out_bytes_ptr + offs, code.to(tl.uint8), mask=mask)
                 if COLUMNWISE:
-                    byte = y.to(out_t_ptr.dtype.element_ty).to(tl.uint8, bitcast=True)
-                    words = words | (byte.to(tl.int32) << (8 * k))
+                    words = words | (code << (8 * k))
         if not CURRENT:
             tl.atomic_max(amax_ptr.to(tl.pointer_type(tl.int32)), tl.max(bits), sem="relaxed")
         if COLUMNWISE:
@@ -145,13 +170,54 @@ if triton is not None:
         tl.atomic_max(amax_ptr.to(tl.pointer_type(tl.int32)), bits, sem="relaxed")
 
 
-def _use_triton(x: torch.Tensor) -> bool:
-    return x.is_cuda and triton_available()
-
-
 # ----------------------------------------------------------------------------------------------
 # Launchers
 # ----------------------------------------------------------------------------------------------
+
+
+class FastLaunch:
+    """Launches one Triton kernel with little host work (the hot path runs it per layer call).
+
+    `kernel[grid](...)` re-derives Triton's specialization of every argument on each call. Here
+    the caller passes a key that determines that specialization (each pointer's dtype and
+    address modulo 16, each int's being 1 or a multiple of 16 or past int32, the constexprs,
+    num_warps); the first launch for (device, key) goes through Triton, which compiles or finds
+    the kernel, and later ones call the compiled kernel directly, as Triton's own launch does.
+    Float arguments must always be Python floats (Triton does not specialize them).
+    """
+
+    __slots__ = ("compiled", "kernel", "stream_of")
+
+    def __init__(self, kernel) -> None:
+        self.kernel = kernel
+        self.compiled: dict = {}
+        self.stream_of = None
+
+    def __call__(self, key: tuple, grid: tuple[int, int, int], num_warps: int, *args) -> None:
+        device = torch.cuda.current_device()
+        compiled = self.compiled.get((device, key))
+        if compiled is None:
+            compiled = self.kernel[grid](*args, num_warps=num_warps)
+            if compiled is not None:  # None under TRITON_INTERPRET
+                self.compiled[(device, key)] = getattr(compiled, "result", lambda: compiled)()
+                self.stream_of = triton.runtime.driver.active.get_current_stream
+            return
+        stream = self.stream_of(device)
+        enter = triton.knobs.runtime.launch_enter_hook
+        if enter is not None and getattr(enter, "calls", True):
+            exit_ = triton.knobs.runtime.launch_exit_hook
+            meta = compiled.launch_metadata(grid, stream, *args)
+        else:  # an empty hook chain does nothing: skip it and the metadata it would get
+            meta = enter = exit_ = None
+        compiled.run(
+            grid[0], grid[1], grid[2], stream, compiled.function, compiled.packed_metadata, meta,
+            enter, exit_, *args,
+        )  # fmt: skip
+
+
+if triton is not None:
+    _launch_cast_transpose = FastLaunch(_cast_transpose_kernel)
+    _launch_amax_kernel = FastLaunch(_amax_kernel)
 
 
 def quantize_delayed(
@@ -241,11 +307,17 @@ def _cast_transpose(
     # An output not asked for is never stored to: any pointer will do.
     out = scale_inv if data is None else data
     out_t = scale_inv if data_t is None else data_t
-    grid = ((rows + block_m - 1) // block_m, (cols + block_n - 1) // block_n)
-    _cast_transpose_kernel[grid](
-        x, scale, amax, scale_inv, out, out_t, rows, cols, amax_epsilon,
-        FP8_MAX=FP8_MAX[fp8_dtype], CURRENT=current, POWER_2=power_2_scale, ROWWISE=rowwise,
-        COLUMNWISE=columnwise, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+    grid = ((rows + block_m - 1) // block_m, (cols + block_n - 1) // block_n, 1)
+    key = (
+        x.dtype, fp8_dtype, rowwise, columnwise, current, power_2_scale, config,
+        rows == 1, rows & 15, rows >> 31, cols == 1, cols & 15, cols >> 31,
+        x.data_ptr() & 15, scale.data_ptr() & 15, amax.data_ptr() & 15,
+        scale_inv.data_ptr() & 15, out.data_ptr() & 15, out_t.data_ptr() & 15,
+    )  # fmt: skip
+    _launch_cast_transpose(
+        key, grid, num_warps, x, scale, amax, scale_inv, out, out_t, rows, cols,
+        float(amax_epsilon), FP8_MAX[fp8_dtype], current, power_2_scale, rowwise, columnwise,
+        block_m, block_n,
     )  # fmt: skip
     return data, data_t
 
@@ -258,7 +330,9 @@ def _launch_amax(
         x = x.contiguous()
     numel = x.numel()
     block, num_warps = config
-    _amax_kernel[((numel + block - 1) // block,)](x, amax, numel, BLOCK=block, num_warps=num_warps)
+    key = (x.dtype, config, numel == 1, numel & 15, numel >> 31)
+    key += (x.data_ptr() & 15, amax.data_ptr() & 15)
+    _launch_amax_kernel(key, ((numel + block - 1) // block, 1, 1), num_warps, x, amax, numel, block)
 
 
 # ----------------------------------------------------------------------------------------------

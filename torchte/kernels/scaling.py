@@ -14,6 +14,7 @@ import functools
 import torch
 
 from ._triton import triton_available
+from .cast_transpose import FastLaunch
 
 # Elements of the history one chunk holds (BLOCK_L * BLOCK_N), and the warps of the program.
 CHUNK_ELEMENTS = 4096
@@ -67,6 +68,10 @@ if triton is not None:
         tl.store(scale_ptr + cols, new_scale, mask=col_in & update)
 
 
+if triton is not None:
+    _launch_update_kernel = FastLaunch(_update_delayed_scaling_kernel)
+
+
 @functools.cache
 def _blocks(rows: int, cols: int) -> tuple[int, int]:
     """(BLOCK_L, BLOCK_N) for a history of (rows, cols): all columns, rows in chunks."""
@@ -95,14 +100,15 @@ def _launch_update(
     rows, cols = amax_history.shape
     if rows == 0 or cols == 0:
         return
-    if not amax_history.is_contiguous():
-        raise ValueError(
-            "update_delayed_scaling: amax_history must be contiguous (updated in place)"
-        )
+    if not (amax_history.is_contiguous() and scale.is_contiguous()):
+        raise ValueError("update_delayed_scaling: amax_history and scale must be contiguous")
     block_l, block_n = _blocks(rows, cols)
-    _update_delayed_scaling_kernel[(1,)](
-        amax_history, scale, rows, cols, fp8_max, float(2**margin),
-        MOST_RECENT=algo != "max", BLOCK_L=block_l, BLOCK_N=block_n, num_warps=NUM_WARPS,
+    most_recent = algo != "max"
+    key = (rows == 1, rows & 15, cols == 1, cols & 15, most_recent, block_l, block_n)
+    key += (amax_history.data_ptr() & 15, scale.data_ptr() & 15)
+    _launch_update_kernel(
+        key, (1, 1, 1), NUM_WARPS, amax_history, scale, rows, cols, float(fp8_max),
+        float(2**margin), most_recent, block_l, block_n,
     )  # fmt: skip
 
 
