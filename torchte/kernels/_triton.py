@@ -1,16 +1,58 @@
-"""Whether Triton can be used: imported once, checked once."""
+"""Triton plumbing shared by the kernels: whether it can be used, and a low-overhead launch."""
 
 from __future__ import annotations
 
 import functools
 
+import torch
+
+try:
+    import triton
+except ImportError:  # CPU-only installs: the torch references run
+    triton = None
+
 
 @functools.cache
 def triton_available() -> bool:
     """True when triton imports and a CUDA device is present (computed once)."""
-    try:
-        import torch
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return torch.cuda.is_available()
+    return triton is not None and torch.cuda.is_available()
+
+
+class FastLaunch:
+    """Launches one Triton kernel with little host work (the hot path runs it per layer call).
+
+    `kernel[grid](...)` re-derives Triton's specialization of every argument on each call. Here
+    the caller passes a key that determines that specialization (each pointer's dtype and
+    address modulo 16, each int's being 1 or a multiple of 16 or past int32, the constexprs,
+    num_warps); the first launch for (device, key) goes through Triton, which compiles or finds
+    the kernel, and later ones call the compiled kernel directly, as Triton's own launch does.
+    Float arguments must always be Python floats (Triton does not specialize them).
+    """
+
+    __slots__ = ("compiled", "kernel", "stream_of")
+
+    def __init__(self, kernel) -> None:
+        self.kernel = kernel
+        self.compiled: dict = {}
+        self.stream_of = None
+
+    def __call__(self, key: tuple, grid: tuple[int, int, int], num_warps: int, *args) -> None:
+        device = torch.cuda.current_device()
+        compiled = self.compiled.get((device, key))
+        if compiled is None:
+            compiled = self.kernel[grid](*args, num_warps=num_warps)
+            if compiled is not None:  # None under TRITON_INTERPRET
+                self.compiled[(device, key)] = getattr(compiled, "result", lambda: compiled)()
+                self.stream_of = triton.runtime.driver.active.get_current_stream
+            return
+        stream = self.stream_of(device)
+        enter = triton.knobs.runtime.launch_enter_hook
+        if enter is not None and getattr(enter, "calls", True):
+            exit_ = triton.knobs.runtime.launch_exit_hook
+            meta = compiled.launch_metadata(grid, stream, *args)
+        else:  # an empty hook chain does nothing: skip it and the metadata it would get
+            meta = enter = exit_ = None
+        compiled.run(
+            grid[0], grid[1], grid[2], stream, compiled.function, compiled.packed_metadata, meta,
+            enter, exit_, *args,
+        )  # fmt: skip

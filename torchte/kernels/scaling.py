@@ -13,8 +13,7 @@ import functools
 
 import torch
 
-from ._triton import triton_available
-from .cast_transpose import FastLaunch
+from ._triton import FastLaunch, triton_available
 
 # Elements of the history one chunk holds (BLOCK_L * BLOCK_N), and the warps of the program.
 CHUNK_ELEMENTS = 4096
