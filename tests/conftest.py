@@ -26,3 +26,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def _seed_torch() -> None:
     """Seed torch's generators (CPU and every CUDA device) so each test is reproducible."""
     torch.manual_seed(SEED)
+
+
+@pytest.fixture
+def cpu_default_device():
+    """Build layers and tensors on the CPU (the FP8 emulation) even on a GPU machine."""
+    with torch.device("cpu"):
+        yield

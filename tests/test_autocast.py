@@ -15,19 +15,12 @@ import torchte as te
 from torchte.autocast import autocast_state, default_recipe
 from torchte.recipe import DelayedScaling, Float8CurrentScaling, Format
 
+pytestmark = pytest.mark.usefixtures("cpu_default_device")
+
+
 E4M3_MAX = 448.0
 E5M2_MAX = 57344.0
 IN, OUT = 32, 16
-
-
-@pytest.fixture(autouse=True)
-def _cpu_default_device():
-    """Build layers and tensors on the CPU (the FP8 emulation) even on a GPU machine."""
-    previous = getattr(torch._GLOBAL_DEVICE_CONTEXT, "device_context", None)
-    previous = torch.get_default_device() if previous is not None else None
-    torch.set_default_device("cpu")
-    yield
-    torch.set_default_device(previous)
 
 
 def f32(value: float) -> float:

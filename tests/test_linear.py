@@ -26,17 +26,9 @@ from torchte.recipe import (
     Recipe,
 )
 
+pytestmark = pytest.mark.usefixtures("cpu_default_device")
+
 HP_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-
-
-@pytest.fixture(autouse=True)
-def _cpu_default_device():
-    """Build layers and tensors on the CPU (the FP8 emulation) even on a GPU machine."""
-    previous = getattr(torch._GLOBAL_DEVICE_CONTEXT, "device_context", None)
-    previous = torch.get_default_device() if previous is not None else None
-    torch.set_default_device("cpu")
-    yield
-    torch.set_default_device(previous)
 
 
 def set_weights(layer: te.Linear, weight: torch.Tensor, bias: torch.Tensor | None) -> None:

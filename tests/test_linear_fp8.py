@@ -21,20 +21,13 @@ from torchte.autocast import autocast_state
 from torchte.quantization.float8 import Float8CurrentScalingQuantizer, Float8Quantizer
 from torchte.recipe import DelayedScaling, Float8CurrentScaling
 
+pytestmark = pytest.mark.usefixtures("cpu_default_device")
+
+
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 RECIPES = [DelayedScaling(amax_history_len=4), Float8CurrentScaling()]
 RECIPE_IDS = ["delayed", "current"]
 FP8_SHAPES = [(16, 16, 1), (32, 48, 3), (48, 32, 17), (64, 16, 127)]
-
-
-@pytest.fixture(autouse=True)
-def _cpu_default_device():
-    """Build layers and tensors on the CPU (the FP8 emulation) even on a GPU machine."""
-    previous = getattr(torch._GLOBAL_DEVICE_CONTEXT, "device_context", None)
-    previous = torch.get_default_device() if previous is not None else None
-    torch.set_default_device("cpu")
-    yield
-    torch.set_default_device(previous)
 
 
 def make_layer(in_f, out_f, dtype=torch.float32, bias=True, **kwargs):

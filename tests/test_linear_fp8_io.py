@@ -12,10 +12,7 @@ from torchte import recipe
 RECIPES = [recipe.DelayedScaling(amax_history_len=4), recipe.Float8CurrentScaling()]
 
 
-@pytest.fixture(autouse=True)
-def _cpu_default():
-    with torch.device("cpu"):
-        yield
+pytestmark = pytest.mark.usefixtures("cpu_default_device")
 
 
 def _layers():

@@ -19,6 +19,9 @@ from tolerances import assert_close, representable
 import torchte as te
 from torchte.recipe import DelayedScaling, Float8CurrentScaling
 
+pytestmark = pytest.mark.usefixtures("cpu_default_device")
+
+
 IN, OUT = 32, 48
 # (recipe, params dtype): high precision and both FP8 recipes.
 CASES = [
@@ -29,16 +32,6 @@ CASES = [
     (DelayedScaling(amax_history_len=4), torch.bfloat16),
 ]
 IDS = ["hp-fp32", "hp-bf16", "delayed-fp32", "current-fp32", "delayed-bf16"]
-
-
-@pytest.fixture(autouse=True)
-def _cpu_default_device():
-    """Build layers and tensors on the CPU (the FP8 emulation) even on a GPU machine."""
-    previous = getattr(torch._GLOBAL_DEVICE_CONTEXT, "device_context", None)
-    previous = torch.get_default_device() if previous is not None else None
-    torch.set_default_device("cpu")
-    yield
-    torch.set_default_device(previous)
 
 
 def make_layer(dtype=torch.float32, fuse=True, main_grad=True, **kwargs) -> te.Linear:

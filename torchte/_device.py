@@ -17,10 +17,19 @@ def default_device(device: torch.device | str | int | None) -> torch.device:
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         return device
-    user_default = getattr(torch._GLOBAL_DEVICE_CONTEXT, "device_context", None) is not None
-    if user_default or torch.get_default_device().type != "cpu":
+    if _user_set_default_device():
         return default_device(torch.get_default_device())
     return default_device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _user_set_default_device() -> bool:
+    """Whether torch.set_default_device or a `with torch.device(...)` block is in force."""
+    from torch.overrides import _get_current_function_mode_stack
+    from torch.utils._device import DeviceContext
+
+    if getattr(torch._GLOBAL_DEVICE_CONTEXT, "device_context", None) is not None:
+        return True
+    return any(isinstance(mode, DeviceContext) for mode in _get_current_function_mode_stack())
 
 
 @functools.cache
