@@ -111,19 +111,41 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def host_us(step: Callable[[], None], iters: int, repeats: int, device: str) -> float:
-    """Median microseconds per call: each repeat runs `iters` calls, then synchronizes."""
-    for _ in range(max(iters // 4, 3)):
+def host_round_us(step: Callable[[], None], iters: int, device: str) -> float:
+    """Microseconds per call over one round of `iters` calls, synchronized at its ends."""
+    _sync(device)
+    start = time.perf_counter()
+    for _ in range(iters):
         step()
-    times = []
-    for _ in range(repeats):
-        _sync(device)
-        start = time.perf_counter()
-        for _ in range(iters):
-            step()
-        _sync(device)
-        times.append((time.perf_counter() - start) / iters)
-    return statistics.median(times) * 1e6
+    _sync(device)
+    return (time.perf_counter() - start) / iters * 1e6
+
+
+def measure_host(configs, args: argparse.Namespace) -> dict[str, dict]:
+    """Host figures of every config, interleaved: each round times every config once, so a
+    drift of the shared CPU's speed over the run touches all of them alike; medians of rounds.
+    """
+    m, k, n = args.host_shape
+    steps: dict[tuple[str, str], Callable[[], None]] = {}
+    out: dict[str, dict] = {cfg.name: {} for cfg in configs}
+    for cfg in configs:
+        try:
+            torch.manual_seed(0)
+            layer, x, dy = _inputs(cfg, m, k, n, args.device)
+            for key, bwd in (("host_fwd_us", False), ("host_fwd_bwd_us", True)):
+                step = make_step(cfg, layer, x, dy, backward=bwd)
+                for _ in range(max(args.host_iters // 4, 3)):
+                    step()
+                steps[(cfg.name, key)] = step
+        except Exception as exc:  # a broken contender must not hide the others' figures
+            out[cfg.name]["error"] = f"{type(exc).__name__}: {exc}"
+    samples: dict[tuple[str, str], list[float]] = {key: [] for key in steps}
+    for _ in range(args.host_repeats):
+        for key, step in steps.items():
+            samples[key].append(host_round_us(step, args.host_iters, args.device))
+    for (name, key), values in samples.items():
+        out[name][key] = statistics.median(values)
+    return out
 
 
 def device_s(step: Callable[[], None], iters: int, repeats: int, device: str) -> float:
@@ -156,16 +178,11 @@ def _inputs(cfg: Config, m: int, k: int, n: int, device: str):
     return layer, x, dy
 
 
-def measure(cfg: Config, args: argparse.Namespace) -> dict:
-    """All figures of one config; an error is recorded in the result, not raised."""
-    out: dict = {"name": cfg.name}
+def measure_gemm(cfg: Config, args: argparse.Namespace) -> dict:
+    """Forward+backward TFLOP/s at the large shape; an error is recorded, not raised."""
+    out: dict = {}
     try:
-        m, k, n = args.host_shape
-        layer, x, dy = _inputs(cfg, m, k, n, args.device)
-        for key, bwd in (("host_fwd_us", False), ("host_fwd_bwd_us", True)):
-            step = make_step(cfg, layer, x, dy, backward=bwd)
-            out[key] = host_us(step, args.host_iters, args.host_repeats, args.device)
-        del layer, x, dy
+        torch.manual_seed(0)
         m, k, n = args.gemm_shape
         layer, x, dy = _inputs(cfg, m, k, n, args.device)
         step = make_step(cfg, layer, x, dy, backward=True)
@@ -259,14 +276,20 @@ def main(argv: list[str] | None = None) -> list[dict]:
     env = environment(args)
     print(" ".join(f"{k}={v}" for k, v in env.items()), flush=True)
     fp8_ok, reason = te.is_fp8_available()
+    runnable = [cfg for cfg in CONFIGS if fp8_ok or not cfg.make_recipe]
+    host = measure_host(runnable, args)
     results = []
     for cfg in CONFIGS:
-        if cfg.make_recipe and not fp8_ok:
+        if cfg not in runnable:
             results.append({"name": cfg.name, "error": f"FP8 not available: {reason}"})
             continue
-        torch.manual_seed(0)
-        results.append(measure(cfg, args))
-        print(f"measured {cfg.name}: {results[-1]}", flush=True)
+        result = {"name": cfg.name, **host[cfg.name]}
+        gemm = measure_gemm(cfg, args)
+        if "error" in gemm and "error" in result:
+            gemm.pop("error")
+        result.update(gemm)
+        results.append(result)
+        print(f"measured {cfg.name}: {result}", flush=True)
     add_ratios(results)
     if args.json:
         with open(args.json, "w") as f:
