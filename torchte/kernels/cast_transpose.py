@@ -8,12 +8,14 @@ Scalars are fp32 tensors of one element on x's device.
 On CUDA with Triton the kernels below run; elsewhere the torch reference beside them, which
 gives the same bytes.
 
-Launches per call: quantize_delayed 1 (cast + transpose + amax + scale_inv), quantize_current 3
-(zeroing the amax buffer, amax, cast), record_amax 1.
+Launches per call: quantize_delayed 1 (cast + transpose + amax + scale_inv); quantize_current 1
+when x is small (small_tile: at most 64K elements; one program finds the amax, makes the scale,
+then casts every tile), else 3 (zeroing the amax buffer, amax, cast); record_amax 1.
 
 amax is max-accumulated as the int32 bit pattern of |x|: for non-negative floats the integer
 order is the float order, and NaN (0x7FC00000 and up) sorts above inf, so a NaN in x reaches
-amax as torch.maximum would carry it (a float atomic max drops NaN).
+amax as torch.maximum would carry it (a float atomic max drops NaN). The single-program path
+takes the same maximum in registers, with no atomic and no zeroed buffer.
 
 The kernel holds no FP8-typed value: it encodes FP8 bytes itself, in int32 arithmetic (the
 algorithm of torch's own conversion, c10's fp8*_from_fp32_value), and stores uint8 bytes
@@ -38,6 +40,13 @@ COLUMNWISE_ALIGN = 16
 # Measured on an H200 (benchmarks/quantize.py sweep, 8192 x 8192 bf16).
 CAST_CONFIG = (32, 128, 4)
 AMAX_CONFIG = (16384, 8)
+
+# Current scaling of a small x runs as one program (see small_tile): tiles of SMALL_TILE elements,
+# at most SMALL_MAX_TILES of them, so at most 64K elements (128 KiB of bf16) take that path.
+# Chosen by the estimate in small_tile, not yet tuned on a GPU.
+SMALL_TILE = 4096
+SMALL_MAX_TILES = 16
+SMALL_NUM_WARPS = 4
 
 try:
     import triton
@@ -91,6 +100,63 @@ if triton is not None:
         return code | ((bits >> 24) & 0x80)
 
     @triton.jit
+    def _cast_transpose_tile(
+        x_ptr,  # (M, N) fp32 / bf16 / fp16, contiguous
+        out_ptr,  # (M, N) fp8 rowwise data, written as uint8 bytes when ROWWISE
+        out_t_ptr,  # (N, Mp) fp8 columnwise data, Mp = round_up(M, 16), written as int32 words
+        M,
+        N,
+        pid_m,
+        pid_n,
+        scale,  # fp32 scalar
+        FP8_MAX: tl.constexpr,
+        AMAX: tl.constexpr,
+        ROWWISE: tl.constexpr,
+        COLUMNWISE: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+    ):
+        """Cast + transpose tile (pid_m, pid_n) of x; returns the int32 bits of the tile's max |x|
+        when AMAX (0 otherwise). The padding columns M..Mp of out_t get zero bytes."""
+        # The tile is read as four (BLOCK_M // 4, BLOCK_N) slices, rows 4i + k for k = 0..3, so
+        # the columnwise bytes of rows 4i..4i+3 pack into one int32 word (little endian) and the
+        # transpose moves 32-bit words, never 8-bit values.
+        group = pid_m * BLOCK_M + 4 * tl.arange(0, BLOCK_M // 4)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_in = cols < N
+        bits = tl.zeros((BLOCK_M // 4, BLOCK_N), tl.int32)
+        words = tl.zeros((BLOCK_M // 4, BLOCK_N), tl.int32)
+        for k in tl.static_range(4):
+            rows = group + k
+            row_in = rows < M
+            mask = row_in[:, None] & col_in[None, :]
+            offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
+            x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            if AMAX:
+                bits = tl.maximum(bits, _abs_bits(x))
+            if ROWWISE or COLUMNWISE:
+                # Clamp with comparisons: NaN passes through, as in torch.clamp.
+                y = x * scale
+                y = tl.where(y > FP8_MAX, FP8_MAX, y)
+                y = tl.where(y < -FP8_MAX, -FP8_MAX, y)
+                # Rows past M are the columnwise padding: zero bytes whatever the scale.
+                code = _fp8_code(tl.where(row_in[:, None], y, 0.0), FP8_MAX)
+                if ROWWISE:
+                    out_bytes_ptr = out_ptr.to(tl.pointer_type(tl.uint8))
+                    tl.store(out_bytes_ptr + offs, code.to(tl.uint8), mask=mask)
+                if COLUMNWISE:
+                    words = words | (code << (8 * k))
+        if COLUMNWISE:
+            # out_t as int32 words: (N, Mp // 4); word w of row n holds rows 4w..4w+3.
+            words_per_row = tl.multiple_of(tl.cdiv(M, 16) * 4, 4)
+            word_cols = pid_m * (BLOCK_M // 4) + tl.arange(0, BLOCK_M // 4)
+            offs_t = cols.to(tl.int64)[:, None] * words_per_row + word_cols[None, :]
+            mask_t = col_in[:, None] & (word_cols < words_per_row)[None, :]
+            out_words_ptr = out_t_ptr.to(tl.pointer_type(tl.int32))
+            tl.store(out_words_ptr + offs_t, tl.trans(words), mask=mask_t)
+        return tl.max(bits)
+
+    @triton.jit
     def _cast_transpose_kernel(
         x_ptr,  # (M, N) fp32 / bf16 / fp16, contiguous
         scale_ptr,  # (1,) fp32: the scale (delayed); unused when CURRENT
@@ -117,45 +183,46 @@ if triton is not None:
             scale = tl.load(scale_ptr)
         first = (pid_m == 0) & (pid_n == 0)
         tl.store(scale_inv_ptr, tl.math.div_rn(1.0, scale), mask=first)
-
-        # The tile is read as four (BLOCK_M // 4, BLOCK_N) slices, rows 4i + k for k = 0..3, so
-        # the columnwise bytes of rows 4i..4i+3 pack into one int32 word (little endian) and the
-        # transpose moves 32-bit words, never 8-bit values.
-        group = pid_m * BLOCK_M + 4 * tl.arange(0, BLOCK_M // 4)
-        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        col_in = cols < N
-        bits = tl.zeros((BLOCK_M // 4, BLOCK_N), tl.int32)
-        words = tl.zeros((BLOCK_M // 4, BLOCK_N), tl.int32)
-        for k in tl.static_range(4):
-            rows = group + k
-            row_in = rows < M
-            mask = row_in[:, None] & col_in[None, :]
-            offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
-            x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-            if not CURRENT:
-                bits = tl.maximum(bits, _abs_bits(x))
-            if ROWWISE or COLUMNWISE:
-                # Clamp with comparisons: NaN passes through, as in torch.clamp.
-                y = x * scale
-                y = tl.where(y > FP8_MAX, FP8_MAX, y)
-                y = tl.where(y < -FP8_MAX, -FP8_MAX, y)
-                # Rows past M are the columnwise padding: zero bytes whatever the scale.
-                code = _fp8_code(tl.where(row_in[:, None], y, 0.0), FP8_MAX)
-                if ROWWISE:
-                    out_bytes_ptr = out_ptr.to(tl.pointer_type(tl.uint8))
-                    tl.store(out_bytes_ptr + offs, code.to(tl.uint8), mask=mask)
-                if COLUMNWISE:
-                    words = words | (code << (8 * k))
+        bits = _cast_transpose_tile(
+            x_ptr, out_ptr, out_t_ptr, M, N, pid_m, pid_n, scale,
+            FP8_MAX, not CURRENT, ROWWISE, COLUMNWISE, BLOCK_M, BLOCK_N,
+        )  # fmt: skip
         if not CURRENT:
-            tl.atomic_max(amax_ptr.to(tl.pointer_type(tl.int32)), tl.max(bits), sem="relaxed")
-        if COLUMNWISE:
-            # out_t as int32 words: (N, Mp // 4); word w of row n holds rows 4w..4w+3.
-            words_per_row = tl.multiple_of(tl.cdiv(M, 16) * 4, 4)
-            word_cols = pid_m * (BLOCK_M // 4) + tl.arange(0, BLOCK_M // 4)
-            offs_t = cols.to(tl.int64)[:, None] * words_per_row + word_cols[None, :]
-            mask_t = col_in[:, None] & (word_cols < words_per_row)[None, :]
-            out_words_ptr = out_t_ptr.to(tl.pointer_type(tl.int32))
-            tl.store(out_words_ptr + offs_t, tl.trans(words), mask=mask_t)
+            tl.atomic_max(amax_ptr.to(tl.pointer_type(tl.int32)), bits, sem="relaxed")
+
+    @triton.jit
+    def _quantize_current_small_kernel(
+        x_ptr,  # (M, N) fp32 / bf16 / fp16, contiguous
+        scale_inv_ptr,  # (1,) fp32: 1 / scale
+        out_ptr,  # (M, N) fp8 rowwise data, written as uint8 bytes when ROWWISE
+        out_t_ptr,  # (N, Mp) fp8 columnwise data, Mp = round_up(M, 16), written as int32 words
+        M,
+        N,
+        amax_epsilon,  # fp32
+        FP8_MAX: tl.constexpr,  # 448.0 (e4m3) or 57344.0 (e5m2)
+        POWER_2: tl.constexpr,
+        ROWWISE: tl.constexpr,
+        COLUMNWISE: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+    ):
+        """Current scaling in one program (grid (1, 1, 1)): amax over all of x, the scale, then
+        every tile; no atomics and no zeroed amax buffer."""
+        numel = M * N  # small by construction (see small_tile): no int32 overflow
+        bits = tl.zeros((BLOCK_M * BLOCK_N,), tl.int32)
+        for start in range(0, numel, BLOCK_M * BLOCK_N):
+            offs = start + tl.arange(0, BLOCK_M * BLOCK_N)
+            x = tl.load(x_ptr + offs, mask=offs < numel, other=0.0).to(tl.float32)
+            bits = tl.maximum(bits, _abs_bits(x))
+        amax = tl.max(bits).to(tl.float32, bitcast=True)
+        scale = _scale_from_amax(amax, amax_epsilon, FP8_MAX, POWER_2)
+        tl.store(scale_inv_ptr, tl.math.div_rn(1.0, scale))
+        for pid_m in range(0, tl.cdiv(M, BLOCK_M)):
+            for pid_n in range(0, tl.cdiv(N, BLOCK_N)):
+                _cast_transpose_tile(
+                    x_ptr, out_ptr, out_t_ptr, M, N, pid_m, pid_n, scale,
+                    FP8_MAX, False, ROWWISE, COLUMNWISE, BLOCK_M, BLOCK_N,
+                )  # fmt: skip
 
     @triton.jit
     def _amax_kernel(
@@ -177,6 +244,7 @@ if triton is not None:
 
 if triton is not None:
     _launch_cast_transpose = FastLaunch(_cast_transpose_kernel)
+    _launch_quantize_current_small = FastLaunch(_quantize_current_small_kernel)
     _launch_amax_kernel = FastLaunch(_amax_kernel)
 
 
@@ -212,6 +280,10 @@ def quantize_current(
     1/scale into scale_inv (1,). Returns (rowwise (M, N) | None, columnwise (N, Mp) | None).
     """
     if x.is_cuda and triton_available() and x.numel() > 0:
+        tile = small_tile(*x.shape)
+        if tile is not None:
+            current = (amax_epsilon, power_2_scale, rowwise, columnwise)
+            return _quantize_current_small(x, scale_inv, fp8_dtype, *current, tile)
         amax = torch.zeros(1, dtype=torch.float32, device=x.device)
         _launch_amax(x, amax)
         current = (True, amax_epsilon, power_2_scale)
@@ -240,6 +312,47 @@ def fp8_transpose(data: torch.Tensor) -> torch.Tensor:
     return out.view(data.dtype)
 
 
+def small_tile(rows: int, cols: int) -> tuple[int, int] | None:
+    """(BLOCK_M, BLOCK_N) for quantizing x (rows, cols) in one program, or None when x is too
+    large for one program: more than SMALL_MAX_TILES tiles of SMALL_TILE elements.
+
+    One program walks its tiles one after another on one SM, each step about one memory round
+    trip, so its GPU time grows with the tile count. At the bound (64K elements: 16 amax steps
+    and 16 cast steps, an estimated 10-15 us) that is about the GPU time of the three launches
+    it replaces and below the host time they cost (torch.zeros 10.7 us + a launch 7 us on the
+    H200 host); larger inputs take the 3-launch path, which spreads the work over every SM. The
+    tile is as wide as cols needs (16 to 256 columns; BLOCK_M = SMALL_TILE // BLOCK_N, a
+    multiple of 16 so the row tiles cover the padding up to Mp), so short or narrow inputs do
+    not spend their steps on masked lanes.
+    """
+    if rows * cols > SMALL_TILE * SMALL_MAX_TILES:
+        return None
+    block_n = min(max(1 << (cols - 1).bit_length(), 16), 256)
+    block_m = SMALL_TILE // block_n
+    if -(-rows // block_m) * -(-cols // block_n) > SMALL_MAX_TILES:
+        return None
+    return block_m, block_n
+
+
+def _alloc_outputs(
+    rows: int, cols: int, fp8_dtype: torch.dtype, device, rowwise: bool, columnwise: bool
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Uninitialized rowwise (rows, cols) and columnwise (cols, Mp) FP8 outputs, each None when
+    not asked for.
+
+    Two allocations, not views into one buffer: timed on CPU tensors, the two views cost more
+    (as_strided: about 0.8 + 1.0 us; slice + view + view(dtype): 2.0 us each) than the
+    torch.empty they would replace (1.0 us), and a shared buffer would keep the rowwise bytes
+    alive after a caller drops them (te.Linear saves only the columnwise input for wgrad).
+    Sizes go as separate ints: torch.empty(a, b) parses about 0.4 us faster than
+    torch.empty((a, b)).
+    """
+    rows_p = (rows + COLUMNWISE_ALIGN - 1) // COLUMNWISE_ALIGN * COLUMNWISE_ALIGN
+    data = torch.empty(rows, cols, dtype=fp8_dtype, device=device) if rowwise else None
+    data_t = torch.empty(cols, rows_p, dtype=fp8_dtype, device=device) if columnwise else None
+    return data, data_t
+
+
 def _cast_transpose(
     x: torch.Tensor,
     scale: torch.Tensor,
@@ -259,11 +372,7 @@ def _cast_transpose(
         x = x.contiguous()
     rows, cols = x.shape
     block_m, block_n, num_warps = config
-    data = torch.empty((rows, cols), dtype=fp8_dtype, device=x.device) if rowwise else None
-    data_t = None
-    if columnwise:
-        rows_p = (rows + COLUMNWISE_ALIGN - 1) // COLUMNWISE_ALIGN * COLUMNWISE_ALIGN
-        data_t = torch.empty((cols, rows_p), dtype=fp8_dtype, device=x.device)
+    data, data_t = _alloc_outputs(rows, cols, fp8_dtype, x.device, rowwise, columnwise)
     # An output not asked for is never stored to: any pointer will do.
     out = scale_inv if data is None else data
     out_t = scale_inv if data_t is None else data_t
@@ -278,6 +387,36 @@ def _cast_transpose(
         key, grid, num_warps, x, scale, amax, scale_inv, out, out_t, rows, cols,
         float(amax_epsilon), FP8_MAX[fp8_dtype], current, power_2_scale, rowwise, columnwise,
         block_m, block_n,
+    )  # fmt: skip
+    return data, data_t
+
+
+def _quantize_current_small(
+    x: torch.Tensor,
+    scale_inv: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    amax_epsilon: float,
+    power_2_scale: bool,
+    rowwise: bool,
+    columnwise: bool,
+    tile: tuple[int, int],
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Launch _quantize_current_small_kernel (one program) on x (M, N), M, N > 0; tile is
+    small_tile(M, N). Writes scale_inv (1,); returns (rowwise (M, N), columnwise (N, Mp))."""
+    if not x.is_contiguous():
+        x = x.contiguous()
+    rows, cols = x.shape
+    data, data_t = _alloc_outputs(rows, cols, fp8_dtype, x.device, rowwise, columnwise)
+    out = scale_inv if data is None else data
+    out_t = scale_inv if data_t is None else data_t
+    key = (
+        x.dtype, fp8_dtype, rowwise, columnwise, power_2_scale, tile,
+        rows == 1, rows & 15, cols == 1, cols & 15,
+        x.data_ptr() & 15, scale_inv.data_ptr() & 15, out.data_ptr() & 15, out_t.data_ptr() & 15,
+    )  # fmt: skip
+    _launch_quantize_current_small(
+        key, (1, 1, 1), SMALL_NUM_WARPS, x, scale_inv, out, out_t, rows, cols,
+        float(amax_epsilon), FP8_MAX[fp8_dtype], power_2_scale, rowwise, columnwise, *tile,
     )  # fmt: skip
     return data, data_t
 
