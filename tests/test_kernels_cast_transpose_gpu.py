@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+from launches import count_device_ops
 
 from torchte.kernels import cast_transpose as ct
 from torchte.kernels._triton import triton_available
@@ -46,17 +47,6 @@ def assert_same(out, ref):
         if got is not None:
             assert got.dtype == want.dtype and got.shape == want.shape
             assert torch.equal(u8(got), u8(want))
-
-
-def count_device_ops(fn) -> int:
-    """Kernels, memsets and copies that fn puts on the GPU (0 if the profiler sees nothing)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
 
 
 @pytest.mark.gpu

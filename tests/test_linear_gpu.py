@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from launches import count_device_ops
 from tolerances import assert_close, representable
 
 import torchte as te
@@ -123,18 +124,6 @@ def test_gpu_bf16_main_grad_uses_fp32_accumulation():
     assert_close(layer.weight.main_grad, expected, torch.float32)
 
 
-def _kernel_launches(fn) -> int:
-    """CUDA kernels (and memsets) launched by fn(), counted with the torch profiler."""
-    fn()  # warm-up: compile kernels, fill caches
-    torch.cuda.synchronize()
-    activities = [torch.profiler.ProfilerActivity.CUDA]
-    with torch.profiler.profile(activities=activities) as prof:
-        fn()
-        torch.cuda.synchronize()
-    kinds = (torch.autograd.DeviceType.CUDA,)
-    return sum(1 for e in prof.events() if e.device_type in kinds)
-
-
 # Launch counts per call: a regression in fusion shows up here as a larger number.
 # forward: quantize x (one launch; current scaling of a large tensor, such as the 1024 x 1024
 # weight, takes three: memset + amax + cast) + GEMM. The FP8 weight is requantized once per
@@ -167,6 +156,7 @@ def test_launch_count(name, phase):
         if phase == "fwdbwd":
             y.backward(dy)
 
-    count = _kernel_launches(step)
+    step()  # warm-up: compile kernels, fill caches
+    count = count_device_ops(step)
     print(f"launches {name} {phase}: {count}")
     assert count <= EXPECTED_LAUNCHES[(name, phase)]
