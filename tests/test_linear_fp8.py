@@ -15,7 +15,7 @@ import torch
 from tolerances import assert_close, representable
 
 import torchte as te
-import torchte.module.linear as linear_module
+import torchte.module._linear_core as linear_module
 from torchte import _nvtx
 from torchte.autocast import autocast_state
 from torchte.quantization.float8 import Float8CurrentScalingQuantizer, Float8Quantizer

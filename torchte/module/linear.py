@@ -1,8 +1,7 @@
 """te.Linear: y = x W^T + b, in high precision or FP8, with fused main_grad accumulation.
 
-Legend: x (..., K) input, W (N, K) weight, b (N,) bias, y (..., N); M = prod(...) tokens.
-FP8 GEMMs (all operands K-major): fprop y = x W^T from x rowwise and W rowwise; dgrad dx = dy W
-from dy rowwise and W columnwise; wgrad dW = dy^T x from dy columnwise and x columnwise.
+Legend: x (..., K) input, W (N, K) weight, b (N,) bias, y (..., N). The GEMM machinery shared
+with the other modules that end in a GEMM is in _linear_core.py.
 """
 
 from __future__ import annotations
@@ -11,105 +10,24 @@ from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
-from torchte import _nvtx
 from torchte.autocast import autocast_state
-from torchte.gemm import fp8_gemm, hp_linear, hp_mm
-from torchte.quantization.float8 import Float8Storage
 from torchte.quantization.float8_tensor import Float8Tensor
-from torchte.quantization.model_init import make_fp8_parameter, model_init_settings
 
-from ._common import (
-    MainGradTarget,
-    NoopCat,
-    restore_saved,
-    save_for_backward,
-    should_overwrite,
-    split_parameter_names,
-)
-from .base import (
-    FP8Setup,
-    TransformerEngineBaseModule,
-    check_fp8_dims,
-    fp8_weight_cached,
-    prime_weight_scale,
+from ._common import restore_saved, save_for_backward
+from ._linear_core import (
+    LinearCore,
+    LinearPlan,
+    cast_to,
+    check_unsupported,
+    linear_backward,
+    linear_forward,
+    remember_linear,
 )
 
 __all__ = ["Linear"]
 
 _STATE = autocast_state()
-
-
-def default_init_method(weight: torch.Tensor) -> None:
-    """Transformer Engine's default weight init: normal with std 0.023."""
-    nn.init.normal_(weight, mean=0.0, std=0.023)
-
-
-class LinearPlan:
-    """Everything a Linear forward/backward needs beyond tensors, built once per setting."""
-
-    __slots__ = (
-        "calibrating",
-        "dtype",
-        "fast",
-        "fp8",
-        "fp8_grad",
-        "fp8_output",
-        "group",
-        "is_first_microbatch",
-        "main_grad",
-        "recipe",
-        "setup",
-    )
-
-    def __init__(self, **fields) -> None:
-        for name in self.__slots__:
-            if name != "fast":
-                setattr(self, name, fields[name])
-        # Plain high precision: nn.Linear's own kernels and autograd do everything.
-        self.fast = not (self.fp8 or self.calibrating or self.main_grad is not None)
-
-
-def _linear_forward(inp, weight, bias, w_fp8, plan: LinearPlan, need_dgrad, need_wgrad):
-    """y (..., N) and what backward needs: (x_saved, w_saved)."""
-    x2d = inp.reshape(-1, inp.shape[-1])
-    dtype = plan.dtype
-    if bias is not None and bias.dtype != dtype:
-        bias = bias.to(dtype)
-    if plan.fp8:
-        setup = plan.setup
-        if isinstance(inp, Float8Tensor):
-            x_fp8 = inp._storage
-            x_fp8.update_usage(rowwise_usage=True, columnwise_usage=need_wgrad or None)
-        else:
-            x_fp8 = setup.input[0].quantize(x2d, rowwise=True, columnwise=need_wgrad)
-        y = fp8_gemm(
-            x_fp8.rowwise_data,
-            x_fp8.scale_inv,
-            w_fp8.rowwise_data,
-            w_fp8.scale_inv,
-            dtype,
-            bias=bias,
-            use_fast_accum=True,
-        )
-        x_saved = x_fp8 if need_wgrad else None
-        w_saved = w_fp8 if need_dgrad else None
-        if x_saved is not None and not isinstance(inp, Float8Tensor):
-            x_fp8.update_usage(rowwise_usage=False)  # only the transpose is used in wgrad
-    else:
-        x_hp = x2d if x2d.dtype == dtype else x2d.to(dtype)
-        w_hp = weight if weight.dtype == dtype else weight.to(dtype)
-        if plan.calibrating:
-            plan.setup.input[0].record_amax(x2d)
-            plan.setup.weight[0].record_amax(weight)
-        y = hp_linear(x_hp, w_hp, bias)
-        x_saved = x_hp if need_wgrad else None
-        w_saved = w_hp if need_dgrad else None
-    y = y.view(*inp.shape[:-1], y.shape[-1])
-    if plan.fp8_output:
-        y = plan.setup.output[0].quantize(y, rowwise=True, columnwise=True)
-    return y, x_saved, w_saved
 
 
 class _LinearFunction(torch.autograd.Function):
@@ -119,107 +37,19 @@ class _LinearFunction(torch.autograd.Function):
     def forward(ctx, inp, weight, bias, w_fp8, plan: LinearPlan):
         need_dgrad = ctx.needs_input_grad[0]
         need_wgrad = ctx.needs_input_grad[1] or plan.main_grad is not None
-        y, x_saved, w_saved = _linear_forward(
-            inp, weight, bias, w_fp8, plan, need_dgrad, need_wgrad
-        )
+        y, x_saved, w_saved = linear_forward(inp, weight, bias, w_fp8, plan, need_dgrad, need_wgrad)
         save_for_backward(ctx, x_saved, w_saved)
-        ctx.plan = plan
-        ctx.inp_shape = inp.shape
-        ctx.weight_shape = weight.shape
-        ctx.weight_dtype = weight.dtype
-        ctx.weight_device = weight.device
-        ctx.has_bias = bias is not None
-        ctx.need_dgrad, ctx.need_wgrad = need_dgrad, need_wgrad
+        remember_linear(ctx, inp, weight, bias, plan, need_dgrad, need_wgrad)
         return y
 
     @staticmethod
     def backward(ctx, grad_out):
-        plan: LinearPlan = ctx.plan
         x_saved, w_saved = restore_saved(ctx)
-        if isinstance(grad_out, Float8Tensor):
-            dy_fp8, grad_out = grad_out._storage, grad_out.dequantize()
-        else:
-            dy_fp8 = None
-        dy2d = grad_out.reshape(-1, grad_out.shape[-1])
-        if not dy2d.is_contiguous():
-            dy2d = dy2d.contiguous()
-        if plan.fp8:
-            dgrad, wgrad = _backward_fp8(ctx, plan, dy2d, dy_fp8, x_saved, w_saved)
-        else:
-            dgrad, wgrad = _backward_hp(ctx, plan, dy2d, x_saved, w_saved)
-        dbias = None
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            dbias = dy2d.sum(0).to(plan.dtype)
-        if dgrad is not None:
-            dgrad = dgrad.view(ctx.inp_shape)
-            if plan.fp8_grad:
-                dgrad = plan.setup.grad_input[0].quantize(dgrad, rowwise=True, columnwise=True)
+        dgrad, wgrad, dbias = linear_backward(ctx, grad_out, x_saved, w_saved)
         return dgrad, wgrad, dbias, None, None
 
 
-def _backward_fp8(ctx, plan, dy2d, dy_fp8, x_fp8, w_fp8):
-    setup: FP8Setup = plan.setup
-    if dy_fp8 is None:
-        dy_fp8 = setup.grad_output[0].quantize(
-            dy2d, rowwise=ctx.need_dgrad, columnwise=ctx.need_wgrad
-        )
-    else:
-        dy_fp8.update_usage(
-            rowwise_usage=ctx.need_dgrad or None, columnwise_usage=ctx.need_wgrad or None
-        )
-    if setup.bwd_state is not None:
-        _STATE.register_backward(setup.bwd_state, plan.recipe, plan.group)
-    dgrad = None
-    if ctx.need_dgrad:
-        dgrad = fp8_gemm(
-            dy_fp8.rowwise_data,
-            dy_fp8.scale_inv,
-            w_fp8.columnwise_data,
-            w_fp8.scale_inv,
-            plan.dtype,
-        )
-
-    def wgrad_gemm(rows: slice, out: torch.Tensor | None, accumulate: bool):
-        return fp8_gemm(
-            dy_fp8.columnwise_data[rows],
-            dy_fp8.scale_inv,
-            x_fp8.columnwise_data,
-            x_fp8.scale_inv,
-            torch.float32 if out is not None else ctx.weight_dtype,
-            out=out,
-            accumulate=accumulate,
-        )
-
-    return dgrad, _wgrad(ctx, plan, wgrad_gemm)
-
-
-def _backward_hp(ctx, plan, dy2d, x_hp, w_hp):
-    dy_hp = dy2d if dy2d.dtype == plan.dtype else dy2d.to(plan.dtype)
-    dgrad = hp_mm(dy_hp, w_hp) if ctx.need_dgrad else None
-
-    def wgrad_gemm(rows: slice, out: torch.Tensor | None, accumulate: bool):
-        result = hp_mm(dy_hp[:, rows].t(), x_hp, out=out, accumulate=accumulate)
-        return result if out is not None else result.to(ctx.weight_dtype)
-
-    return dgrad, _wgrad(ctx, plan, wgrad_gemm)
-
-
-def _wgrad(ctx, plan: LinearPlan, wgrad_gemm: Callable) -> torch.Tensor | None:
-    """The weight gradient: returned, or accumulated into main_grad through weakrefs."""
-    if not ctx.need_wgrad:
-        return None
-    target: MainGradTarget | None = plan.main_grad
-    if target is None:
-        return wgrad_gemm(slice(None), None, False)
-    for param, start, end in target.params():
-        overwrite = should_overwrite(param, plan.is_first_microbatch)
-        wgrad_gemm(slice(start, end), param.main_grad, not overwrite)
-    if not ctx.needs_input_grad[1]:
-        return None
-    return target.finish(ctx.weight_shape, ctx.weight_dtype, ctx.weight_device)
-
-
-class Linear(TransformerEngineBaseModule):
+class Linear(LinearCore):
     """y = x W^T + b with Transformer Engine's arguments; FP8 under `te.autocast`.
 
     x (..., in_features) -> y (..., out_features). Parameters: `weight` (out_features,
@@ -248,20 +78,19 @@ class Linear(TransformerEngineBaseModule):
         **unsupported,
     ) -> None:
         super().__init__(device, params_dtype)
-        _check_unsupported(unsupported, tp_group, tp_size, parallel_mode, sequence_parallel)
-        if in_features <= 0 or out_features <= 0:
-            raise ValueError(
-                f"in_features and out_features must be positive, got {in_features}, {out_features}"
-            )
-        self.in_features, self.out_features = in_features, out_features
-        self.use_bias, self.return_bias = bias, return_bias
-        self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
-        self.name = name
-        self._splits = split_parameter_names(parameters_split, out_features, "out_features")
-        self._make_parameters(init_method or default_init_method)
-        self._plans: dict[tuple, LinearPlan] = {}
-        self._last_plan: tuple | None = None
-        self._device_type = self.device.type
+        check_unsupported(
+            "te.Linear", unsupported, tp_group, tp_size, parallel_mode, sequence_parallel
+        )
+        self._init_linear(
+            in_features,
+            out_features,
+            bias,
+            init_method,
+            return_bias,
+            fuse_wgrad_accumulation,
+            parameters_split,
+            name,
+        )
         # One plain weight, fused bias, high-precision parameters: nn.Linear's path applies.
         self._plain = (
             len(self._splits) == 1
@@ -271,84 +100,6 @@ class Linear(TransformerEngineBaseModule):
         )
         self._finish_init()
 
-    def _make_parameters(self, init_method: Callable) -> None:
-        kw = {"dtype": self.params_dtype, "device": self.device}
-        weight = torch.empty(self.out_features, self.in_features, **kw)
-        init_method(weight)
-        bias = torch.zeros(self.out_features, **kw) if self.use_bias else None
-        settings = model_init_settings()
-        if settings is not None:
-            prime_weight_scale(self._fp8_setup(settings.recipe), weight)
-        self.weight_names, self.bias_names = [], []
-        start = 0
-        for prefix, rows in self._splits:
-            w_name = f"{prefix}_weight" if prefix else "weight"
-            part = weight[start : start + rows]
-            if settings is not None:
-                quantizer = self._fp8_setup(settings.recipe).weight[0]
-                param = make_fp8_parameter(
-                    part, quantizer, settings.preserve_high_precision_init_val
-                )
-            else:
-                param = nn.Parameter(part)
-            self.register_parameter(w_name, param)
-            self.weight_names.append(w_name)
-            if bias is not None:
-                b_name = f"{prefix}_bias" if prefix else "bias"
-                self.register_parameter(b_name, nn.Parameter(bias[start : start + rows]))
-                self.bias_names.append(b_name)
-            start += rows
-        if bias is None:
-            self.register_parameter("bias", None)
-
-    # -- per-call ---------------------------------------------------------------------------------
-
-    def _plan(self, dtype, is_first_microbatch, fp8_output, fp8_grad) -> LinearPlan:
-        state = _STATE
-        fp8, calibrating = state.enabled, state.calibrating and not state.enabled
-        recipe = state.recipe if (fp8 or calibrating) else None
-        group = state.group if recipe is not None else None
-        key = (fp8, calibrating, recipe, group, dtype, is_first_microbatch, fp8_output, fp8_grad)
-        last = self._last_plan
-        if last is not None and last[0] == key:
-            return last[1]
-        plan = self._plans.get(key)
-        if plan is None:
-            plan = self._build_plan(key)
-            self._plans[key] = plan
-        self.__dict__["_last_plan"] = (key, plan)
-        return plan
-
-    def _build_plan(self, key: tuple) -> LinearPlan:
-        fp8, calibrating, recipe, group, dtype, is_first_microbatch, fp8_output, fp8_grad = key
-        if (fp8_output or fp8_grad) and not fp8:
-            raise ValueError("fp8_output and fp8_grad need FP8: run the layer under te.autocast")
-        if fp8:
-            check_fp8_dims(
-                "te.Linear", in_features=self.in_features, out_features=self.out_features
-            )
-        main_grad = None
-        if self.fuse_wgrad_accumulation:
-            main_grad = MainGradTarget([getattr(self, n) for n in self.weight_names])
-        return LinearPlan(
-            calibrating=calibrating,
-            dtype=dtype,
-            fp8=fp8,
-            fp8_grad=fp8_grad,
-            fp8_output=fp8_output,
-            group=group,
-            is_first_microbatch=is_first_microbatch,
-            main_grad=main_grad,
-            recipe=recipe,
-            setup=self._fp8_setup(recipe) if recipe is not None else None,
-        )
-
-    def _full(self, names: list[str]) -> torch.Tensor:
-        params = self._parameters
-        if len(names) == 1:
-            return params[names[0]]
-        return NoopCat.apply(*[params[n] for n in names])
-
     def forward(
         self,
         inp: torch.Tensor,
@@ -357,9 +108,7 @@ class Linear(TransformerEngineBaseModule):
         fp8_grad: bool = False,
     ):
         """inp (..., in_features) -> (..., out_features) [, bias if return_bias]."""
-        dtype = self.params_dtype
-        if torch.is_autocast_enabled(self._device_type):
-            dtype = torch.get_autocast_dtype(self._device_type)
+        dtype = self._compute_dtype()
         state = _STATE
         if (
             self._plain
@@ -379,90 +128,14 @@ class Linear(TransformerEngineBaseModule):
         bias = self._full(self.bias_names) if self.use_bias else None
         fused_bias = None if self.return_bias else bias
         if plan.fast and not isinstance(weight, Float8Tensor):
-            out = F.linear(inp.to(dtype), weight.to(dtype), _cast(fused_bias, dtype))
+            out = F.linear(inp.to(dtype), weight.to(dtype), cast_to(fused_bias, dtype))
         else:
             out = self._forward_function(inp, weight, fused_bias, plan, is_first_microbatch)
         if self.return_bias:
-            return out, _cast(bias, dtype)
+            return out, cast_to(bias, dtype)
         return out
 
-    def _forward_function(self, inp, weight, bias, plan: LinearPlan, is_first_microbatch):
-        """The autograd.Function path (FP8, calibration, fused wgrad), exception-safe."""
-        setup = plan.setup
-        fwd_state = setup.fwd_state if setup is not None else None
-        _nvtx.range_push(f"te.Linear.forward {self.name or ''}")
-        try:
-            w_fp8 = self._weight_fp8(weight, plan, is_first_microbatch, inp.requires_grad)
-            if torch.is_grad_enabled():
-                out = _LinearFunction.apply(inp, weight, bias, w_fp8, plan)
-            else:
-                out = _linear_forward(inp, weight, bias, w_fp8, plan, False, False)[0]
-        except BaseException:
-            if fwd_state is not None:
-                _STATE.drop_forward(fwd_state)  # no half-recorded amaxes survive a failure
-            raise
-        finally:
-            _nvtx.range_pop()
-        if fwd_state is not None:
-            _STATE.register_forward(fwd_state, plan.recipe, plan.group)
-            self.__dict__["_saved_history_len"] = plan.recipe.amax_history_len
-        return out
-
-    def _weight_fp8(self, weight, plan, is_first_microbatch, need_columnwise):
-        if not plan.fp8:
-            return None
-        if isinstance(weight, Float8Tensor):
-            storage: Float8Storage = weight._storage
-            if need_columnwise and storage.columnwise_data is None:
-                storage.update_usage(columnwise_usage=True)
-            return storage
-        setup = plan.setup
-        names = self.weight_names
-        version = (
-            tuple(getattr(self, n)._version for n in names) if len(names) > 1 else (weight._version)
-        )
-        generation = (_STATE.step, setup.fwd_state.generation if setup.fwd_state else 0)
-        return fp8_weight_cached(
-            setup.weight_cache[0],
-            weight,
-            setup.weight[0],
-            version,
-            generation,
-            is_first_microbatch,
-            need_columnwise,
-        )
-
-    def __getstate__(self) -> dict:
-        # Plans hold weakrefs to this module's parameters: a copy builds its own.
-        state = self.__dict__.copy()
-        state.update(_plans={}, _last_plan=None, _fp8_setups={})
-        return state
-
-    def extra_repr(self) -> str:
-        return (
-            f"in_features={self.in_features}, out_features={self.out_features}, "
-            f"bias={self.use_bias}, params_dtype={self.params_dtype}, device={self.device}"
-        )
-
-
-def _cast(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
-    return t if t is None or t.dtype == dtype else t.to(dtype)
-
-
-def _check_unsupported(unsupported, tp_group, tp_size, parallel_mode, sequence_parallel) -> None:
-    """Tensor-parallel arguments are accepted only in their single-GPU form for now."""
-    if unsupported:
-        names = ", ".join(sorted(unsupported))
-        raise TypeError(f"te.Linear got unexpected keyword arguments: {names}")
-    group_size = 1
-    if tp_group is not None and torch.distributed.is_initialized():
-        group_size = torch.distributed.get_world_size(tp_group)
-    if tp_size != 1 or group_size != 1:
-        raise NotImplementedError(
-            f"tensor parallelism (tp_size={tp_size}, tp_group of size {group_size}) is not "
-            "implemented in torchte yet; use tp_size=1"
-        )
-    if parallel_mode not in (None, "column", "row"):
-        raise ValueError(f"parallel_mode must be None, 'column' or 'row', got {parallel_mode!r}")
-    if sequence_parallel:
-        raise NotImplementedError("sequence_parallel is not implemented in torchte yet")
+    def _apply_function(self, inp, weight, bias, w_fp8, plan: LinearPlan):
+        if torch.is_grad_enabled():
+            return _LinearFunction.apply(inp, weight, bias, w_fp8, plan)
+        return linear_forward(inp, weight, bias, w_fp8, plan, False, False)[0]
