@@ -6,13 +6,18 @@ Use it as Transformer Engine's `transformer_engine.pytorch`: `import torchte as 
 from . import recipe
 from ._device import is_fp8_available
 from .autocast import autocast, fp8_autocast
+from .module.layernorm_linear import LayerNormLinear
 from .module.linear import Linear
+from .module.norm import LayerNorm, RMSNorm
 from .quantization.float8_tensor import Float8Tensor
 from .quantization.model_init import fp8_model_init, quantized_model_init
 
 __all__ = [
     "Float8Tensor",
+    "LayerNorm",
+    "LayerNormLinear",
     "Linear",
+    "RMSNorm",
     "autocast",
     "fp8_autocast",
     "fp8_model_init",

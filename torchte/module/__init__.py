@@ -1,5 +1,7 @@
 """te modules: nn.Modules with Transformer Engine's names, each with its autograd.Function."""
 
+from .layernorm_linear import LayerNormLinear
 from .linear import Linear
+from .norm import LayerNorm, RMSNorm
 
-__all__ = ["Linear"]
+__all__ = ["LayerNorm", "LayerNormLinear", "Linear", "RMSNorm"]

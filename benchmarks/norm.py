@@ -1,0 +1,266 @@
+"""LayerNorm and RMSNorm: achieved bandwidth and host overhead, torchte vs torch.
+
+GPU-bound: forward and backward at 8192 x 4096 bf16 (bf16 parameters). Bandwidth = the bytes
+the op must move, each tensor read or written once (forward: x, weight, bias in; y, mean, rstd
+out; backward: dy, x, weight, mean, rstd in; dx, dweight, dbias out), over the time, as a
+fraction of the bandwidth of a device-to-device copy of x (read + write counted). torchte's
+scratch traffic (the backward's partial sums) is not counted: it is overhead the figure shows.
+Baselines in the same run: F.layer_norm and aten's layer-norm backward; F.rms_norm and its
+autograd backward.
+CPU-bound: host microseconds per call at 16 x 1024 (calls queued back to back, one synchronize
+at the end): the kernel functions, and te.LayerNorm / te.RMSNorm forward + backward against
+torch.nn.LayerNorm / nn.RMSNorm.
+
+Also sweeps the kernels' block configurations (printed before the main table). Never asserts.
+
+    python benchmarks/norm.py [--json out.json] [--rows 8192 --cols 4096]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from torchte.kernels import norm
+from torchte.module.norm import LayerNorm, RMSNorm
+
+EPS = 1e-5
+DTYPE = torch.bfloat16
+# (BLOCK_M, num_warps, programs per SM) to try; BLOCK_N is the row's (up to the maximum).
+# 64 programs per SM is one row block per program at 8192 x 4096 (no persistent loop).
+FWD_SWEEP = [(1, 4, 8), (1, 8, 8), (1, 16, 8), (2, 8, 8), (2, 16, 8), (4, 16, 8)]
+FWD_SWEEP += [(1, 8, 2), (1, 8, 4), (1, 8, 64), (1, 4, 64)]
+BWD_SWEEP = [(1, 4, 1), (1, 8, 1), (1, 8, 2), (1, 16, 1), (2, 8, 2), (2, 16, 1), (4, 16, 1)]
+BWD_SWEEP += [(1, 8, 4), (1, 4, 4), (1, 4, 2)]
+
+
+def gpu_ms(fn, reps: int = 15, inner: int = 5, warmup: int = 3) -> float:
+    """Median milliseconds per call of fn on the GPU (CUDA events around `inner` calls)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(inner):
+            fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / inner)
+    return statistics.median(times)
+
+
+def host_us(fn, calls: int = 1000, warmup: int = 50) -> float:
+    """Wall microseconds per call of fn, calls queued back to back, one synchronize; best of 3."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+        best = min(best, (time.perf_counter() - start) / calls * 1e6)
+    return best
+
+
+def ops(rows: int, cols: int) -> tuple[dict[str, tuple], dict[str, int]]:
+    """name -> (torchte fn, torch fn) at rows x cols, and name -> bytes the op must move."""
+    dev = "cuda"
+    x = torch.randn(rows, cols, device=dev, dtype=DTYPE)
+    dy = torch.randn_like(x)
+    w = torch.randn(cols, device=dev, dtype=DTYPE)
+    b = torch.randn(cols, device=dev, dtype=DTYPE)
+    _, mean, rstd = norm.layernorm_forward(x, w, b, EPS, False)
+    _, rms_rstd = norm.rmsnorm_forward(x, w, EPS, False)
+    _, t_mean, t_rstd = torch.ops.aten.native_layer_norm(x, [cols], w, b, EPS)
+    x_req = x.detach().requires_grad_()
+    w_req = w.detach().requires_grad_()
+    y_rms = F.rms_norm(x_req, (cols,), w_req, EPS)
+    fns = {
+        "layernorm fwd": (
+            lambda: norm.layernorm_forward(x, w, b, EPS, False),
+            lambda: F.layer_norm(x, (cols,), w, b, EPS),
+        ),
+        "layernorm bwd": (
+            lambda: norm.layernorm_backward(dy, x, w, mean, rstd, False),
+            lambda: torch.ops.aten.native_layer_norm_backward(
+                dy, x, [cols], t_mean, t_rstd, w, b, [True, True, True]
+            ),
+        ),
+        "rmsnorm fwd": (
+            lambda: norm.rmsnorm_forward(x, w, EPS, False),
+            lambda: F.rms_norm(x, (cols,), w, EPS),
+        ),
+        "rmsnorm bwd": (
+            lambda: norm.rmsnorm_backward(dy, x, w, rms_rstd, False),
+            lambda: torch.autograd.grad(y_rms, (x_req, w_req), dy, retain_graph=True),
+        ),
+    }
+    act, vec, stat = x.numel() * x.element_size(), cols * w.element_size(), rows * 4
+    moved = {
+        "layernorm fwd": 2 * act + 2 * vec + 2 * stat,
+        "layernorm bwd": 3 * act + 3 * vec + 2 * stat,
+        "rmsnorm fwd": 2 * act + vec + stat,
+        "rmsnorm bwd": 3 * act + 2 * vec + stat,
+    }
+    return fns, moved
+
+
+def copy_gbs(rows: int, cols: int) -> tuple[float, float]:
+    """(ms, GB/s) of a device-to-device copy of a rows x cols bf16 tensor, read + write."""
+    x = torch.randn(rows, cols, device="cuda", dtype=DTYPE)
+    dst = torch.empty_like(x)
+    ms = gpu_ms(lambda: dst.copy_(x))
+    return ms, 2 * x.numel() * x.element_size() / ms / 1e6
+
+
+def bandwidth(rows: int, cols: int) -> list[dict]:
+    copy_ms, copy_rate = copy_gbs(rows, cols)
+    out = [{"op": "copy_ (d2d)", "impl": "torch", "ms": copy_ms, "GB/s": copy_rate, "frac": 1.0}]
+    fns, moved = ops(rows, cols)
+    for name, (fn, ref) in fns.items():
+        for impl, f in (("torchte", fn), ("torch", ref)):
+            try:
+                ms = gpu_ms(f)
+            except Exception as exc:  # a benchmark reports, never stops
+                out.append({"op": name, "impl": impl, "error": repr(exc)})
+                continue
+            gbs = moved[name] / ms / 1e6
+            out.append({"op": name, "impl": impl, "ms": ms, "GB/s": gbs, "frac": gbs / copy_rate})
+    return out
+
+
+def sweep(rows: int, cols: int) -> list[dict]:
+    """Block configurations of the forward and backward kernels (LayerNorm)."""
+    _, copy_rate = copy_gbs(rows, cols)
+    x = torch.randn(rows, cols, device="cuda", dtype=DTYPE)
+    dy = torch.randn_like(x)
+    w = torch.randn(cols, device="cuda", dtype=DTYPE)
+    b = torch.randn(cols, device="cuda", dtype=DTYPE)
+    _, mean, rstd = norm.layernorm_forward(x, w, b, EPS, False)
+    act = x.numel() * x.element_size()
+    block_n = min(1 << (cols - 1).bit_length(), norm.FWD_MAX_BLOCK_N)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    out = []
+    for block_m, warps, per_sm in FWD_SWEEP:
+        cfg = (block_m, block_n, warps, cols > block_n)
+
+        def fwd(cfg=cfg, per_sm=per_sm):
+            norm._forward(x, w, b, EPS, False, False, cfg, sms * per_sm)
+
+        out.append(_sweep_row("fwd", (*cfg, f"{per_sm}/SM"), fwd, 2 * act, copy_rate))
+    block_n = min(1 << (cols - 1).bit_length(), norm.BWD_MAX_BLOCK_N)
+    for block_m, warps, per_sm in BWD_SWEEP:
+        cfg = (block_m, block_n, warps, cols > block_n)
+
+        def bwd(cfg=cfg, per_sm=per_sm):
+            norm._backward(dy, x, w, mean, rstd, False, False, True, cfg, sms * per_sm)
+
+        out.append(_sweep_row("bwd", (*cfg, f"{per_sm}/SM"), bwd, 3 * act, copy_rate))
+    return out
+
+
+def _sweep_row(kernel: str, config, fn, nbytes: int, copy_rate: float) -> dict:
+    try:
+        ms = gpu_ms(fn)
+    except Exception as exc:
+        return {"kernel": kernel, "config": config, "error": repr(exc)}
+    return {"kernel": kernel, "config": config, "ms": ms, "frac": nbytes / ms / 1e6 / copy_rate}
+
+
+def host_overhead(rows: int = 16, cols: int = 1024) -> list[dict]:
+    """Host microseconds per call: kernel functions and modules, torchte vs torch."""
+    fns, _ = ops(rows, cols)
+    x = torch.randn(rows, cols, device="cuda", dtype=DTYPE, requires_grad=True)
+    dy = torch.randn_like(x)
+    modules = {
+        "LayerNorm fwd+bwd": (LayerNorm(cols, params_dtype=DTYPE, device="cuda"),
+                              nn.LayerNorm(cols, dtype=DTYPE, device="cuda")),
+        "RMSNorm fwd+bwd": (RMSNorm(cols, params_dtype=DTYPE, device="cuda"),
+                            nn.RMSNorm(cols, dtype=DTYPE, device="cuda")),
+    }  # fmt: skip
+    for name, (te_mod, torch_mod) in modules.items():
+        fns[name] = (
+            lambda m=te_mod: m(x).backward(dy),
+            lambda m=torch_mod: m(x).backward(dy),
+        )
+    out = []
+    for name, (fn, ref) in fns.items():
+        row = {"op": name}
+        for impl, f in (("torchte_us", fn), ("torch_us", ref)):
+            try:
+                row[impl] = host_us(f)
+            except Exception as exc:
+                row[impl] = None
+                row[impl + "_error"] = repr(exc)
+        out.append(row)
+    return out
+
+
+def fmt(value, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", default=None, help="write the results here")
+    parser.add_argument("--rows", type=int, default=8192)
+    parser.add_argument("--cols", type=int, default=4096)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("norm benchmark: no CUDA device, nothing measured")
+        return
+    sweep_rows = sweep(args.rows, args.cols)
+    host = host_overhead()
+    main_rows = bandwidth(args.rows, args.cols)
+
+    print(f"\nsweep at {args.rows}x{args.cols} bf16, LayerNorm (fraction of d2d copy bandwidth)")
+    for row in sweep_rows:
+        print(f"  {row['kernel']:4s} {row['config']!s:34s} ", end="")
+        print(row.get("error") or f"{row['ms']:.4f} ms  {row['frac']:.3f}")
+
+    print("\nhost us per call at 16x1024 bf16 (calls queued, one synchronize)")
+    print(f"  {'op':20s} {'torchte':>9s} {'torch':>9s} {'torch/te':>9s}")
+    for row in host:
+        te, ref = row.get("torchte_us"), row.get("torch_us")
+        ratio = ref / te if te and ref else None
+        print(f"  {row['op']:20s} {fmt(te, '9.1f')} {fmt(ref, '9.1f')} {fmt(ratio, '9.2f')}")
+
+    print(f"\nbandwidth at {args.rows}x{args.cols} bf16 on {torch.cuda.get_device_name()}")
+    print(f"  {'op':14s} {'impl':8s} {'ms':>8s} {'GB/s':>8s} {'of copy':>8s}")
+    for row in main_rows:
+        if "error" in row:
+            print(f"  {row['op']:14s} {row['impl']:8s} {row['error']}")
+            continue
+        print(
+            f"  {row['op']:14s} {row['impl']:8s} {row['ms']:8.4f} {row['GB/s']:8.1f} "
+            f"{row['frac']:8.3f}"
+        )
+    if args.json:
+        import triton
+
+        result = {
+            "device": torch.cuda.get_device_name(),
+            "torch": torch.__version__,
+            "triton": triton.__version__,
+            "date": datetime.date.today().isoformat(),
+            "shape": [args.rows, args.cols],
+            "bandwidth": main_rows,
+            "sweep": sweep_rows,
+            "host_us": host,
+        }
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2, default=str)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,250 @@
+"""te.LayerNorm and te.RMSNorm: normalization over the last dimension, Transformer Engine's API.
+
+Legend: x (..., H) input, H = hidden_size, M = prod(...) rows; weight, bias (H,) in
+params_dtype; y (..., H). The compute dtype is torch's autocast dtype when autocast is on, else
+params_dtype, as in Transformer Engine: the input is cast to it and y comes out in it; the
+parameters are used in their own dtype (the kernels read fp32 parameters next to bf16 x).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from torchte.kernels.norm import (
+    layernorm_backward,
+    layernorm_forward,
+    rmsnorm_backward,
+    rmsnorm_forward,
+)
+
+from .base import TransformerEngineBaseModule
+
+__all__ = ["LayerNorm", "RMSNorm"]
+
+
+@dataclass(frozen=True, slots=True)
+class NormSettings:
+    """What a norm's autograd.Function needs beyond tensors (one per module, reused)."""
+
+    eps: float
+    """Added to the variance (LayerNorm) or the mean square (RMSNorm) before the square root."""
+    zero_centered_gamma: bool
+    """Scale by 1 + weight instead of weight."""
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """t (..., H) as a contiguous (M, H)."""
+    t2d = t.reshape(-1, t.shape[-1])
+    return t2d if t2d.is_contiguous() else t2d.contiguous()
+
+
+class _LayerNormFunction(torch.autograd.Function):
+    """LayerNorm forward and backward on (..., H) inputs; `settings` is the module's."""
+
+    @staticmethod
+    def forward(ctx, inp, weight, bias, settings: NormSettings):
+        x2d = _rows(inp)
+        y, mean, rstd = layernorm_forward(
+            x2d, weight, bias, settings.eps, settings.zero_centered_gamma
+        )
+        ctx.save_for_backward(x2d, weight, mean, rstd)
+        ctx.settings = settings
+        ctx.has_bias = bias is not None
+        return y.view(inp.shape)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x2d, weight, mean, rstd = ctx.saved_tensors
+        dx, dw, db = layernorm_backward(
+            _rows(grad_out),
+            x2d,
+            weight,
+            mean,
+            rstd,
+            ctx.settings.zero_centered_gamma,
+            has_bias=ctx.has_bias,
+        )
+        return dx.view(grad_out.shape), dw, db, None
+
+
+class _RMSNormFunction(torch.autograd.Function):
+    """RMSNorm forward and backward on (..., H) inputs; `settings` is the module's."""
+
+    @staticmethod
+    def forward(ctx, inp, weight, settings: NormSettings):
+        x2d = _rows(inp)
+        y, rstd = rmsnorm_forward(x2d, weight, settings.eps, settings.zero_centered_gamma)
+        ctx.save_for_backward(x2d, weight, rstd)
+        ctx.settings = settings
+        return y.view(inp.shape)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x2d, weight, rstd = ctx.saved_tensors
+        dx, dw = rmsnorm_backward(
+            _rows(grad_out), x2d, weight, rstd, ctx.settings.zero_centered_gamma
+        )
+        return dx.view(grad_out.shape), dw, None
+
+
+def _hidden_size(cls: str, hidden_size, normalized_shape) -> int:
+    """The one normalized size from hidden_size or normalized_shape (an int or a 1-sequence)."""
+    if (hidden_size is None) == (normalized_shape is None):
+        raise TypeError(f"te.{cls}: give exactly one of hidden_size and normalized_shape")
+    size = hidden_size if hidden_size is not None else normalized_shape
+    if isinstance(size, Sequence):
+        if len(size) != 1:
+            raise NotImplementedError(
+                f"te.{cls} normalizes over the last dimension only; got shape {tuple(size)}"
+            )
+        size = size[0]
+    if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
+        raise ValueError(f"te.{cls}: hidden_size must be a positive int, got {size!r}")
+    return size
+
+
+class _Norm(TransformerEngineBaseModule):
+    """What LayerNorm and RMSNorm share: parameters, checks, the compute dtype."""
+
+    # Transformer Engine's norm modules have no extra state: their state_dict is weight (and
+    # bias) only, so checkpoints load either way. Undo the base class's override.
+    get_extra_state = nn.Module.get_extra_state
+    set_extra_state = nn.Module.set_extra_state
+
+    def __init__(
+        self,
+        cls: str,
+        hidden_size,
+        normalized_shape,
+        eps: float,
+        sequence_parallel: bool | None,
+        params_dtype: torch.dtype | None,
+        zero_centered_gamma: bool,
+        device,
+        has_bias: bool,
+    ) -> None:
+        super().__init__(device, params_dtype)
+        self.hidden_size = _hidden_size(cls, hidden_size, normalized_shape)
+        if not eps >= 0:
+            raise ValueError(f"te.{cls}: eps must be >= 0, got {eps}")
+        self.eps = float(eps)
+        self.zero_centered_gamma = bool(zero_centered_gamma)
+        # Sequence parallelism changes no arithmetic here: it only marks the parameters, whose
+        # gradients Megatron-style trainers then all-reduce across the tensor-parallel group.
+        self.sequence_parallel = bool(sequence_parallel)
+        kw = {"dtype": self.params_dtype, "device": self.device}
+        self.weight = nn.Parameter(torch.empty(self.hidden_size, **kw))
+        if has_bias:
+            self.bias = nn.Parameter(torch.empty(self.hidden_size, **kw))
+        else:
+            self.register_parameter("bias", None)
+        for param in self.parameters():
+            param.sequence_parallel = self.sequence_parallel
+        self.reset_parameters()
+        self._settings = NormSettings(self.eps, self.zero_centered_gamma)
+        self._device_type = self.device.type
+        self._finish_init()
+
+    def reset_parameters(self) -> None:
+        """weight = 0 under zero_centered_gamma, else 1; bias = 0."""
+        with torch.no_grad():
+            self.weight.fill_(0.0 if self.zero_centered_gamma else 1.0)
+            if self.bias is not None:
+                self.bias.zero_()
+
+    def _input(self, inp: torch.Tensor) -> torch.Tensor:
+        """inp checked and cast to the compute dtype (see the module docstring)."""
+        self._check_input(inp, self.hidden_size, "hidden_size")
+        dtype = self.params_dtype
+        if torch.is_autocast_enabled(self._device_type):
+            dtype = torch.get_autocast_dtype(self._device_type)
+        return inp if inp.dtype is dtype else inp.to(dtype)
+
+    def extra_repr(self) -> str:
+        return (
+            f"{self.hidden_size}, eps={self.eps}, zero_centered_gamma={self.zero_centered_gamma}"
+            f", params_dtype={self.params_dtype}, device={self.device}"
+        )
+
+
+class LayerNorm(_Norm):
+    """y = (x - mean) / sqrt(var + eps) * g + b over the last dimension, g = weight (or
+    1 + weight with zero_centered_gamma); Transformer Engine's arguments.
+
+    x (..., hidden_size) fp32/bf16/fp16 -> y of the same shape, in params_dtype (or torch's
+    autocast dtype). Parameters `weight` and `bias` (hidden_size,).
+    """
+
+    def __init__(
+        self,
+        hidden_size: int | Sequence[int] | None = None,
+        eps: float = 1e-5,
+        sequence_parallel: bool | None = None,
+        params_dtype: torch.dtype | None = None,
+        zero_centered_gamma: bool = False,
+        device: torch.device | str | None = None,
+        normalization: str = "LayerNorm",
+        *,
+        normalized_shape: int | Sequence[int] | None = None,
+    ) -> None:
+        if normalization != "LayerNorm":
+            raise ValueError(
+                f"te.LayerNorm: normalization must be 'LayerNorm', got {normalization!r}; "
+                "use te.RMSNorm for RMSNorm"
+            )
+        super().__init__(
+            "LayerNorm", hidden_size, normalized_shape, eps, sequence_parallel, params_dtype,
+            zero_centered_gamma, device, has_bias=True,
+        )  # fmt: skip
+
+    def forward(self, inp: torch.Tensor) -> torch.Tensor:
+        """inp (..., hidden_size) -> (..., hidden_size)."""
+        x = self._input(inp)
+        params = self._parameters
+        weight, bias = params["weight"], params["bias"]
+        if torch.is_grad_enabled() and (
+            x.requires_grad or weight.requires_grad or bias.requires_grad
+        ):
+            return _LayerNormFunction.apply(x, weight, bias, self._settings)
+        settings = self._settings
+        y = layernorm_forward(_rows(x), weight, bias, settings.eps, settings.zero_centered_gamma)
+        return y[0].view(x.shape)
+
+
+class RMSNorm(_Norm):
+    """y = x / sqrt(mean(x^2) + eps) * g over the last dimension, g = weight (or 1 + weight
+    with zero_centered_gamma); Transformer Engine's arguments.
+
+    x (..., hidden_size) fp32/bf16/fp16 -> y of the same shape, in params_dtype (or torch's
+    autocast dtype). Parameter `weight` (hidden_size,).
+    """
+
+    def __init__(
+        self,
+        hidden_size: int | Sequence[int] | None = None,
+        eps: float = 1e-5,
+        sequence_parallel: bool | None = None,
+        params_dtype: torch.dtype | None = None,
+        zero_centered_gamma: bool = False,
+        device: torch.device | str | None = None,
+        *,
+        normalized_shape: int | Sequence[int] | None = None,
+    ) -> None:
+        super().__init__(
+            "RMSNorm", hidden_size, normalized_shape, eps, sequence_parallel, params_dtype,
+            zero_centered_gamma, device, has_bias=False,
+        )  # fmt: skip
+
+    def forward(self, inp: torch.Tensor) -> torch.Tensor:
+        """inp (..., hidden_size) -> (..., hidden_size)."""
+        x = self._input(inp)
+        weight = self._parameters["weight"]
+        if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+            return _RMSNormFunction.apply(x, weight, self._settings)
+        settings = self._settings
+        y, _ = rmsnorm_forward(_rows(x), weight, settings.eps, settings.zero_centered_gamma)
+        return y.view(x.shape)
