@@ -12,10 +12,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from torchte import _nvtx
 from torchte.autocast import autocast_state
 from torchte.gemm import fp8_gemm, hp_linear, hp_mm
-from torchte.quantization.float8 import Float8Storage
 from torchte.quantization.float8_tensor import Float8Tensor
 from torchte.quantization.model_init import make_fp8_parameter, model_init_settings
 
@@ -24,18 +22,17 @@ from .base import (
     FP8Setup,
     TransformerEngineBaseModule,
     check_fp8_dims,
-    fp8_weight_cached,
     prime_weight_scale,
 )
 
 __all__ = [
+    "GemmRecord",
     "LinearCore",
     "LinearPlan",
     "cast_to",
     "check_unsupported",
     "linear_backward",
     "linear_forward",
-    "remember_linear",
 ]
 
 _STATE = autocast_state()
@@ -56,6 +53,7 @@ class LinearPlan:
         "fp8",
         "fp8_grad",
         "fp8_output",
+        "gemm",
         "group",
         "is_first_microbatch",
         "main_grad",
@@ -63,9 +61,10 @@ class LinearPlan:
         "setup",
     )
 
-    def __init__(self, **fields) -> None:
+    def __init__(self, gemm: int = 0, **fields) -> None:
+        self.gemm = gemm  # which GEMM of the module: its quantizers and cached weight
         for name in self.__slots__:
-            if name != "fast":
+            if name not in ("fast", "gemm"):
                 setattr(self, name, fields[name])
         # Plain high precision: nn.Linear's own kernels and autograd do everything.
         self.fast = not (self.fp8 or self.calibrating or self.main_grad is not None)
@@ -83,7 +82,7 @@ def linear_forward(inp, weight, bias, w_fp8, plan: LinearPlan, need_dgrad, need_
             x_fp8 = inp._storage
             x_fp8.update_usage(rowwise_usage=True, columnwise_usage=need_wgrad or None)
         else:
-            x_fp8 = setup.input[0].quantize(x2d, rowwise=True, columnwise=need_wgrad)
+            x_fp8 = setup.input[plan.gemm].quantize(x2d, rowwise=True, columnwise=need_wgrad)
         y = fp8_gemm(
             x_fp8.rowwise_data,
             x_fp8.scale_inv,
@@ -101,33 +100,45 @@ def linear_forward(inp, weight, bias, w_fp8, plan: LinearPlan, need_dgrad, need_
         x_hp = x2d if x2d.dtype == dtype else x2d.to(dtype)
         w_hp = weight if weight.dtype == dtype else weight.to(dtype)
         if plan.calibrating:
-            plan.setup.input[0].record_amax(x2d)
-            plan.setup.weight[0].record_amax(weight)
+            plan.setup.input[plan.gemm].record_amax(x2d)
+            plan.setup.weight[plan.gemm].record_amax(weight)
         y = hp_linear(x_hp, w_hp, bias)
         x_saved = x_hp if need_wgrad else None
         w_saved = w_hp if need_dgrad else None
     y = y.view(*inp.shape[:-1], y.shape[-1])
     if plan.fp8_output:
-        y = plan.setup.output[0].quantize(y, rowwise=True, columnwise=True)
+        y = plan.setup.output[plan.gemm].quantize(y, rowwise=True, columnwise=True)
     return y, x_saved, w_saved
 
 
-def remember_linear(ctx, inp, weight, bias, plan, need_dgrad: bool, need_wgrad: bool) -> None:
-    """Record on ctx what linear_backward needs to know about the forward's GEMM."""
-    ctx.plan = plan
-    ctx.inp_shape = inp.shape
-    ctx.weight_shape, ctx.weight_dtype, ctx.weight_device = (
-        weight.shape,
-        weight.dtype,
-        weight.device,
+class GemmRecord:
+    """What linear_backward needs to know about one forward GEMM (kept on the Function's ctx)."""
+
+    __slots__ = (
+        "bias_requires_grad",
+        "has_bias",
+        "inp_shape",
+        "need_dgrad",
+        "need_wgrad",
+        "plan",
+        "weight_device",
+        "weight_dtype",
+        "weight_requires_grad",
+        "weight_shape",
     )
-    ctx.weight_requires_grad = weight.requires_grad
-    ctx.has_bias = bias is not None
-    ctx.bias_requires_grad = bias is not None and bias.requires_grad
-    ctx.need_dgrad, ctx.need_wgrad = need_dgrad, need_wgrad
+
+    def __init__(self, inp, weight, bias, plan, need_dgrad: bool, need_wgrad: bool) -> None:
+        self.plan = plan
+        self.inp_shape = inp.shape
+        self.weight_shape, self.weight_dtype = weight.shape, weight.dtype
+        self.weight_device = weight.device
+        self.weight_requires_grad = weight.requires_grad
+        self.has_bias = bias is not None
+        self.bias_requires_grad = bias is not None and bias.requires_grad
+        self.need_dgrad, self.need_wgrad = need_dgrad, need_wgrad
 
 
-def linear_backward(ctx, grad_out, x_saved, w_saved):
+def linear_backward(ctx: GemmRecord, grad_out, x_saved, w_saved):
     """(dgrad of ctx.inp_shape | None, wgrad | None, dbias | None) of y = x W^T + b."""
     plan: LinearPlan = ctx.plan
     if isinstance(grad_out, Float8Tensor):
@@ -145,14 +156,14 @@ def linear_backward(ctx, grad_out, x_saved, w_saved):
     if dgrad is not None:
         dgrad = dgrad.view(ctx.inp_shape)
         if plan.fp8_grad:
-            dgrad = plan.setup.grad_input[0].quantize(dgrad, rowwise=True, columnwise=True)
+            dgrad = plan.setup.grad_input[plan.gemm].quantize(dgrad, rowwise=True, columnwise=True)
     return dgrad, wgrad, dbias
 
 
 def _backward_fp8(ctx, plan, dy2d, dy_fp8, x_fp8, w_fp8):
     setup: FP8Setup = plan.setup
     if dy_fp8 is None:
-        dy_fp8 = setup.grad_output[0].quantize(
+        dy_fp8 = setup.grad_output[plan.gemm].quantize(
             dy2d, rowwise=ctx.need_dgrad, columnwise=ctx.need_wgrad
         )
     else:
@@ -238,8 +249,6 @@ class LinearCore(TransformerEngineBaseModule):
         self._nvtx_name = f"te.{type(self).__name__}.forward {name or ''}"
         self._splits = split_parameter_names(parameters_split, out_features, "out_features")
         self._make_parameters(init_method or default_init_method)
-        self._plans: dict[tuple, LinearPlan] = {}
-        self._last_plan: tuple | None = None
         self._device_type = self.device.type
 
     def _apply_function(self, inp, weight, bias, w_fp8, plan: LinearPlan):
@@ -287,22 +296,6 @@ class LinearCore(TransformerEngineBaseModule):
 
     # -- per-call ---------------------------------------------------------------------------------
 
-    def _plan(self, dtype, is_first_microbatch, fp8_output, fp8_grad) -> LinearPlan:
-        state = _STATE
-        fp8, calibrating = state.enabled, state.calibrating and not state.enabled
-        recipe = state.recipe if (fp8 or calibrating) else None
-        group = state.group if recipe is not None else None
-        key = (fp8, calibrating, recipe, group, dtype, is_first_microbatch, fp8_output, fp8_grad)
-        last = self._last_plan
-        if last is not None and last[0] == key:
-            return last[1]
-        plan = self._plans.get(key)
-        if plan is None:
-            plan = self._build_plan(key)
-            self._plans[key] = plan
-        self.__dict__["_last_plan"] = (key, plan)
-        return plan
-
     def _build_plan(self, key: tuple) -> LinearPlan:
         fp8, calibrating, recipe, group, dtype, is_first_microbatch, fp8_output, fp8_grad = key
         if (fp8_output or fp8_grad) and not fp8:
@@ -337,52 +330,21 @@ class LinearCore(TransformerEngineBaseModule):
 
     def _forward_function(self, inp, weight, bias, plan: LinearPlan, is_first_microbatch):
         """The autograd.Function path (FP8, calibration, fused wgrad), exception-safe."""
-        setup = plan.setup
-        fwd_state = setup.fwd_state if setup is not None else None
-        _nvtx.range_push(self._nvtx_name)
-        try:
-            w_fp8 = self._weight_fp8(weight, plan, is_first_microbatch, self._needs_dgrad(inp))
-            out = self._apply_function(inp, weight, bias, w_fp8, plan)
-        except BaseException:
-            if fwd_state is not None:
-                _STATE.drop_forward(fwd_state)  # no half-recorded amaxes survive a failure
-            raise
-        finally:
-            _nvtx.range_pop()
-        if fwd_state is not None:
-            _STATE.register_forward(fwd_state, plan.recipe, plan.group)
-            self.__dict__["_saved_history_len"] = plan.recipe.amax_history_len
-        return out
 
-    def _weight_fp8(self, weight, plan, is_first_microbatch, need_columnwise):
-        if not plan.fp8:
-            return None
-        if isinstance(weight, Float8Tensor):
-            storage: Float8Storage = weight._storage
-            if need_columnwise and storage.columnwise_data is None:
-                storage.update_usage(columnwise_usage=True)
-            return storage
-        setup = plan.setup
+        def run():
+            w_fp8 = self._fp8_weight(
+                weight, plan, is_first_microbatch, self._needs_dgrad(inp), self._version_of(weight)
+            )
+            return self._apply_function(inp, weight, bias, w_fp8, plan)
+
+        return self._guarded_forward(plan.setup, plan.recipe, plan.group, run)
+
+    def _version_of(self, weight: torch.Tensor):
         names = self.weight_names
-        version = (
-            tuple(getattr(self, n)._version for n in names) if len(names) > 1 else (weight._version)
-        )
-        generation = (_STATE.step, setup.fwd_state.generation if setup.fwd_state else 0)
-        return fp8_weight_cached(
-            setup.weight_cache[0],
-            weight,
-            setup.weight[0],
-            version,
-            generation,
-            is_first_microbatch,
-            need_columnwise,
-        )
-
-    def __getstate__(self) -> dict:
-        # Plans hold weakrefs to this module's parameters: a copy builds its own.
-        state = self.__dict__.copy()
-        state.update(_plans={}, _last_plan=None, _fp8_setups={})
-        return state
+        if len(names) == 1:
+            return weight._version
+        params = self._parameters
+        return tuple(params[n]._version for n in names)
 
     def extra_repr(self) -> str:
         return (

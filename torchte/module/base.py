@@ -11,20 +11,25 @@
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
+from torchte import _nvtx
 from torchte._device import default_device, fp8_support
+from torchte.autocast import autocast_state
 from torchte.kernels.cast_transpose import compute_scale_reference
 from torchte.quantization.delayed import DelayedScalingState
 from torchte.quantization.float8 import Float8CurrentScalingQuantizer, Float8Storage
+from torchte.quantization.float8_tensor import Float8Tensor
 from torchte.recipe import DelayedScaling, Float8CurrentScaling, Recipe
 
 __all__ = ["FP8Setup", "TransformerEngineBaseModule"]
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_STATE = autocast_state()
 
 
 class FP8Setup:
@@ -105,10 +110,14 @@ class TransformerEngineBaseModule(nn.Module):
                 f"got {self.params_dtype}"
             )
         self.num_gemms = num_gemms
+        self._nvtx_name = f"te.{type(self).__name__}.forward"
         # history_len -> (forward state, backward state); the last used one is saved.
         self._delayed_states: dict[int, tuple[DelayedScalingState, DelayedScalingState]] = {}
         self._saved_history_len: int | None = None
         self._fp8_setups: dict[Recipe, FP8Setup] = {}
+        # Plans: what a forward needs beyond tensors, built once per setting (see _plan).
+        self._plans: dict[tuple, Any] = {}
+        self._last_plan: tuple | None = None
 
     def _finish_init(self) -> None:
         """Call at the end of a subclass __init__: from here on, setattr warns."""
@@ -182,6 +191,74 @@ class TransformerEngineBaseModule(nn.Module):
         fwd.load(state["fwd_scale"], state["fwd_amax_history"])
         bwd.load(state["bwd_scale"], state["bwd_amax_history"])
         self.__dict__["_saved_history_len"] = length
+
+    # -- per call ----------------------------------------------------------------------------------
+
+    def _plan(self, dtype, is_first_microbatch, fp8_output, fp8_grad):
+        """The plan for the autocast state and these flags (built once by _build_plan)."""
+        state = _STATE
+        fp8, calibrating = state.enabled, state.calibrating and not state.enabled
+        recipe = state.recipe if (fp8 or calibrating) else None
+        group = state.group if recipe is not None else None
+        key = (fp8, calibrating, recipe, group, dtype, is_first_microbatch, fp8_output, fp8_grad)
+        last = self._last_plan
+        if last is not None and last[0] == key:
+            return last[1]
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._build_plan(key)
+            self._plans[key] = plan
+        self.__dict__["_last_plan"] = (key, plan)
+        return plan
+
+    def _build_plan(self, key: tuple):
+        raise NotImplementedError
+
+    def _guarded_forward(self, setup: FP8Setup | None, recipe, group, run: Callable):
+        """run() inside an NVTX range; a failure drops the step's recorded amaxes of this
+        module (rule 2: nothing half-recorded survives), success registers the scale update."""
+        fwd_state = setup.fwd_state if setup is not None else None
+        _nvtx.range_push(self._nvtx_name)
+        try:
+            out = run()
+        except BaseException:
+            if fwd_state is not None:
+                _STATE.drop_forward(fwd_state)
+            raise
+        finally:
+            _nvtx.range_pop()
+        if fwd_state is not None:
+            _STATE.register_forward(fwd_state, recipe, group)
+            self.__dict__["_saved_history_len"] = recipe.amax_history_len
+        return out
+
+    def _fp8_weight(self, weight, plan, is_first_microbatch, need_columnwise, version):
+        """The FP8 weight of GEMM plan.gemm: a Float8Tensor parameter's own storage, or the
+        cached quantized copy (requantized when `version` or the step's scale moved)."""
+        if not plan.fp8:
+            return None
+        if isinstance(weight, Float8Tensor):
+            storage: Float8Storage = weight._storage
+            if need_columnwise and storage.columnwise_data is None:
+                storage.update_usage(columnwise_usage=True)
+            return storage
+        setup = plan.setup
+        generation = (_STATE.step, setup.fwd_state.generation if setup.fwd_state else 0)
+        return fp8_weight_cached(
+            setup.weight_cache[plan.gemm],
+            weight,
+            setup.weight[plan.gemm],
+            version,
+            generation,
+            is_first_microbatch,
+            need_columnwise,
+        )
+
+    def __getstate__(self) -> dict:
+        # Plans hold weakrefs to this module's parameters: a copy builds its own.
+        state = self.__dict__.copy()
+        state.update(_plans={}, _last_plan=None, _fp8_setups={})
+        return state
 
     # -- checks shared by forwards ----------------------------------------------------------------
 

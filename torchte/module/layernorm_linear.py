@@ -17,13 +17,13 @@ from torchte.kernels import norm as norm_kernels
 
 from ._common import restore_saved, save_for_backward
 from ._linear_core import (
+    GemmRecord,
     LinearCore,
     LinearPlan,
     cast_to,
     check_unsupported,
     linear_backward,
     linear_forward,
-    remember_linear,
 )
 
 __all__ = ["LayerNormLinear", "NormSpec"]
@@ -92,14 +92,14 @@ class _LayerNormLinearFunction(torch.autograd.Function):
             inp, ln_weight, ln_bias, weight, bias, w_fp8, plan, norm, need_dgrad, need_wgrad
         )
         save_for_backward(ctx, x2d, ln_weight, mean, rstd, z_saved, w_saved)
-        remember_linear(ctx, z, weight, bias, plan, need_dgrad, need_wgrad)
+        ctx.gemm = GemmRecord(z, weight, bias, plan, need_dgrad, need_wgrad)
         ctx.norm = norm
         return y, z
 
     @staticmethod
     def backward(ctx, grad_y, grad_z):
         x2d, ln_weight, mean, rstd, z_saved, w_saved = restore_saved(ctx)
-        dz, wgrad, dbias = linear_backward(ctx, grad_y, z_saved, w_saved)
+        dz, wgrad, dbias = linear_backward(ctx.gemm, grad_y, z_saved, w_saved)
         dx = d_ln_weight = d_ln_bias = None
         if dz is not None:
             dz = dz.reshape(x2d.shape)
@@ -107,7 +107,7 @@ class _LayerNormLinearFunction(torch.autograd.Function):
                 dz = dz + grad_z.reshape(x2d.shape)
             dz = dz.to(x2d.dtype).contiguous()
             dx, d_ln_weight, d_ln_bias = ctx.norm.backward(dz, x2d, ln_weight, mean, rstd)
-            dx = dx.view(ctx.inp_shape)
+            dx = dx.view(ctx.gemm.inp_shape)
             if not ctx.needs_input_grad[2]:
                 d_ln_bias = None
         return dx, d_ln_weight, d_ln_bias, wgrad, dbias, None, None, None

@@ -16,13 +16,13 @@ from torchte.quantization.float8_tensor import Float8Tensor
 
 from ._common import restore_saved, save_for_backward
 from ._linear_core import (
+    GemmRecord,
     LinearCore,
     LinearPlan,
     cast_to,
     check_unsupported,
     linear_backward,
     linear_forward,
-    remember_linear,
 )
 
 __all__ = ["Linear"]
@@ -39,13 +39,13 @@ class _LinearFunction(torch.autograd.Function):
         need_wgrad = ctx.needs_input_grad[1] or plan.main_grad is not None
         y, x_saved, w_saved = linear_forward(inp, weight, bias, w_fp8, plan, need_dgrad, need_wgrad)
         save_for_backward(ctx, x_saved, w_saved)
-        remember_linear(ctx, inp, weight, bias, plan, need_dgrad, need_wgrad)
+        ctx.gemm = GemmRecord(inp, weight, bias, plan, need_dgrad, need_wgrad)
         return y
 
     @staticmethod
     def backward(ctx, grad_out):
         x_saved, w_saved = restore_saved(ctx)
-        dgrad, wgrad, dbias = linear_backward(ctx, grad_out, x_saved, w_saved)
+        dgrad, wgrad, dbias = linear_backward(ctx.gemm, grad_out, x_saved, w_saved)
         return dgrad, wgrad, dbias, None, None
 
 
