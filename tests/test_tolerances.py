@@ -48,3 +48,12 @@ def test_assert_close_uses_the_dtype_tolerance() -> None:
         assert_close(expected * (1 + 4 * rtol), expected, torch.bfloat16)
     with pytest.raises(KeyError, match="no tolerance"):
         tolerance(torch.int8)
+
+
+def test_assert_close_to_scale_uses_the_largest_magnitude():
+    from tolerances import assert_close_to_scale
+
+    expected = torch.tensor([1.0, 0.001])
+    assert_close_to_scale(torch.tensor([1.0, 0.001 + 0.015]), expected, torch.bfloat16)
+    with pytest.raises(AssertionError):
+        assert_close_to_scale(torch.tensor([1.0, 0.001 + 0.02]), expected, torch.bfloat16)

@@ -81,3 +81,16 @@ def representable(
     )
     values = ints.to(torch.float32) * (scale / n)
     return values if device is None else values.to(device)
+
+
+def assert_close_to_scale(
+    actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, msg: str | None = None
+) -> None:
+    """Like assert_close, with atol raised to rtol * max |expected|: for results that are
+    differences of rounded terms of that size (a norm's input gradient subtracts two means
+    from each element), whose absolute error follows the terms, not the result."""
+    rtol, atol = tolerance(dtype)
+    expected_f64 = expected.detach().to(device="cpu", dtype=torch.float64)
+    atol = max(atol, rtol * expected_f64.abs().max().item())
+    actual_f64 = actual.detach().to(device="cpu", dtype=torch.float64)
+    torch.testing.assert_close(actual_f64, expected_f64, rtol=rtol, atol=atol, msg=msg)

@@ -7,6 +7,7 @@ from . import recipe
 from ._device import is_fp8_available
 from .autocast import autocast, fp8_autocast
 from .module.layernorm_linear import LayerNormLinear
+from .module.layernorm_mlp import LayerNormMLP
 from .module.linear import Linear
 from .module.norm import LayerNorm, RMSNorm
 from .quantization.float8_tensor import Float8Tensor
@@ -16,6 +17,7 @@ __all__ = [
     "Float8Tensor",
     "LayerNorm",
     "LayerNormLinear",
+    "LayerNormMLP",
     "Linear",
     "RMSNorm",
     "autocast",

@@ -70,8 +70,11 @@ class LinearPlan:
         self.fast = not (self.fp8 or self.calibrating or self.main_grad is not None)
 
 
-def linear_forward(inp, weight, bias, w_fp8, plan: LinearPlan, need_dgrad, need_wgrad):
-    """y (..., N) and what backward needs: (x_saved, w_saved)."""
+def linear_forward(
+    inp, weight, bias, w_fp8, plan: LinearPlan, need_dgrad, need_wgrad, keep_rowwise=False
+):
+    """y (..., N) and what backward needs: (x_saved, w_saved). With keep_rowwise the saved FP8
+    input keeps its rowwise data too (for a recompute of this GEMM in backward)."""
     x2d = inp.reshape(-1, inp.shape[-1])
     dtype = plan.dtype
     if bias is not None and bias.dtype != dtype:
@@ -94,7 +97,7 @@ def linear_forward(inp, weight, bias, w_fp8, plan: LinearPlan, need_dgrad, need_
         )
         x_saved = x_fp8 if need_wgrad else None
         w_saved = w_fp8 if need_dgrad else None
-        if x_saved is not None and not isinstance(inp, Float8Tensor):
+        if x_saved is not None and not keep_rowwise and not isinstance(inp, Float8Tensor):
             x_fp8.update_usage(rowwise_usage=False)  # only the transpose is used in wgrad
     else:
         x_hp = x2d if x2d.dtype == dtype else x2d.to(dtype)
@@ -127,9 +130,9 @@ class GemmRecord:
         "weight_shape",
     )
 
-    def __init__(self, inp, weight, bias, plan, need_dgrad: bool, need_wgrad: bool) -> None:
+    def __init__(self, inp_shape, weight, bias, plan, need_dgrad: bool, need_wgrad: bool) -> None:
         self.plan = plan
-        self.inp_shape = inp.shape
+        self.inp_shape = inp_shape
         self.weight_shape, self.weight_dtype = weight.shape, weight.dtype
         self.weight_device = weight.device
         self.weight_requires_grad = weight.requires_grad

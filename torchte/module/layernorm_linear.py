@@ -92,7 +92,7 @@ class _LayerNormLinearFunction(torch.autograd.Function):
             inp, ln_weight, ln_bias, weight, bias, w_fp8, plan, norm, need_dgrad, need_wgrad
         )
         save_for_backward(ctx, x2d, ln_weight, mean, rstd, z_saved, w_saved)
-        ctx.gemm = GemmRecord(z, weight, bias, plan, need_dgrad, need_wgrad)
+        ctx.gemm = GemmRecord(z.shape, weight, bias, plan, need_dgrad, need_wgrad)
         ctx.norm = norm
         return y, z
 

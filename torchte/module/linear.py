@@ -39,7 +39,7 @@ class _LinearFunction(torch.autograd.Function):
         need_wgrad = ctx.needs_input_grad[1] or plan.main_grad is not None
         y, x_saved, w_saved = linear_forward(inp, weight, bias, w_fp8, plan, need_dgrad, need_wgrad)
         save_for_backward(ctx, x_saved, w_saved)
-        ctx.gemm = GemmRecord(inp, weight, bias, plan, need_dgrad, need_wgrad)
+        ctx.gemm = GemmRecord(inp.shape, weight, bias, plan, need_dgrad, need_wgrad)
         return y
 
     @staticmethod

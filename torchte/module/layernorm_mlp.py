@@ -1,0 +1,330 @@
+"""te.LayerNormMLP: norm -> fc1 -> activation -> fc2, as one module and one autograd.Function.
+
+Legend: x (..., H) input, z = norm(x) (..., H), h = z W1^T + b1 (..., F1) with F1 = 2F for
+gated activations (else F), a = act(h) (..., F), y = a W2^T + b2 (..., H).
+With checkpoint=True, h (the largest intermediate) is not kept: backward recomputes it from
+the saved z with the same bytes and GEMM, so the gradients are the same as without.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from torchte.gemm import fp8_gemm, hp_linear
+from torchte.kernels import activation as act_kernels
+from torchte.quantization.model_init import make_fp8_parameter, model_init_settings
+
+from ._common import MainGradTarget, restore_saved, save_for_backward
+from ._linear_core import (
+    GemmRecord,
+    LinearPlan,
+    cast_to,
+    check_unsupported,
+    default_init_method,
+    linear_backward,
+    linear_forward,
+)
+from .base import TransformerEngineBaseModule, check_fp8_dims, prime_weight_scale
+from .layernorm_linear import NormSpec
+
+__all__ = ["LayerNormMLP"]
+
+
+@dataclass(frozen=True)
+class MLPSpec:
+    """The module's fixed choices: norm, activation (with clamped_swiglu's limit and alpha),
+    and whether backward recomputes h."""
+
+    norm: NormSpec
+    activation: str
+    limit: float
+    alpha: float
+    checkpoint: bool
+
+
+class MLPPlan:
+    """The plans of the two GEMMs for one setting (autocast state, dtype, flags)."""
+
+    __slots__ = ("fc1", "fc2")
+
+    def __init__(self, fc1: LinearPlan, fc2: LinearPlan) -> None:
+        self.fc1, self.fc2 = fc1, fc2
+
+
+def _fc1(z_saved, w1_saved, bias, plan: LinearPlan) -> torch.Tensor:
+    """h (M, F1) from saved operands, the same GEMM call as linear_forward makes."""
+    if plan.fp8:
+        return fp8_gemm(
+            z_saved.rowwise_data,
+            z_saved.scale_inv,
+            w1_saved.rowwise_data,
+            w1_saved.scale_inv,
+            plan.dtype,
+            bias=cast_to(bias, plan.dtype),
+            use_fast_accum=True,
+        )
+    return hp_linear(z_saved, w1_saved, cast_to(bias, plan.dtype))
+
+
+def _mlp_forward(inp, params, w_fp8, plans: MLPPlan, spec: MLPSpec, needs):
+    """(y (..., H), z (..., H), saved values). needs = (dgrad1, wgrad1, dgrad2, wgrad2)."""
+    ln_weight, ln_bias, fc1_weight, fc1_bias, fc2_weight, fc2_bias = params
+    need_d1, need_w1, need_d2, need_w2 = needs
+    x2d = inp.reshape(-1, inp.shape[-1])
+    if x2d.dtype != plans.fc1.dtype:
+        x2d = x2d.to(plans.fc1.dtype)
+    if not x2d.is_contiguous():
+        x2d = x2d.contiguous()
+    z2d, mean, rstd = spec.norm.forward(x2d, ln_weight, ln_bias)
+    z = z2d.view(inp.shape)
+    keep = spec.checkpoint and (need_d1 or need_w1)  # recompute h from z in backward
+    h, z_saved, w1_saved = linear_forward(
+        z, fc1_weight, fc1_bias, w_fp8[0], plans.fc1, need_d1 or keep, need_w1 or keep, keep
+    )
+    h2d = h.reshape(-1, h.shape[-1])
+    a = act_kernels.activation_forward(h2d, spec.activation, spec.limit, spec.alpha)
+    a = a.view(*inp.shape[:-1], a.shape[-1])
+    y, a_saved, w2_saved = linear_forward(
+        a, fc2_weight, fc2_bias, w_fp8[1], plans.fc2, need_d2, need_w2
+    )
+    saved = (x2d, mean, rstd, z_saved, w1_saved, None if keep else h2d, a_saved, w2_saved)
+    return y, z, saved
+
+
+class _LayerNormMLPFunction(torch.autograd.Function):
+    """The whole MLP forward and backward; outputs (y, z): z is the norm's output."""
+
+    @staticmethod
+    def forward(ctx, inp, ln_w, ln_b, fc1_w, fc1_b, fc2_w, fc2_b, w1_fp8, w2_fp8, plans, spec):
+        grads = ctx.needs_input_grad
+        need_d1 = any(grads[:3])
+        need_w1 = grads[3] or plans.fc1.main_grad is not None
+        need_d2 = need_d1 or need_w1 or grads[4]
+        need_w2 = grads[5] or plans.fc2.main_grad is not None
+        params = (ln_w, ln_b, fc1_w, fc1_b, fc2_w, fc2_b)
+        needs = (need_d1, need_w1, need_d2, need_w2)
+        y, z, saved = _mlp_forward(inp, params, (w1_fp8, w2_fp8), plans, spec, needs)
+        save_for_backward(ctx, ln_w, fc1_b, *saved)
+        ctx.gemm1 = GemmRecord(z.shape, fc1_w, fc1_b, plans.fc1, need_d1, need_w1)
+        a_shape = (*inp.shape[:-1], fc2_w.shape[1])
+        ctx.gemm2 = GemmRecord(a_shape, fc2_w, fc2_b, plans.fc2, need_d2, need_w2)
+        ctx.plans, ctx.spec, ctx.h_cols = plans, spec, fc1_w.shape[0]
+        return y, z
+
+    @staticmethod
+    def backward(ctx, grad_y, grad_z):
+        ln_w, fc1_b, x2d, mean, rstd, z_saved, w1_saved, h2d, a_saved, w2_saved = restore_saved(ctx)
+        spec: MLPSpec = ctx.spec
+        da, dw2, db2 = linear_backward(ctx.gemm2, grad_y, a_saved, w2_saved)
+        dx = d_ln_w = d_ln_b = dw1 = db1 = None
+        if da is not None:
+            if h2d is None:
+                h2d = _fc1(z_saved, w1_saved, fc1_b, ctx.plans.fc1)
+            da2d = da.reshape(-1, da.shape[-1])
+            dh = act_kernels.activation_backward(da2d, h2d, spec.activation, spec.limit, spec.alpha)
+            dh = dh.view(*ctx.gemm1.inp_shape[:-1], ctx.h_cols)
+            dz, dw1, db1 = linear_backward(ctx.gemm1, dh, z_saved, w1_saved)
+            if dz is not None:
+                dz = dz.reshape(x2d.shape)
+                if grad_z is not None:
+                    dz = dz + grad_z.reshape(x2d.shape)
+                dz = dz.to(x2d.dtype).contiguous()
+                dx, d_ln_w, d_ln_b = spec.norm.backward(dz, x2d, ln_w, mean, rstd)
+                dx = dx.view(ctx.gemm1.inp_shape)
+                if not ctx.needs_input_grad[2]:
+                    d_ln_b = None
+        return dx, d_ln_w, d_ln_b, dw1, db1, dw2, db2, None, None, None, None
+
+
+class LayerNormMLP(TransformerEngineBaseModule):
+    """y = fc2(act(fc1(norm(x)))) with Transformer Engine's arguments; FP8 under te.autocast.
+
+    x (..., hidden_size) -> y (..., hidden_size). Parameters: layer_norm_weight,
+    layer_norm_bias (LayerNorm only), fc1_weight (F1, hidden_size), fc1_bias (F1,), fc2_weight
+    (hidden_size, ffn_hidden_size), fc2_bias (hidden_size,); F1 = 2 * ffn_hidden_size for gated
+    activations. Returns y, then fc2's bias if return_bias, then the norm's output if
+    return_layernorm_output.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        ffn_hidden_size: int,
+        eps: float = 1e-5,
+        sequence_parallel: bool = False,
+        return_bias: bool = False,
+        get_rng_state_tracker=None,
+        tp_group=None,
+        tp_size: int = 1,
+        init_method: Callable[[torch.Tensor], None] | None = None,
+        bias: bool = True,
+        normalization: str = "LayerNorm",
+        activation: str = "gelu",
+        activation_params: dict | None = None,
+        output_layer_init_method: Callable[[torch.Tensor], None] | None = None,
+        fuse_wgrad_accumulation: bool = False,
+        params_dtype: torch.dtype | None = None,
+        return_layernorm_output: bool = False,
+        return_layernorm_output_gathered: bool = False,
+        seq_length: int | None = None,
+        micro_batch_size: int | None = None,
+        set_parallel_mode: bool = False,
+        zero_centered_gamma: bool = False,
+        device: torch.device | str | None = None,
+        checkpoint: bool = False,
+        name: str | None = None,
+        **unsupported,
+    ) -> None:
+        super().__init__(device, params_dtype, num_gemms=2)
+        check_unsupported(
+            "te.LayerNormMLP", unsupported, tp_group, tp_size, None, sequence_parallel
+        )
+        if return_layernorm_output_gathered:
+            raise NotImplementedError(
+                "return_layernorm_output_gathered needs sequence parallelism, which torchte "
+                "does not implement yet"
+            )
+        if activation not in act_kernels.ACTIVATIONS:
+            known = ", ".join(act_kernels.ACTIVATIONS)
+            raise ValueError(f"activation must be one of {known}, got {activation!r}")
+        if hidden_size <= 0 or ffn_hidden_size <= 0:
+            raise ValueError(
+                f"hidden_size and ffn_hidden_size must be positive, got {hidden_size}, "
+                f"{ffn_hidden_size}"
+            )
+        act_params = dict(activation_params or {})
+        unknown = set(act_params) - {"limit", "alpha"}
+        if unknown:
+            raise ValueError(
+                f"activation_params accepts 'limit' and 'alpha', got {sorted(unknown)}"
+            )
+        self.hidden_size, self.ffn_hidden_size = hidden_size, ffn_hidden_size
+        self.normalization, self.activation, self.eps = normalization, activation, eps
+        self.zero_centered_gamma = zero_centered_gamma
+        self.use_bias, self.return_bias = bias, return_bias
+        self.return_layernorm_output = return_layernorm_output
+        self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
+        self.checkpoint, self.name = checkpoint, name
+        self._spec = MLPSpec(
+            NormSpec(normalization, float(eps), zero_centered_gamma),
+            activation,
+            float(act_params.get("limit", 7.0)),
+            float(act_params.get("alpha", 1.702)),
+            checkpoint,
+        )
+        self._nvtx_name = f"te.LayerNormMLP.forward {name or ''}"
+        self._device_type = self.device.type
+        self._make_parameters(
+            init_method or default_init_method, output_layer_init_method or default_init_method
+        )
+        self._finish_init()
+
+    def _make_parameters(self, init_fc1: Callable, init_fc2: Callable) -> None:
+        kw = {"dtype": self.params_dtype, "device": self.device}
+        hidden, ffn = self.hidden_size, self.ffn_hidden_size
+        fc1_rows = 2 * ffn if act_kernels.is_gated(self.activation) else ffn
+        gamma = torch.zeros if self.zero_centered_gamma else torch.ones
+        self.layer_norm_weight = nn.Parameter(gamma(hidden, **kw))
+        if self.normalization == "LayerNorm":
+            self.layer_norm_bias = nn.Parameter(torch.zeros(hidden, **kw))
+        else:
+            self.register_parameter("layer_norm_bias", None)
+        settings = model_init_settings()
+        for gemm, (name, shape, init) in enumerate(
+            (("fc1", (fc1_rows, hidden), init_fc1), ("fc2", (hidden, ffn), init_fc2))
+        ):
+            weight = torch.empty(shape, **kw)
+            init(weight)
+            if settings is not None:
+                setup = self._fp8_setup(settings.recipe)
+                prime_weight_scale(setup, weight, gemm)
+                param = make_fp8_parameter(
+                    weight, setup.weight[gemm], settings.preserve_high_precision_init_val
+                )
+            else:
+                param = nn.Parameter(weight)
+            self.register_parameter(f"{name}_weight", param)
+            bias = nn.Parameter(torch.zeros(shape[0], **kw)) if self.use_bias else None
+            self.register_parameter(f"{name}_bias", bias)
+
+    def _build_plan(self, key: tuple) -> MLPPlan:
+        fp8, calibrating, recipe, group, dtype, is_first_microbatch, _, _ = key
+        if fp8:
+            check_fp8_dims(
+                "te.LayerNormMLP",
+                hidden_size=self.hidden_size,
+                ffn_hidden_size=self.ffn_hidden_size,
+            )
+        setup = self._fp8_setup(recipe) if recipe is not None else None
+
+        def plan(gemm: int, weight_name: str) -> LinearPlan:
+            main_grad = None
+            if self.fuse_wgrad_accumulation:
+                main_grad = MainGradTarget([self._parameters[weight_name]])
+            return LinearPlan(
+                gemm,
+                calibrating=calibrating,
+                dtype=dtype,
+                fp8=fp8,
+                fp8_grad=False,
+                fp8_output=False,
+                group=group,
+                is_first_microbatch=is_first_microbatch,
+                main_grad=main_grad,
+                recipe=recipe,
+                setup=setup,
+            )
+
+        return MLPPlan(plan(0, "fc1_weight"), plan(1, "fc2_weight"))
+
+    def forward(self, inp: torch.Tensor, is_first_microbatch: bool | None = None):
+        """inp (..., hidden_size) -> y (..., hidden_size) [, fc2 bias] [, norm output]."""
+        dtype = self.params_dtype
+        if torch.is_autocast_enabled(self._device_type):
+            dtype = torch.get_autocast_dtype(self._device_type)
+        self._check_input(inp, self.hidden_size, "hidden_size")
+        plans: MLPPlan = self._plan(dtype, is_first_microbatch, False, False)
+        p = self._parameters
+        fc2_bias = p["fc2_bias"]
+        params = (
+            p["layer_norm_weight"],
+            p["layer_norm_bias"],
+            p["fc1_weight"],
+            p["fc1_bias"],
+            p["fc2_weight"],
+            None if self.return_bias else fc2_bias,
+        )
+
+        def run():
+            need_dgrad = inp.requires_grad or any(
+                t is not None and t.requires_grad for t in params[:2]
+            )
+            w1 = self._fp8_weight(
+                params[2], plans.fc1, is_first_microbatch, need_dgrad, params[2]._version
+            )
+            w2 = self._fp8_weight(
+                params[4], plans.fc2, is_first_microbatch, True, params[4]._version
+            )
+            if torch.is_grad_enabled():
+                return _LayerNormMLPFunction.apply(inp, *params, w1, w2, plans, self._spec)
+            needs = (False, False, False, False)
+            return _mlp_forward(inp, params, (w1, w2), plans, self._spec, needs)[:2]
+
+        y, z = self._guarded_forward(plans.fc1.setup, plans.fc1.recipe, plans.fc1.group, run)
+        out = (y,)
+        if self.return_bias:
+            out += (cast_to(fc2_bias, dtype),)
+        if self.return_layernorm_output:
+            out += (z,)
+        return out if len(out) > 1 else y
+
+    def extra_repr(self) -> str:
+        return (
+            f"hidden_size={self.hidden_size}, ffn_hidden_size={self.ffn_hidden_size}, "
+            f"normalization={self.normalization}, activation={self.activation}, "
+            f"checkpoint={self.checkpoint}, params_dtype={self.params_dtype}, device={self.device}"
+        )
