@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from tolerances import assert_close, representable
+from tolerances import assert_close, assert_close_to_scale, representable
 
 import torchte as te
 from torchte import recipe
@@ -217,3 +217,16 @@ def test_no_setattr_on_the_hot_path():
         y.sum().backward()
     with pytest.warns(RuntimeWarning, match="_fast_setattr"):
         layer.some_state = 1
+
+
+@pytest.mark.parametrize("module", ["LayerNormLinear", "LayerNormMLP"])
+def test_gradient_through_the_norm_output_alone(module):
+    layer = getattr(te, module)(16, 16, return_layernorm_output=True)
+    x = representable((3, 16), torch.bfloat16).requires_grad_()
+    _, z = layer(x)
+    z.sum().backward()
+    x_ref = x.detach().double().requires_grad_()
+    F.layer_norm(x_ref, (16,), eps=1e-5).sum().backward()
+    assert_close_to_scale(x.grad, x_ref.grad, torch.float32)
+    weight = layer.weight if module == "LayerNormLinear" else layer.fc2_weight
+    assert not weight.grad.any()  # the GEMM got a zero gradient

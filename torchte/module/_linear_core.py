@@ -33,6 +33,7 @@ __all__ = [
     "check_unsupported",
     "linear_backward",
     "linear_forward",
+    "zero_grad_output",
 ]
 
 _STATE = autocast_state()
@@ -139,6 +140,13 @@ class GemmRecord:
         self.has_bias = bias is not None
         self.bias_requires_grad = bias is not None and bias.requires_grad
         self.need_dgrad, self.need_wgrad = need_dgrad, need_wgrad
+
+
+def zero_grad_output(record: GemmRecord, device: torch.device) -> torch.Tensor:
+    """A zero gradient for the GEMM's output, (..., N) in the compute dtype: for a Function
+    whose other output (the norm's) alone was used, so autograd gave this one none."""
+    shape = (*record.inp_shape[:-1], record.weight_shape[0])
+    return torch.zeros(shape, dtype=record.plan.dtype, device=device)
 
 
 def linear_backward(ctx: GemmRecord, grad_out, x_saved, w_saved):

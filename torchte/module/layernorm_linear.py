@@ -24,6 +24,7 @@ from ._linear_core import (
     check_unsupported,
     linear_backward,
     linear_forward,
+    zero_grad_output,
 )
 
 __all__ = ["LayerNormLinear", "NormSpec"]
@@ -86,6 +87,7 @@ class _LayerNormLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, inp, ln_weight, ln_bias, weight, bias, w_fp8, plan: LinearPlan, norm):
+        ctx.set_materialize_grads(False)  # an unused norm output gets no zero-filled gradient
         need_dgrad = any(ctx.needs_input_grad[:3])
         need_wgrad = ctx.needs_input_grad[3] or plan.main_grad is not None
         y, z, (x2d, mean, rstd, z_saved, w_saved) = _ln_linear_forward(
@@ -99,6 +101,8 @@ class _LayerNormLinearFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_y, grad_z):
         x2d, ln_weight, mean, rstd, z_saved, w_saved = restore_saved(ctx)
+        if grad_y is None:  # only the norm output was used
+            grad_y = zero_grad_output(ctx.gemm, x2d.device)
         dz, wgrad, dbias = linear_backward(ctx.gemm, grad_y, z_saved, w_saved)
         dx = d_ln_weight = d_ln_bias = None
         if dz is not None:

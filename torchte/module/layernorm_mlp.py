@@ -27,6 +27,7 @@ from ._linear_core import (
     default_init_method,
     linear_backward,
     linear_forward,
+    zero_grad_output,
 )
 from .base import TransformerEngineBaseModule, check_fp8_dims, prime_weight_scale
 from .layernorm_linear import NormSpec
@@ -100,6 +101,7 @@ class _LayerNormMLPFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, inp, ln_w, ln_b, fc1_w, fc1_b, fc2_w, fc2_b, w1_fp8, w2_fp8, plans, spec):
+        ctx.set_materialize_grads(False)  # an unused norm output gets no zero-filled gradient
         grads = ctx.needs_input_grad
         need_d1 = any(grads[:3])
         need_w1 = grads[3] or plans.fc1.main_grad is not None
@@ -119,6 +121,8 @@ class _LayerNormMLPFunction(torch.autograd.Function):
     def backward(ctx, grad_y, grad_z):
         ln_w, fc1_b, x2d, mean, rstd, z_saved, w1_saved, h2d, a_saved, w2_saved = restore_saved(ctx)
         spec: MLPSpec = ctx.spec
+        if grad_y is None:  # only the norm output was used
+            grad_y = zero_grad_output(ctx.gemm2, x2d.device)
         da, dw2, db2 = linear_backward(ctx.gemm2, grad_y, a_saved, w2_saved)
         dx = d_ln_w = d_ln_b = dw1 = db1 = None
         if da is not None:
