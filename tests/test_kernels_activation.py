@@ -10,15 +10,11 @@ reference does; the tolerance is the shared one of that dtype.
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import os
-import subprocess
-import sys
-import textwrap
 
 import pytest
 import torch
+from interpreter import requires_interpreter, run_under_interpreter
 from launches import count_device_ops
 from tolerances import assert_close, representable
 
@@ -337,7 +333,6 @@ def test_triton_one_launch_per_call(name):
 # launchers run on CPU tensors there; the tile configs make several row and column blocks.
 INTERPRETER_SCRIPT = """
 import torch
-torch.cuda.current_device = lambda: 0  # the launch cache asks; the interpreter runs on CPU
 from tolerances import assert_close, representable
 from torchte.kernels import activation as act
 
@@ -389,16 +384,6 @@ print("ok")
 """
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
+@requires_interpreter
 def test_triton_kernels_in_interpreter_match_reference():
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONWARNINGS="ignore")
-    tests = os.path.dirname(os.path.abspath(__file__))
-    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(tests), tests, env.get("PYTHONPATH", "")])
-    result = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(INTERPRETER_SCRIPT)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-4000:]
+    run_under_interpreter(INTERPRETER_SCRIPT)

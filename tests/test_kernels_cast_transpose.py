@@ -8,15 +8,11 @@ powers of two, so x * scale is exact in fp32 and ties between FP8 neighbours do 
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import os
-import subprocess
-import sys
-import textwrap
 
 import pytest
 import torch
+from interpreter import requires_interpreter, run_under_interpreter
 
 from torchte.kernels import cast_transpose as ct
 from torchte.kernels._triton import triton_available
@@ -333,20 +329,7 @@ def test_alloc_outputs_layout(rowwise, columnwise):
 INTERPRETER_SCRIPT = """
 import math
 import torch
-import triton.runtime.interpreter as interpreter
-torch.cuda.current_device = lambda: 0  # the launch cache asks; the interpreter runs on CPU
 
-# Triton 3.6's interpreter holds a scalar as a one-element 1-D numpy array and makes a loop
-# bound of it with int(array), which recent numpy (2.4 here) refuses: the single-program kernel
-# loops up to M * N. Index the one element instead.
-patch_lang_tensor = getattr(interpreter, "_patch_lang_tensor", None)
-
-def patch_index(tensor, scope):
-    patch_lang_tensor(tensor, scope)
-    scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-if patch_lang_tensor is not None:
-    interpreter._patch_lang_tensor = patch_index
 from torchte.kernels import cast_transpose as ct
 
 def check_small(x, fp8, power_2, eps=0.0, rowwise=True, columnwise=True):
@@ -434,16 +417,6 @@ print("ok")
 """
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
+@requires_interpreter
 def test_triton_kernels_in_interpreter_match_reference():
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONWARNINGS="ignore")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
-    result = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(INTERPRETER_SCRIPT)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-4000:]
+    run_under_interpreter(INTERPRETER_SCRIPT)

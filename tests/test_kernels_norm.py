@@ -9,15 +9,10 @@ dtypes (tolerances.representable), so the model sees the very values the kernels
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import subprocess
-import sys
-import textwrap
-
 import pytest
 import torch
 import torch.nn.functional as F
+from interpreter import requires_interpreter, run_under_interpreter
 from tolerances import assert_close, representable, tolerance
 
 from torchte.kernels import norm
@@ -192,19 +187,7 @@ def test_row_config():
 INTERPRETER_SCRIPT = """
 import itertools
 import torch
-import triton.runtime.interpreter as interpreter
-torch.cuda.current_device = lambda: 0  # the launch cache asks; the interpreter runs on CPU
 
-# Triton 3.6's interpreter makes a loop bound of a one-element array with int(array), which
-# recent numpy refuses (the kernels loop up to M and N): index the one element instead.
-patch_lang_tensor = getattr(interpreter, "_patch_lang_tensor", None)
-
-def patch_index(tensor, scope):
-    patch_lang_tensor(tensor, scope)
-    scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-if patch_lang_tensor is not None:
-    interpreter._patch_lang_tensor = patch_index
 from torchte.kernels import norm
 
 EPS = 1e-5
@@ -273,19 +256,9 @@ print("ok")
 """
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
+@requires_interpreter
 def test_triton_kernels_in_interpreter_match_reference():
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONWARNINGS="ignore")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
-    result = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(INTERPRETER_SCRIPT)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-4000:]
+    run_under_interpreter(INTERPRETER_SCRIPT)
 
 
 # ----------------------------------------------------------------------------------------------
