@@ -4,8 +4,9 @@
 - The module's device is fixed at construction; capability checks are cached per device.
 - Quantizers are built once per recipe (`FP8Setup`), delayed-scaling state lives per module and
   goes into the state_dict as extra state.
-- A weight is quantized once per change: the FP8 copy is cached by the parameter's `_version`
-  and the delayed-scaling generation of its scale.
+- A weight is quantized once per change: the FP8 copy is cached by the parameter's `_version`,
+  the autocast step (a write through `.data` does not move `_version`) and the generation of
+  its delayed scale.
 """
 
 from __future__ import annotations
