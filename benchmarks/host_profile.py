@@ -113,14 +113,20 @@ def pieces(tokens: int, features: int) -> dict[str, float]:
     return results
 
 
-def profile_step(tokens: int, features: int, fp8_recipe, steps: int = 300) -> str:
-    layer = te.Linear(features, features, device="cuda", params_dtype=torch.bfloat16)
+def profile_step(tokens: int, features: int, fp8_recipe, steps: int = 300, mlp=False) -> str:
+    """cProfile of `steps` forward+backward steps of a te.Linear (or te.LayerNormMLP with
+    ffn = 4 x features), the top entries by own time."""
+    if mlp:
+        layer = te.LayerNormMLP(features, 4 * features, device="cuda", params_dtype=torch.bfloat16)
+    else:
+        layer = te.Linear(features, features, device="cuda", params_dtype=torch.bfloat16)
     x = torch.randn(tokens, features, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn(tokens, features, device="cuda", dtype=torch.bfloat16)
 
     def step():
-        x.grad = layer.weight.grad = layer.bias.grad = None
-        with te.autocast(recipe=fp8_recipe):
+        x.grad = None
+        layer.zero_grad(set_to_none=True)
+        with te.autocast(enabled=fp8_recipe is not None, recipe=fp8_recipe):
             y = layer(x)
         y.backward(dy)
 
