@@ -149,7 +149,13 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     parser.add_argument("--tokens", type=int, default=16)
     parser.add_argument("--features", type=int, default=1024)
+    parser.add_argument("--mlp", action="store_true", help="profile te.LayerNormMLP only")
     args = parser.parse_args()
+    if args.mlp:
+        for name, r in (("bf16", None), ("delayed", recipe.DelayedScaling())):
+            print(f"=== cProfile, LayerNormMLP {name}, per 300 fwd+bwd steps (tottime)")
+            print(profile_step(args.tokens, args.features, r, mlp=True))
+        return
     for name, r in (
         ("delayed", recipe.DelayedScaling()),
         ("current", recipe.Float8CurrentScaling()),
