@@ -14,6 +14,7 @@ from torch import nn
 
 from torchte.autocast import autocast_state
 from torchte.gemm import fp8_gemm, hp_linear, hp_mm
+from torchte.quantization.float8 import Float8Storage
 from torchte.quantization.float8_tensor import Float8Tensor
 from torchte.quantization.model_init import make_fp8_parameter, model_init_settings
 
@@ -74,15 +75,19 @@ class LinearPlan:
 def linear_forward(
     inp, weight, bias, w_fp8, plan: LinearPlan, need_dgrad, need_wgrad, keep_rowwise=False
 ):
-    """y (..., N) and what backward needs: (x_saved, w_saved). With keep_rowwise the saved FP8
-    input keeps its rowwise data too (for a recompute of this GEMM in backward)."""
-    x2d = inp.reshape(-1, inp.shape[-1])
+    """y (..., N) and what backward needs: (x_saved, w_saved). inp may be a Float8Storage made
+    by a fused producer (FP8 only). With keep_rowwise the saved FP8 input keeps its rowwise data
+    too (for a recompute of this GEMM in backward)."""
+    produced = isinstance(inp, Float8Storage)
+    x2d = None if produced else inp.reshape(-1, inp.shape[-1])
     dtype = plan.dtype
     if bias is not None and bias.dtype != dtype:
         bias = bias.to(dtype)
     if plan.fp8:
         setup = plan.setup
-        if isinstance(inp, Float8Tensor):
+        if produced:
+            x_fp8 = inp
+        elif isinstance(inp, Float8Tensor):
             x_fp8 = inp._storage
             x_fp8.update_usage(rowwise_usage=True, columnwise_usage=need_wgrad or None)
         else:
@@ -149,21 +154,30 @@ def zero_grad_output(record: GemmRecord, device: torch.device) -> torch.Tensor:
     return torch.zeros(shape, dtype=record.plan.dtype, device=device)
 
 
-def linear_backward(ctx: GemmRecord, grad_out, x_saved, w_saved):
-    """(dgrad of ctx.inp_shape | None, wgrad | None, dbias | None) of y = x W^T + b."""
+def linear_backward(ctx: GemmRecord, grad_out, x_saved, w_saved, dy_fp8=None, dbias=None):
+    """(dgrad of ctx.inp_shape | None, wgrad | None, dbias | None) of y = x W^T + b.
+
+    A fused producer of the output gradient may hand it over already quantized (dy_fp8, a
+    Float8Storage, FP8 only) with its bias gradient (dbias); grad_out is then None.
+    """
     plan: LinearPlan = ctx.plan
     if isinstance(grad_out, Float8Tensor):
         dy_fp8, grad_out = grad_out._storage, grad_out.dequantize()
-    else:
-        dy_fp8 = None
-    dy2d = grad_out.reshape(-1, grad_out.shape[-1])
-    if not dy2d.is_contiguous():
-        dy2d = dy2d.contiguous()
+    dy2d = None
+    if grad_out is not None:
+        dy2d = grad_out.reshape(-1, grad_out.shape[-1])
+        if not dy2d.is_contiguous():
+            dy2d = dy2d.contiguous()
     if plan.fp8:
         dgrad, wgrad = _backward_fp8(ctx, plan, dy2d, dy_fp8, x_saved, w_saved)
     else:
         dgrad, wgrad = _backward_hp(ctx, plan, dy2d, x_saved, w_saved)
-    dbias = dy2d.sum(0).to(plan.dtype) if ctx.bias_requires_grad else None
+    if not ctx.bias_requires_grad:
+        dbias = None
+    elif dbias is None:
+        dbias = dy2d.sum(0).to(plan.dtype)
+    else:
+        dbias = dbias.to(plan.dtype)
     if dgrad is not None:
         dgrad = dgrad.view(ctx.inp_shape)
         if plan.fp8_grad:

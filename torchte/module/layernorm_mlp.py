@@ -2,6 +2,8 @@
 
 Legend: x (..., H) input, z = norm(x) (..., H), h = z W1^T + b1 (..., F1) with F1 = 2F for
 gated activations (else F), a = act(h) (..., F), y = a W2^T + b2 (..., H).
+Under delayed scaling the activation writes a in FP8 for fc2 (one launch), and its backward
+writes dh in FP8 for fc1 with fc1's bias gradient (one launch).
 With checkpoint=True, h (the largest intermediate) is not kept: backward recomputes it from
 the saved z with the same bytes and GEMM, so the gradients are the same as without.
 """
@@ -16,6 +18,8 @@ from torch import nn
 
 from torchte.gemm import fp8_gemm, hp_linear
 from torchte.kernels import activation as act_kernels
+from torchte.kernels import activation_fp8 as act_fp8_kernels
+from torchte.quantization.float8 import Float8Storage
 from torchte.quantization.model_init import make_fp8_parameter, model_init_settings
 
 from ._common import MainGradTarget, restore_saved, save_for_backward
@@ -71,6 +75,47 @@ def _fc1(z_saved, w1_saved, bias, plan: LinearPlan) -> torch.Tensor:
     return hp_linear(z_saved, w1_saved, cast_to(bias, plan.dtype))
 
 
+def _activation_fp8(h2d, spec: MLPSpec, plan: LinearPlan, columnwise: bool, shape):
+    """a = act(h) straight into FP8 with fc2's delayed input scale (amax recorded)."""
+    quantizer = plan.setup.input[plan.gemm]
+    scale_inv = torch.empty(1, dtype=torch.float32, device=h2d.device)
+    data, data_t = act_fp8_kernels.activation_forward_fp8(
+        h2d,
+        spec.activation,
+        spec.limit,
+        spec.alpha,
+        quantizer.scale,
+        quantizer.amax,
+        scale_inv,
+        quantizer.fp8_dtype,
+        columnwise,
+    )
+    return Float8Storage(data, data_t, scale_inv, quantizer.fp8_dtype, shape)
+
+
+def _activation_backward_fp8(da2d, h2d, spec: MLPSpec, record: GemmRecord):
+    """dh = act'(h) * da straight into FP8 with fc1's delayed gradient scale, and fc1's bias
+    gradient, in one launch: (dh as a Float8Storage, dbias)."""
+    plan = record.plan
+    quantizer = plan.setup.grad_output[plan.gemm]
+    scale_inv = torch.empty(1, dtype=torch.float32, device=h2d.device)
+    rowwise, columnwise, dbias = act_fp8_kernels.activation_backward_fp8(
+        da2d,
+        h2d,
+        spec.activation,
+        spec.limit,
+        spec.alpha,
+        quantizer.scale,
+        quantizer.amax,
+        scale_inv,
+        quantizer.fp8_dtype,
+        record.need_dgrad,
+        record.need_wgrad,
+    )
+    shape = (*record.inp_shape[:-1], h2d.shape[-1])
+    return Float8Storage(rowwise, columnwise, scale_inv, quantizer.fp8_dtype, shape), dbias
+
+
 def _mlp_forward(inp, params, w_fp8, plans: MLPPlan, spec: MLPSpec, needs):
     """(y (..., H), z (..., H), saved values). needs = (dgrad1, wgrad1, dgrad2, wgrad2)."""
     ln_weight, ln_bias, fc1_weight, fc1_bias, fc2_weight, fc2_bias = params
@@ -87,8 +132,12 @@ def _mlp_forward(inp, params, w_fp8, plans: MLPPlan, spec: MLPSpec, needs):
         z, fc1_weight, fc1_bias, w_fp8[0], plans.fc1, need_d1 or keep, need_w1 or keep, keep
     )
     h2d = h.reshape(-1, h.shape[-1])
-    a = act_kernels.activation_forward(h2d, spec.activation, spec.limit, spec.alpha)
-    a = a.view(*inp.shape[:-1], a.shape[-1])
+    a_shape = (*inp.shape[:-1], fc2_weight.shape[1])
+    if plans.fc2.fp8 and plans.fc2.setup.fwd_state is not None:
+        a = _activation_fp8(h2d, spec, plans.fc2, need_w2, a_shape)  # one launch: act + cast
+    else:
+        a = act_kernels.activation_forward(h2d, spec.activation, spec.limit, spec.alpha)
+        a = a.view(a_shape)
     y, a_saved, w2_saved = linear_forward(
         a, fc2_weight, fc2_bias, w_fp8[1], plans.fc2, need_d2, need_w2
     )
@@ -129,9 +178,16 @@ class _LayerNormMLPFunction(torch.autograd.Function):
             if h2d is None:
                 h2d = _fc1(z_saved, w1_saved, fc1_b, ctx.plans.fc1)
             da2d = da.reshape(-1, da.shape[-1])
-            dh = act_kernels.activation_backward(da2d, h2d, spec.activation, spec.limit, spec.alpha)
-            dh = dh.view(*ctx.gemm1.inp_shape[:-1], ctx.h_cols)
-            dz, dw1, db1 = linear_backward(ctx.gemm1, dh, z_saved, w1_saved)
+            fc1 = ctx.plans.fc1
+            if fc1.fp8 and fc1.setup.bwd_state is not None:
+                dh_fp8, dh_bias = _activation_backward_fp8(da2d, h2d, spec, ctx.gemm1)
+                dz, dw1, db1 = linear_backward(ctx.gemm1, None, z_saved, w1_saved, dh_fp8, dh_bias)
+            else:
+                dh = act_kernels.activation_backward(
+                    da2d, h2d, spec.activation, spec.limit, spec.alpha
+                )
+                dh = dh.view(*ctx.gemm1.inp_shape[:-1], ctx.h_cols)
+                dz, dw1, db1 = linear_backward(ctx.gemm1, dh, z_saved, w1_saved)
             if dz is not None:
                 dz = dz.reshape(x2d.shape)
                 if grad_z is not None:

@@ -1,0 +1,437 @@
+"""LayerNormMLP's activation fused with its FP8 quantization (delayed scaling), one launch each.
+
+Legend: h (M, K) the activation's input, K = 2N for gated activations (else N); a = act(h)
+(M, N); dy (M, N) the gradient of a; dh (M, K) the gradient of h. FP8 data is laid out as in
+cast_transpose: rowwise (rows, cols) and columnwise (cols, Mp), Mp = round_up(M, 16), the
+padding columns zero. scale, amax and scale_inv are fp32 tensors of shape (1,) on h's device.
+
+Under delayed scaling these replace two launches (forward) and three (backward, the dbias sum
+included) with one, and never write a or dh in high precision:
+  forward:  a = activation_forward(h); quantize_delayed(a, ...)
+  backward: dh = activation_backward(dy, h); quantize_delayed(dh, ...); dbias = dh.sum(0)
+and give the same FP8 bytes, amax and scale_inv as those: the activation math is the same code
+(activation.py's jit helpers, in fp32), each value is rounded to h's dtype before it is
+quantized or summed (as storing a or dh in h's dtype does), and the bytes come from
+cast_transpose's integer FP8 encoder (_fp8_code), stored as uint8 bytes (rowwise) and as int32
+words packing four rows (columnwise), never as FP8-typed values. dbias is summed in fp32 over
+the rounded dh, then rounded to dy's dtype: the unfused dh.sum(0) in dh's dtype may round it
+differently by an ulp.
+
+Launches per call (non-empty h): activation_forward_fp8 1, activation_backward_fp8 1. The
+backward grid has one program per column block, each looping over all M rows, so it owns the
+full column sums of its block: dbias needs no atomics and no second launch. That grid has
+ceil(N / 32) programs whatever M is; for many rows and few columns it may use the GPU less well
+than the unfused kernels (to be measured: benchmarks have not run on a GPU yet).
+
+On CUDA with Triton the kernels run; elsewhere (and for an empty h) the torch references below,
+composed of activation.py's and cast_transpose's references.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import activation as act_mod
+from ._triton import FastLaunch, triton_available
+from .cast_transpose import FP8_MAX, _alloc_outputs, quantize_delayed_reference
+
+# (BLOCK_M, BLOCK_N, num_warps). BLOCK_M is a multiple of 16 (cast_transpose's columnwise
+# alignment) so the row blocks that cover M also cover the padding up to Mp. Forward: the tile
+# of cast_transpose's CAST_CONFIG, over a 2-D grid. Backward: BLOCK_N = 32 for more programs on
+# the column-block grid; BLOCK_M rows per loop step. Neither is tuned on a GPU yet.
+FORWARD_FP8_CONFIG = (32, 128, 4)
+BACKWARD_FP8_CONFIG = (64, 32, 4)
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the torch references run
+    triton = None
+
+if triton is not None:
+    from .activation import _act_and_grad, _gate
+    from .cast_transpose import _abs_bits, _fp8_code
+
+    @triton.jit
+    def _round_as(v, ptr):
+        """fp32 v rounded to ptr's element type (fp32 / bf16 / fp16), back in fp32: the value a
+        store to ptr and a load back would give. bf16 is rounded in integer arithmetic, to
+        nearest even with NaN made the canonical 0x7FFF, as the GPU's conversion does, because
+        Triton's CPU interpreter truncates instead."""
+        if ptr.dtype.element_ty == tl.bfloat16:
+            bits = v.to(tl.int32, bitcast=True)
+            rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+            rounded = tl.where((bits & 0x7FFFFFFF) > 0x7F800000, 0x7FFF0000, rounded)
+            v = rounded.to(tl.float32, bitcast=True)
+        elif ptr.dtype.element_ty == tl.float16:
+            v = v.to(tl.float16).to(tl.float32)
+        return v
+
+    @triton.jit
+    def _encode(v, row_in, scale, FP8_MAX: tl.constexpr):
+        """FP8 bytes (int32, 0..255) of fp32 v * scale, clamped to the FP8 range (NaN passes),
+        rounded to nearest even; zero in the rows past M (row_in False: columnwise padding)."""
+        y = v * scale
+        y = tl.where(y > FP8_MAX, FP8_MAX, y)
+        y = tl.where(y < -FP8_MAX, -FP8_MAX, y)
+        return _fp8_code(tl.where(row_in[:, None], y, 0.0), FP8_MAX)
+
+    @triton.jit
+    def _store_words(out_t_ptr, words, cols, col_in, word0, M, BLOCK_M: tl.constexpr):
+        """Store words (BLOCK_M // 4, BLOCK_N) int32, word i of column c packing the bytes of
+        rows 4i..4i+3 (little endian), into out_t (K, Mp) seen as int32 words (K, Mp // 4): rows
+        `cols`, word columns word0 + i. A transpose of 32-bit words, never of 8-bit values."""
+        words_per_row = tl.multiple_of(tl.cdiv(M, 16) * 4, 4)
+        word_cols = word0 + tl.arange(0, BLOCK_M // 4)
+        offs = cols.to(tl.int64)[:, None] * words_per_row + word_cols[None, :]
+        mask = col_in[:, None] & (word_cols < words_per_row)[None, :]
+        tl.store(out_t_ptr.to(tl.pointer_type(tl.int32)) + offs, tl.trans(words), mask=mask)
+
+    @triton.jit
+    def _store_bytes(out_ptr, offs, code, mask):
+        """Store FP8 bytes code (int32, 0..255) at out + offs as uint8."""
+        tl.store(out_ptr.to(tl.pointer_type(tl.uint8)) + offs, code.to(tl.uint8), mask=mask)
+
+    @triton.jit
+    def _act_values(
+        h_ptr, rows, cols, mask, N, limit, alpha, ACT: tl.constexpr, GATED: tl.constexpr
+    ):
+        """a = act(h) at (rows, cols), fp32, rounded to h's dtype; 0 where masked out."""
+        k = N * 2 if GATED else N
+        offs = rows.to(tl.int64)[:, None] * k + cols[None, :]
+        x = tl.load(h_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        a, _ = _act_and_grad(x, limit, alpha, ACT)
+        if GATED:
+            g = tl.load(h_ptr + offs + N, mask=mask, other=0.0).to(tl.float32)
+            a = a * _gate(g, limit, ACT)
+        return _round_as(a, h_ptr)
+
+    @triton.jit
+    def _grad_values(
+        dy_ptr, h_ptr, rows, cols, mask, N, limit, alpha, ACT: tl.constexpr, GATED: tl.constexpr
+    ):
+        """(dh at (rows, cols), dh at (rows, cols + N)), fp32, rounded to h's dtype; 0 where
+        masked out. Not gated: the second is the first."""
+        r64 = rows.to(tl.int64)[:, None]
+        dy = tl.load(dy_ptr + r64 * N + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        k = N * 2 if GATED else N
+        offs = r64 * k + cols[None, :]
+        x = tl.load(h_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        act, dact = _act_and_grad(x, limit, alpha, ACT)
+        if GATED:
+            g = tl.load(h_ptr + offs + N, mask=mask, other=0.0).to(tl.float32)
+            dx1 = dy * dact * _gate(g, limit, ACT)
+            dx2 = dy * act
+            if ACT == "clamped_silu":
+                dx2 = tl.where((g >= -limit) & (g <= limit), dx2, 0.0)
+        else:
+            dx1 = dy * dact
+            dx2 = dx1
+        return _round_as(dx1, h_ptr), _round_as(dx2, h_ptr)
+
+    @triton.jit
+    def _forward_fp8_kernel(
+        h_ptr,  # (M, K) fp32 / bf16 / fp16, contiguous; K = 2N when GATED else N
+        scale_ptr,  # (1,) fp32
+        amax_ptr,  # (1,) fp32, max-accumulated as int32 bits (see cast_transpose)
+        scale_inv_ptr,  # (1,) fp32: 1 / scale, written by program (0, 0)
+        out_ptr,  # (M, N) fp8 rowwise data, written as uint8 bytes
+        out_t_ptr,  # (N, Mp) fp8 columnwise data, written as int32 words when COLUMNWISE
+        M,
+        N,
+        limit,  # fp32; clamped_silu only
+        alpha,  # fp32; clamped_silu only
+        FP8_MAX: tl.constexpr,  # 448.0 (e4m3) or 57344.0 (e5m2)
+        ACT: tl.constexpr,  # gelu, qgelu, relu, srelu, silu, clamped_silu
+        GATED: tl.constexpr,
+        COLUMNWISE: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+    ):
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        scale = tl.load(scale_ptr)
+        tl.store(scale_inv_ptr, tl.math.div_rn(1.0, scale), mask=(pid_m == 0) & (pid_n == 0))
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_in = cols < N
+        # Rows 4i + k of the tile, k = 0..3, as four slices: their bytes pack into int32 words.
+        group = pid_m * BLOCK_M + 4 * tl.arange(0, BLOCK_M // 4)
+        bits = tl.zeros((BLOCK_M // 4, BLOCK_N), tl.int32)
+        words = tl.zeros((BLOCK_M // 4, BLOCK_N), tl.int32)
+        for k in tl.static_range(4):
+            rows = group + k
+            row_in = rows < M
+            mask = row_in[:, None] & col_in[None, :]
+            a = _act_values(h_ptr, rows, cols, mask, N, limit, alpha, ACT, GATED)
+            bits = tl.maximum(bits, _abs_bits(a))
+            code = _encode(a, row_in, scale, FP8_MAX)
+            _store_bytes(out_ptr, rows.to(tl.int64)[:, None] * N + cols[None, :], code, mask)
+            if COLUMNWISE:
+                words = words | (code << (8 * k))
+        if COLUMNWISE:
+            _store_words(out_t_ptr, words, cols, col_in, pid_m * (BLOCK_M // 4), M, BLOCK_M)
+        tl.atomic_max(amax_ptr.to(tl.pointer_type(tl.int32)), tl.max(bits), sem="relaxed")
+
+    @triton.jit
+    def _backward_fp8_kernel(
+        dy_ptr,  # (M, N) fp32 / bf16 / fp16, contiguous
+        h_ptr,  # (M, K) fp32 / bf16 / fp16, contiguous; K = 2N when GATED else N
+        scale_ptr,  # (1,) fp32
+        amax_ptr,  # (1,) fp32, max-accumulated as int32 bits (see cast_transpose)
+        scale_inv_ptr,  # (1,) fp32: 1 / scale, written by program 0
+        out_ptr,  # (M, K) fp8 rowwise data, written as uint8 bytes when ROWWISE
+        out_t_ptr,  # (K, Mp) fp8 columnwise data, written as int32 words when COLUMNWISE
+        dbias_ptr,  # (K,) dy's dtype: column sums of dh
+        M,
+        N,
+        limit,  # fp32; clamped_silu only
+        alpha,  # fp32; clamped_silu only
+        FP8_MAX: tl.constexpr,  # 448.0 (e4m3) or 57344.0 (e5m2)
+        ACT: tl.constexpr,  # gelu, qgelu, relu, srelu, silu, clamped_silu
+        GATED: tl.constexpr,
+        ROWWISE: tl.constexpr,
+        COLUMNWISE: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+    ):
+        """Program p owns columns [p BLOCK_N, (p + 1) BLOCK_N) of dh (and the same columns + N
+        when GATED) over all M rows, so it writes their full sums to dbias."""
+        pid = tl.program_id(0)
+        scale = tl.load(scale_ptr)
+        tl.store(scale_inv_ptr, tl.math.div_rn(1.0, scale), mask=pid == 0)
+        cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_in = cols < N
+        k_cols = N * 2 if GATED else N
+        bits = tl.zeros((BLOCK_M // 4, BLOCK_N), tl.int32)
+        sum1 = tl.zeros((BLOCK_M // 4, BLOCK_N), tl.float32)
+        sum2 = tl.zeros((BLOCK_M // 4, BLOCK_N), tl.float32)
+        # Steps of BLOCK_M rows (a multiple of 16): the last one also covers the padding to Mp.
+        for start in range(0, M, BLOCK_M):
+            group = start + 4 * tl.arange(0, BLOCK_M // 4)
+            words1 = tl.zeros((BLOCK_M // 4, BLOCK_N), tl.int32)
+            words2 = tl.zeros((BLOCK_M // 4, BLOCK_N), tl.int32)
+            for k in tl.static_range(4):
+                rows = group + k
+                row_in = rows < M
+                mask = row_in[:, None] & col_in[None, :]
+                dx1, dx2 = _grad_values(
+                    dy_ptr, h_ptr, rows, cols, mask, N, limit, alpha, ACT, GATED
+                )
+                offs = rows.to(tl.int64)[:, None] * k_cols + cols[None, :]
+                bits = tl.maximum(bits, _abs_bits(dx1))
+                sum1 += dx1
+                code1 = _encode(dx1, row_in, scale, FP8_MAX)
+                words1 = words1 | (code1 << (8 * k))
+                if ROWWISE:
+                    _store_bytes(out_ptr, offs, code1, mask)
+                if GATED:
+                    bits = tl.maximum(bits, _abs_bits(dx2))
+                    sum2 += dx2
+                    code2 = _encode(dx2, row_in, scale, FP8_MAX)
+                    words2 = words2 | (code2 << (8 * k))
+                    if ROWWISE:
+                        _store_bytes(out_ptr, offs + N, code2, mask)
+            if COLUMNWISE:
+                _store_words(out_t_ptr, words1, cols, col_in, start // 4, M, BLOCK_M)
+                if GATED:
+                    _store_words(out_t_ptr, words2, cols + N, col_in, start // 4, M, BLOCK_M)
+        # Rounded in fp32 first, so the cast below is exact (the interpreter's cast truncates).
+        bias_ty = dbias_ptr.dtype.element_ty
+        tl.store(dbias_ptr + cols, _round_as(tl.sum(sum1, 0), dbias_ptr).to(bias_ty), mask=col_in)
+        if GATED:
+            dbias2 = _round_as(tl.sum(sum2, 0), dbias_ptr).to(bias_ty)
+            tl.store(dbias_ptr + N + cols, dbias2, mask=col_in)
+        tl.atomic_max(amax_ptr.to(tl.pointer_type(tl.int32)), tl.max(bits), sem="relaxed")
+
+    _launch_forward_fp8 = FastLaunch(_forward_fp8_kernel)
+    _launch_backward_fp8 = FastLaunch(_backward_fp8_kernel)
+
+
+# ----------------------------------------------------------------------------------------------
+# Public API and launchers
+# ----------------------------------------------------------------------------------------------
+
+
+def activation_forward_fp8(
+    h: torch.Tensor,
+    name: str,
+    limit: float,
+    alpha: float,
+    scale: torch.Tensor,
+    amax: torch.Tensor,
+    scale_inv: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    columnwise: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """a = name(h) quantized with the delayed scale (1,): h (M, K) -> (rowwise (M, N),
+    columnwise (N, Mp) or None) in fp8_dtype. Max-accumulates max |a| into amax (1,) and writes
+    1 / scale into scale_inv (1,). Same bytes as activation_forward then quantize_delayed."""
+    act, gated = act_mod._spec(name)
+    n = act_mod._out_cols(h, gated, name)
+    _check_fp8_dtype(fp8_dtype)
+    h2d = _as_2d(h)
+    if h2d.is_cuda and triton_available() and h2d.numel() > 0:
+        return _forward_fp8_triton(
+            h2d, n, act, gated, limit, alpha, scale, amax, scale_inv, fp8_dtype, columnwise
+        )
+    return activation_forward_fp8_reference(
+        h2d, name, limit, alpha, scale, amax, scale_inv, fp8_dtype, columnwise
+    )
+
+
+def activation_backward_fp8(
+    dy: torch.Tensor,
+    h: torch.Tensor,
+    name: str,
+    limit: float,
+    alpha: float,
+    scale: torch.Tensor,
+    amax: torch.Tensor,
+    scale_inv: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    rowwise: bool,
+    columnwise: bool,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+    """dh = dy * d name(h) / dh quantized with the delayed scale (1,): dy (M, N), h (M, K) ->
+    (rowwise (M, K) or None, columnwise (K, Mp) or None, dbias (K,) in dy's dtype), dbias the
+    column sums of dh. Max-accumulates max |dh| into amax (1,), writes 1 / scale into
+    scale_inv (1,)."""
+    act, gated = act_mod._spec(name)
+    n = act_mod._out_cols(h, gated, name)
+    act_mod._check_dy(dy, h, n, name)
+    _check_fp8_dtype(fp8_dtype)
+    h2d, dy2d = _as_2d(h), _as_2d(dy)
+    if h2d.is_cuda and triton_available() and h2d.numel() > 0:
+        quant = (scale, amax, scale_inv, fp8_dtype, rowwise, columnwise)
+        return _backward_fp8_triton(dy2d, h2d, n, act, gated, limit, alpha, *quant)
+    return activation_backward_fp8_reference(
+        dy2d, h2d, name, limit, alpha, scale, amax, scale_inv, fp8_dtype, rowwise, columnwise
+    )
+
+
+def _check_fp8_dtype(fp8_dtype: torch.dtype) -> None:
+    if fp8_dtype not in FP8_MAX:
+        known = ", ".join(str(d) for d in FP8_MAX)
+        raise TypeError(f"fp8_dtype must be one of {known}, got {fp8_dtype}")
+
+
+def _as_2d(x: torch.Tensor) -> torch.Tensor:
+    """x (..., C) as a contiguous (prod(...), C)."""
+    x2d = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
+    return x2d if x2d.is_contiguous() else x2d.contiguous()
+
+
+def _forward_fp8_triton(
+    h: torch.Tensor,
+    n: int,
+    act: str,
+    gated: bool,
+    limit: float,
+    alpha: float,
+    scale: torch.Tensor,
+    amax: torch.Tensor,
+    scale_inv: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    columnwise: bool,
+    config: tuple[int, int, int] = FORWARD_FP8_CONFIG,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Launch _forward_fp8_kernel on a contiguous, non-empty h (M, K); a is (M, n)."""
+    rows = h.shape[0]
+    block_m, block_n, num_warps = config
+    data, data_t = _alloc_outputs(rows, n, fp8_dtype, h.device, True, columnwise)
+    out_t = scale_inv if data_t is None else data_t  # never stored to when not asked for
+    grid = ((rows + block_m - 1) // block_m, (n + block_n - 1) // block_n, 1)
+    key = (
+        h.dtype, fp8_dtype, act, gated, columnwise, config,
+        rows == 1, rows & 15, rows >> 31, n == 1, n & 15, n >> 31,
+        h.data_ptr() & 15, scale.data_ptr() & 15, amax.data_ptr() & 15,
+        scale_inv.data_ptr() & 15, data.data_ptr() & 15, out_t.data_ptr() & 15,
+    )  # fmt: skip
+    _launch_forward_fp8(
+        key, grid, num_warps, h, scale, amax, scale_inv, data, out_t, rows, n, float(limit),
+        float(alpha), FP8_MAX[fp8_dtype], act, gated, columnwise, block_m, block_n,
+    )  # fmt: skip
+    return data, data_t
+
+
+def _backward_fp8_triton(
+    dy: torch.Tensor,
+    h: torch.Tensor,
+    n: int,
+    act: str,
+    gated: bool,
+    limit: float,
+    alpha: float,
+    scale: torch.Tensor,
+    amax: torch.Tensor,
+    scale_inv: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    rowwise: bool,
+    columnwise: bool,
+    config: tuple[int, int, int] = BACKWARD_FP8_CONFIG,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+    """Launch _backward_fp8_kernel on contiguous dy (M, n) and non-empty h (M, K)."""
+    rows, cols = h.shape
+    block_m, block_n, num_warps = config
+    data, data_t = _alloc_outputs(rows, cols, fp8_dtype, h.device, rowwise, columnwise)
+    dbias = torch.empty(cols, dtype=dy.dtype, device=h.device)
+    out = scale_inv if data is None else data  # never stored to when not asked for
+    out_t = scale_inv if data_t is None else data_t
+    key = (
+        dy.dtype, h.dtype, fp8_dtype, act, gated, rowwise, columnwise, config,
+        rows == 1, rows & 15, rows >> 31, n == 1, n & 15, n >> 31,
+        dy.data_ptr() & 15, h.data_ptr() & 15, scale.data_ptr() & 15, amax.data_ptr() & 15,
+        scale_inv.data_ptr() & 15, out.data_ptr() & 15, out_t.data_ptr() & 15,
+        dbias.data_ptr() & 15,
+    )  # fmt: skip
+    _launch_backward_fp8(
+        key, ((n + block_n - 1) // block_n, 1, 1), num_warps, dy, h, scale, amax, scale_inv,
+        out, out_t, dbias, rows, n, float(limit), float(alpha), FP8_MAX[fp8_dtype], act, gated,
+        rowwise, columnwise, block_m, block_n,
+    )  # fmt: skip
+    return data, data_t, dbias
+
+
+# ----------------------------------------------------------------------------------------------
+# Torch references: the same functions, used on CPU and in tests
+# ----------------------------------------------------------------------------------------------
+
+
+def activation_forward_fp8_reference(
+    h: torch.Tensor,
+    name: str,
+    limit: float,
+    alpha: float,
+    scale: torch.Tensor,
+    amax: torch.Tensor,
+    scale_inv: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    columnwise: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Torch reference of activation_forward_fp8: h (M, K) -> (rowwise (M, N), columnwise
+    (N, Mp) or None)."""
+    a = act_mod.activation_forward_reference(h, name, limit, alpha)
+    a2d = a.reshape(-1, a.shape[-1])
+    return quantize_delayed_reference(a2d, scale, amax, scale_inv, fp8_dtype, True, columnwise)
+
+
+def activation_backward_fp8_reference(
+    dy: torch.Tensor,
+    h: torch.Tensor,
+    name: str,
+    limit: float,
+    alpha: float,
+    scale: torch.Tensor,
+    amax: torch.Tensor,
+    scale_inv: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    rowwise: bool,
+    columnwise: bool,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+    """Torch reference of activation_backward_fp8: dy (M, N), h (M, K) -> (rowwise (M, K) or
+    None, columnwise (K, Mp) or None, dbias (K,) in dy's dtype, summed in fp32)."""
+    dh = act_mod.activation_backward_reference(dy, h, name, limit, alpha)
+    dh2d = dh.reshape(-1, dh.shape[-1])
+    quant = (scale, amax, scale_inv, fp8_dtype, rowwise, columnwise)
+    data, data_t = quantize_delayed_reference(dh2d, *quant)
+    return data, data_t, dh2d.float().sum(0).to(dy.dtype)
