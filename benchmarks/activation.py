@@ -19,46 +19,15 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import statistics
-import time
 
 import torch
 import torch.nn.functional as F
+from timing import fmt, gpu_ms, host_us
 
 from torchte.kernels import activation as act
 
 SWEEP = [(1024, 4), (2048, 4), (2048, 8), (4096, 4), (4096, 8), (8192, 8), (8192, 16)]
 NAMES = ["swiglu", "gelu"]
-
-
-def gpu_ms(fn, reps: int = 20, warmup: int = 3) -> float:
-    """Median milliseconds of fn on the GPU (CUDA events around each call)."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
-def host_us(fn, calls: int = 2000, warmup: int = 50) -> float:
-    """Wall microseconds per call of fn, calls queued back to back, one synchronize (best of 3)."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(3):
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-        best = min(best, (time.perf_counter() - start) / calls * 1e6)
-    return best
 
 
 def eager_forward(x: torch.Tensor, name: str) -> torch.Tensor:
@@ -196,10 +165,6 @@ def host_overhead(rows: int = 16, cols: int = 4096) -> list[dict]:
             row[impl + " error"] = repr(exc)
     out.append(row)
     return out
-
-
-def fmt(value, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
 
 
 def print_results(args, main_rows: list[dict], sweep: list[dict], host: list[dict]) -> None:

@@ -21,11 +21,10 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import statistics
-import time
 
 import torch
 import torch.nn.functional as F
+from timing import fmt, gpu_ms, host_us
 from torch import nn
 
 from torchte.kernels import norm
@@ -39,37 +38,6 @@ FWD_SWEEP = [(1, 4, 8), (1, 8, 8), (1, 16, 8), (2, 8, 8), (2, 16, 8), (4, 16, 8)
 FWD_SWEEP += [(1, 8, 2), (1, 8, 4), (1, 8, 64), (1, 4, 64)]
 BWD_SWEEP = [(1, 4, 1), (1, 8, 1), (1, 8, 2), (1, 16, 1), (2, 8, 2), (2, 16, 1), (4, 16, 1)]
 BWD_SWEEP += [(1, 8, 4), (1, 4, 4), (1, 4, 2)]
-
-
-def gpu_ms(fn, reps: int = 15, inner: int = 5, warmup: int = 3) -> float:
-    """Median milliseconds per call of fn on the GPU (CUDA events around `inner` calls)."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(inner):
-            fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / inner)
-    return statistics.median(times)
-
-
-def host_us(fn, calls: int = 1000, warmup: int = 50) -> float:
-    """Wall microseconds per call of fn, calls queued back to back, one synchronize; best of 3."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(3):
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-        best = min(best, (time.perf_counter() - start) / calls * 1e6)
-    return best
 
 
 def ops(rows: int, cols: int) -> tuple[dict[str, tuple], dict[str, int]]:
@@ -119,7 +87,7 @@ def copy_gbs(rows: int, cols: int) -> tuple[float, float]:
     """(ms, GB/s) of a device-to-device copy of a rows x cols bf16 tensor, read + write."""
     x = torch.randn(rows, cols, device="cuda", dtype=DTYPE)
     dst = torch.empty_like(x)
-    ms = gpu_ms(lambda: dst.copy_(x))
+    ms = gpu_ms(lambda: dst.copy_(x), reps=15, inner=5)
     return ms, 2 * x.numel() * x.element_size() / ms / 1e6
 
 
@@ -130,7 +98,7 @@ def bandwidth(rows: int, cols: int) -> list[dict]:
     for name, (fn, ref) in fns.items():
         for impl, f in (("torchte", fn), ("torch", ref)):
             try:
-                ms = gpu_ms(f)
+                ms = gpu_ms(f, reps=15, inner=5)
             except Exception as exc:  # a benchmark reports, never stops
                 out.append({"op": name, "impl": impl, "error": repr(exc)})
                 continue
@@ -171,7 +139,7 @@ def sweep(rows: int, cols: int) -> list[dict]:
 
 def _sweep_row(kernel: str, config, fn, nbytes: int, copy_rate: float) -> dict:
     try:
-        ms = gpu_ms(fn)
+        ms = gpu_ms(fn, reps=15, inner=5)
     except Exception as exc:
         return {"kernel": kernel, "config": config, "error": repr(exc)}
     return {"kernel": kernel, "config": config, "ms": ms, "frac": nbytes / ms / 1e6 / copy_rate}
@@ -198,16 +166,12 @@ def host_overhead(rows: int = 16, cols: int = 1024) -> list[dict]:
         row = {"op": name}
         for impl, f in (("torchte_us", fn), ("torch_us", ref)):
             try:
-                row[impl] = host_us(f)
+                row[impl] = host_us(f, calls=1000)
             except Exception as exc:
                 row[impl] = None
                 row[impl + "_error"] = repr(exc)
         out.append(row)
     return out
-
-
-def fmt(value, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
 
 
 def main() -> None:

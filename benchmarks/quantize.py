@@ -17,10 +17,9 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import statistics
-import time
 
 import torch
+from timing import fmt, gpu_ms, host_us
 
 from torchte.kernels import cast_transpose as ct
 from torchte.kernels import scaling
@@ -36,36 +35,6 @@ CAST_SWEEP = [
     (64, 256, 8),
 ]
 AMAX_SWEEP = [(4096, 4), (8192, 8), (16384, 8), (32768, 16)]
-
-
-def gpu_ms(fn, reps: int = 20, warmup: int = 3) -> float:
-    """Median milliseconds of fn on the GPU (CUDA events around each call)."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
-def host_us(fn, calls: int = 2000, warmup: int = 50) -> float:
-    """Wall microseconds per call of fn, calls queued back to back, one synchronize."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(3):
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-        best = min(best, (time.perf_counter() - start) / calls * 1e6)
-    return best
 
 
 def quantize_fns(x: torch.Tensor) -> dict[str, tuple]:
@@ -177,10 +146,6 @@ def host_overhead(rows: int = 16, cols: int = 1024) -> list[dict]:
                 row[impl + "_error"] = repr(exc)
         out.append(row)
     return out
-
-
-def fmt(value, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
 
 
 def main() -> None:

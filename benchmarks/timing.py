@@ -1,0 +1,46 @@
+"""Timing helpers shared by the kernel benchmarks (imported as `from timing import ...`)."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+
+def gpu_ms(fn, reps: int = 20, inner: int = 1, warmup: int = 3) -> float:
+    """Median milliseconds per call of fn on the GPU: CUDA events around `inner` calls, `reps`
+    times, after `warmup` calls."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(inner):
+            fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / inner)
+    return statistics.median(times)
+
+
+def host_us(fn, calls: int = 2000, warmup: int = 50) -> float:
+    """Wall microseconds per call of fn, calls queued back to back with one synchronize at the
+    end (the GPU waits on the host); best of 3 rounds."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+        best = min(best, (time.perf_counter() - start) / calls * 1e6)
+    return best
+
+
+def fmt(value, spec: str) -> str:
+    """value formatted by spec, or '-' for a missing figure."""
+    return "-" if value is None else format(value, spec)
