@@ -1,0 +1,333 @@
+"""LayerNorm / RMSNorm forward fused with FP8 quantization of y (delayed scaling), one launch.
+
+Shapes as in norm.py: x (M, N) fp32 / bf16 / fp16; weight, bias (N,) in the parameters' dtype;
+mean, rstd (M,) fp32. The FP8 data is laid out as in cast_transpose: rowwise (M, N) and
+columnwise (N, Mp), Mp = round_up(M, 16), the padding columns zero. scale, amax and scale_inv
+are fp32 tensors of shape (1,) on x's device; amax is max-accumulated.
+
+This replaces two launches with one and never writes y in high precision:
+    y, mean, rstd = layernorm_forward(x, ...)        (or rmsnorm_forward)
+    quantize_delayed(y, scale, amax, scale_inv, fp8_dtype, True, columnwise)
+and gives the same bytes, amax, scale_inv, mean and rstd as those:
+
+- The row statistics are computed by the unfused kernel's code on the unfused kernel's tiles:
+  norm.row_config picks (BLOCK_M, BLOCK_N, num_warps, chunked) for the same (M, N), a row longer
+  than one block goes through norm's _row_stats_chunked, a shorter one through the same
+  single-block sums, so the fp32 reductions run in the same order.
+- y is the same fp32 expression, rounded to x's dtype (as storing y does), then quantized with
+  activation_fp8's helpers: cast_transpose's integer FP8 encoder, uint8 bytes rowwise, int32
+  words of four rows columnwise, amax as an int32 atomic max of the bits of |y|.
+
+A program owns GROUP_M = max(16, BLOCK_M) consecutive rows (a multiple of 16, so the words of
+four rows and the padding rows M..Mp of its part of the columnwise data are all its own). It
+first computes and stores the statistics of its rows, BLOCK_M rows at a time; then, after a CTA
+barrier, walks the columns in chunks of OUT_BLOCK_N, reading x again and the statistics back,
+and writes the FP8 bytes. x is read twice (the second read of a group's rows mostly from L2).
+
+Launches per call (M > 0, CUDA with Triton): 1. Elsewhere, and for M == 0, the torch
+references below, composed of norm.py's and cast_transpose's references.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from . import norm as norm_mod
+from ._triton import FastLaunch, triton_available
+from .cast_transpose import COLUMNWISE_ALIGN, FP8_MAX, _alloc_outputs, quantize_delayed_reference
+
+# Elements of one of the four row slices (GROUP_M / 4 rows) of the output pass's column chunk.
+# Chosen for about 4-16 fp32 values per thread at the norm config's num_warps; not yet tuned
+# on a GPU.
+OUT_TILE = 2048
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the torch references run
+    triton = None
+
+if triton is not None:
+    from .activation_fp8 import _encode, _round_as, _store_bytes, _store_words
+    from .cast_transpose import _abs_bits
+    from .norm import _bias, _gamma, _row_stats_chunked, _rstd
+
+    @triton.jit
+    def _group_stats(
+        x_ptr, mean_ptr, rstd_ptr, first, M, N, eps,
+        RMS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        CHUNKED: tl.constexpr, GROUP_M: tl.constexpr,
+    ):  # fmt: skip
+        """Store mean (unless RMS) and rstd of rows first .. first + GROUP_M - 1 (those < M),
+        BLOCK_M rows at a time, by _norm_fwd_kernel's own statistics code."""
+        n = tl.zeros((BLOCK_M,), tl.float32) + N * 1.0
+        for sub in range(0, GROUP_M, BLOCK_M):
+            rows = first + sub + tl.arange(0, BLOCK_M)
+            row_in = rows < M
+            if CHUNKED:
+                row_offs = rows.to(tl.int64) * N
+                mean, rstd = _row_stats_chunked(
+                    x_ptr, row_offs, row_in, N, eps, RMS, BLOCK_M, BLOCK_N
+                )
+            else:
+                cols = tl.arange(0, BLOCK_N)
+                col_in = cols < N
+                mask = row_in[:, None] & col_in[None, :]
+                offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
+                x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+                if RMS:
+                    mean = tl.zeros((BLOCK_M,), tl.float32)
+                    var = tl.math.div_rn(tl.sum(x * x, axis=1), n)
+                else:
+                    mean = tl.math.div_rn(tl.sum(x, axis=1), n)
+                    xc = tl.where(mask, x - mean[:, None], 0.0)
+                    var = tl.math.div_rn(tl.sum(xc * xc, axis=1), n)
+                rstd = _rstd(var, eps)
+            if not RMS:
+                tl.store(mean_ptr + rows, mean, mask=row_in)
+            tl.store(rstd_ptr + rows, rstd, mask=row_in)
+
+    @triton.jit
+    def _norm_values(
+        x_ptr, mean_ptr, rstd_ptr, rows, row_in, cols, mask, N, g, b,
+        RMS: tl.constexpr, HAS_BIAS: tl.constexpr,
+    ):  # fmt: skip
+        """y at (rows, cols) in fp32, as _normalize_store computes it, rounded to x's dtype;
+        0 where masked out (under zero_centered_gamma, g is 1 past N)."""
+        offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
+        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(rstd_ptr + rows, mask=row_in, other=0.0)
+        if RMS:
+            y = x * rstd[:, None] * g[None, :]
+        else:
+            mean = tl.load(mean_ptr + rows, mask=row_in, other=0.0)
+            y = (x - mean[:, None]) * rstd[:, None] * g[None, :]
+        if HAS_BIAS:
+            y += b[None, :]
+        return _round_as(tl.where(mask, y, 0.0), x_ptr), offs
+
+    @triton.jit
+    def _norm_fwd_fp8_kernel(
+        x_ptr,  # (M, N) fp32 / bf16 / fp16, contiguous
+        w_ptr,  # (N,) the parameters' dtype
+        b_ptr,  # (N,) the parameters' dtype; read when HAS_BIAS
+        mean_ptr,  # (M,) fp32; written (and read back) unless RMS
+        rstd_ptr,  # (M,) fp32; written and read back
+        scale_ptr,  # (1,) fp32
+        amax_ptr,  # (1,) fp32, max-accumulated as int32 bits (see cast_transpose)
+        scale_inv_ptr,  # (1,) fp32: 1 / scale, written by program 0
+        out_ptr,  # (M, N) fp8 rowwise data, written as uint8 bytes
+        out_t_ptr,  # (N, Mp) fp8 columnwise data, written as int32 words when COLUMNWISE
+        M,
+        N,
+        eps,  # fp32
+        FP8_MAX: tl.constexpr,  # 448.0 (e4m3) or 57344.0 (e5m2)
+        RMS: tl.constexpr,
+        HAS_BIAS: tl.constexpr,
+        ZERO_CENTERED: tl.constexpr,
+        COLUMNWISE: tl.constexpr,
+        BLOCK_M: tl.constexpr,  # the unfused kernel's statistics tile
+        BLOCK_N: tl.constexpr,
+        CHUNKED: tl.constexpr,
+        GROUP_M: tl.constexpr,  # rows per program: a multiple of 16 and of BLOCK_M
+        OUT_BLOCK_N: tl.constexpr,  # columns per step of the output pass
+    ):
+        pid = tl.program_id(0)
+        scale = tl.load(scale_ptr)
+        tl.store(scale_inv_ptr, tl.math.div_rn(1.0, scale), mask=pid == 0)
+        first = pid * GROUP_M
+        _group_stats(
+            x_ptr, mean_ptr, rstd_ptr, first, M, N, eps, RMS, BLOCK_M, BLOCK_N, CHUNKED, GROUP_M
+        )
+        # The statistics were stored by threads of this program other than those that read
+        # them back below: a CTA barrier orders those global stores before these loads.
+        tl.debug_barrier()
+        # Rows 4i + k of the group, k = 0..3, as four slices: their bytes pack into int32 words.
+        group = first + 4 * tl.arange(0, GROUP_M // 4)
+        bits = tl.zeros((GROUP_M // 4, OUT_BLOCK_N), tl.int32)
+        for start in range(0, N, OUT_BLOCK_N):
+            cols = start + tl.arange(0, OUT_BLOCK_N)
+            col_in = cols < N
+            g = _gamma(w_ptr, cols, col_in, ZERO_CENTERED)
+            b = _bias(b_ptr, cols, col_in, HAS_BIAS)
+            words = tl.zeros((GROUP_M // 4, OUT_BLOCK_N), tl.int32)
+            for k in tl.static_range(4):
+                rows = group + k
+                row_in = rows < M
+                mask = row_in[:, None] & col_in[None, :]
+                y, offs = _norm_values(
+                    x_ptr, mean_ptr, rstd_ptr, rows, row_in, cols, mask, N, g, b, RMS, HAS_BIAS
+                )
+                bits = tl.maximum(bits, _abs_bits(y))
+                code = _encode(y, row_in, scale, FP8_MAX)
+                _store_bytes(out_ptr, offs, code, mask)
+                if COLUMNWISE:
+                    words = words | (code << (8 * k))
+            if COLUMNWISE:
+                _store_words(out_t_ptr, words, cols, col_in, first // 4, M, GROUP_M)
+        tl.atomic_max(amax_ptr.to(tl.pointer_type(tl.int32)), tl.max(bits), sem="relaxed")
+
+    _launch_fwd_fp8 = FastLaunch(_norm_fwd_fp8_kernel)
+
+
+# ----------------------------------------------------------------------------------------------
+# Public functions: Triton on CUDA, the torch references elsewhere
+# ----------------------------------------------------------------------------------------------
+
+
+def layernorm_forward_fp8(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    eps: float,
+    zero_centered_gamma: bool,
+    scale: torch.Tensor,
+    amax: torch.Tensor,
+    scale_inv: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    columnwise: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """LayerNorm of x (M, N) quantized with the delayed scale (1,): (rowwise (M, N), columnwise
+    (N, Mp) or None, mean (M,) fp32, rstd (M,) fp32). Max-accumulates max |y| into amax (1,),
+    writes 1 / scale into scale_inv (1,). Same bytes as layernorm_forward then
+    quantize_delayed."""
+    _check_fp8_dtype(fp8_dtype)
+    if _use_triton(x):
+        quant = (scale, amax, scale_inv, fp8_dtype, columnwise)
+        data, data_t, mean, rstd = _forward_fp8(
+            x, weight, bias, eps, zero_centered_gamma, False, *quant
+        )
+        return data, data_t, mean, rstd
+    return layernorm_forward_fp8_reference(
+        x, weight, bias, eps, zero_centered_gamma, scale, amax, scale_inv, fp8_dtype, columnwise
+    )
+
+
+def rmsnorm_forward_fp8(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    zero_centered_gamma: bool,
+    scale: torch.Tensor,
+    amax: torch.Tensor,
+    scale_inv: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    columnwise: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """RMSNorm of x (M, N) quantized with the delayed scale (1,): (rowwise (M, N), columnwise
+    (N, Mp) or None, rstd (M,) fp32); amax and scale_inv as in layernorm_forward_fp8."""
+    _check_fp8_dtype(fp8_dtype)
+    if _use_triton(x):
+        quant = (scale, amax, scale_inv, fp8_dtype, columnwise)
+        data, data_t, _, rstd = _forward_fp8(
+            x, weight, None, eps, zero_centered_gamma, True, *quant
+        )
+        return data, data_t, rstd
+    return rmsnorm_forward_fp8_reference(
+        x, weight, eps, zero_centered_gamma, scale, amax, scale_inv, fp8_dtype, columnwise
+    )
+
+
+def _use_triton(x: torch.Tensor) -> bool:
+    return x.is_cuda and x.shape[0] > 0 and triton_available()
+
+
+def _check_fp8_dtype(fp8_dtype: torch.dtype) -> None:
+    if fp8_dtype not in FP8_MAX:
+        known = ", ".join(str(d) for d in FP8_MAX)
+        raise TypeError(f"fp8_dtype must be one of {known}, got {fp8_dtype}")
+
+
+# ----------------------------------------------------------------------------------------------
+# Launcher
+# ----------------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=1024)
+def fp8_config(config: tuple[int, int, int, bool], out_tile: int = OUT_TILE) -> tuple[int, int]:
+    """(GROUP_M, OUT_BLOCK_N) for the norm config (BLOCK_M, BLOCK_N, num_warps, chunked):
+    rows per program, a multiple of 16 and of BLOCK_M; columns per output step, at most BLOCK_N
+    and about out_tile / (GROUP_M / 4)."""
+    block_m, block_n, _, _ = config
+    group_m = max(COLUMNWISE_ALIGN, block_m)
+    out_block_n = min(block_n, max(16, out_tile // (group_m // 4)))
+    return group_m, out_block_n
+
+
+def _forward_fp8(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    eps: float,
+    zero_centered_gamma: bool,
+    rms: bool,
+    scale: torch.Tensor,
+    amax: torch.Tensor,
+    scale_inv: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    columnwise: bool,
+    config: tuple[int, int, int, bool] | None = None,
+    out_tile: int = OUT_TILE,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+    """Launch _norm_fwd_fp8_kernel on x (M, N), M > 0: (rowwise, columnwise or None, mean (None
+    for RMS), rstd). config is the unfused kernel's (BLOCK_M, BLOCK_N, num_warps, chunked), by
+    default norm.row_config's for (M, N); pass the same one to norm._forward to compare."""
+    if not x.is_contiguous():
+        x = x.contiguous()
+    rows, cols = x.shape
+    if config is None:
+        config = norm_mod.row_config(rows, cols, norm_mod.FWD_MAX_BLOCK_N, norm_mod.FWD_TILE)
+    block_m, block_n, num_warps, chunked = config
+    group_m, out_block_n = fp8_config(config, out_tile)
+    device = x.device
+    data, data_t = _alloc_outputs(rows, cols, fp8_dtype, device, True, columnwise)
+    rstd = torch.empty(rows, dtype=torch.float32, device=device)
+    mean = None if rms else torch.empty(rows, dtype=torch.float32, device=device)
+    # Arguments not read (no bias; mean under RMS; no columnwise) get any pointer.
+    b = weight if bias is None else bias
+    m = rstd if mean is None else mean
+    out_t = scale_inv if data_t is None else data_t
+    key = (
+        x.dtype, weight.dtype, b.dtype, fp8_dtype, rms, bias is not None, zero_centered_gamma,
+        columnwise, config, group_m, out_block_n,
+        *norm_mod._int_key(rows), *norm_mod._int_key(cols),
+        x.data_ptr() & 15, weight.data_ptr() & 15, b.data_ptr() & 15, m.data_ptr() & 15,
+        rstd.data_ptr() & 15, scale.data_ptr() & 15, amax.data_ptr() & 15,
+        scale_inv.data_ptr() & 15, data.data_ptr() & 15, out_t.data_ptr() & 15,
+    )  # fmt: skip
+    _launch_fwd_fp8(
+        key, ((rows + group_m - 1) // group_m, 1, 1), num_warps, x, weight, b, m, rstd, scale,
+        amax, scale_inv, data, out_t, rows, cols, float(eps), FP8_MAX[fp8_dtype], rms,
+        bias is not None, zero_centered_gamma, columnwise, block_m, block_n, chunked, group_m,
+        out_block_n,
+    )  # fmt: skip
+    return data, data_t, mean, rstd
+
+
+# ----------------------------------------------------------------------------------------------
+# Torch references: the same functions, used on CPU, for M == 0 and in tests
+# ----------------------------------------------------------------------------------------------
+
+
+def layernorm_forward_fp8_reference(
+    x, weight, bias, eps, zero_centered_gamma, scale, amax, scale_inv, fp8_dtype, columnwise
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """Torch reference of layernorm_forward_fp8."""
+    y, mean, rstd = norm_mod.layernorm_forward_reference(x, weight, bias, eps, zero_centered_gamma)
+    data, data_t = quantize_delayed_reference(
+        y, scale, amax, scale_inv, fp8_dtype, True, columnwise
+    )
+    return data, data_t, mean, rstd
+
+
+def rmsnorm_forward_fp8_reference(
+    x, weight, eps, zero_centered_gamma, scale, amax, scale_inv, fp8_dtype, columnwise
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """Torch reference of rmsnorm_forward_fp8."""
+    y, rstd = norm_mod.rmsnorm_forward_reference(x, weight, eps, zero_centered_gamma)
+    data, data_t = quantize_delayed_reference(
+        y, scale, amax, scale_inv, fp8_dtype, True, columnwise
+    )
+    return data, data_t, rstd
