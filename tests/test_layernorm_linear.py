@@ -230,3 +230,27 @@ def test_gradient_through_the_norm_output_alone(module):
     assert_close_to_scale(x.grad, x_ref.grad, torch.float32)
     weight = layer.weight if module == "LayerNormLinear" else layer.fc2_weight
     assert not weight.grad.any()  # the GEMM got a zero gradient
+
+
+@pytest.mark.parametrize("keep_output", [False, True])
+def test_delayed_scaling_fuses_the_norm_with_the_quantization(monkeypatch, keep_output):
+    """Under delayed scaling the norm writes the GEMM's FP8 input itself, unless the module
+    must hand out the high-precision norm output; the numerics are the unfused ones."""
+    from torchte.kernels import norm_fp8
+
+    calls = []
+    original = norm_fp8.layernorm_forward_fp8
+
+    def spy(*args, **kwargs):
+        calls.append(args[0].shape)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(norm_fp8, "layernorm_forward_fp8", spy)
+    layer = make_layer(32, 16, "LayerNorm", return_layernorm_output=keep_output)
+    x = representable((5, 32), torch.bfloat16)
+    with te.autocast(recipe=RECIPES["delayed"]()):
+        out = layer(x)
+    assert len(calls) == (0 if keep_output else 1)
+    y = out[0] if keep_output else out
+    y_ref, _, _ = reference_grads(layer, x, torch.zeros(5, 16), torch.float32, "delayed")
+    assert_close(y, y_ref, torch.float32)

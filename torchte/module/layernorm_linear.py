@@ -1,8 +1,10 @@
 """te.LayerNormLinear: a LayerNorm or RMSNorm followed by a Linear, as one module.
 
 Legend: x (..., K) input, z = norm(x) (..., K), W (N, K) weight, b (N,) bias, y (..., N).
-The norm's output is what the GEMM quantizes for FP8; backward runs the GEMM backward, then
-the norm backward on dz (plus the gradient of z where return_layernorm_output hands z out).
+The norm's output is what the GEMM quantizes for FP8 (under delayed scaling the norm kernel
+writes it in FP8 itself, unless return_layernorm_output asks for it in high precision);
+backward runs the GEMM backward, then the norm backward on dz (plus the gradient of z where
+return_layernorm_output hands z out).
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import torch
 from torch import nn
 
 from torchte.kernels import norm as norm_kernels
+from torchte.kernels import norm_fp8 as norm_fp8_kernels
+from torchte.quantization.float8 import Float8Storage
 
 from ._common import restore_saved, save_for_backward
 from ._linear_core import (
@@ -34,11 +38,13 @@ NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 
 @dataclass(frozen=True)
 class NormSpec:
-    """Which normalization, with what eps and gamma convention (zero-centered: g = 1 + w)."""
+    """Which normalization, with what eps and gamma convention (zero-centered: g = 1 + w), and
+    whether the module hands the high-precision norm output out (return_layernorm_output)."""
 
     kind: str
     eps: float
     zero_centered_gamma: bool
+    keep_output: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in NORMALIZATIONS:
@@ -57,6 +63,30 @@ class NormSpec:
         z, rstd = norm_kernels.rmsnorm_forward(x, weight, self.eps, self.zero_centered_gamma)
         return z, None, rstd
 
+    def fuses_quantization(self, plan: LinearPlan) -> bool:
+        """Whether the norm writes the GEMM's FP8 input itself (delayed scaling, and no
+        high-precision output wanted)."""
+        return plan.fp8 and plan.setup.fwd_state is not None and not self.keep_output
+
+    def forward_fp8(self, x, weight, bias, plan: LinearPlan, columnwise: bool, shape):
+        """x (M, K) -> (z as a Float8Storage of `shape`, quantized with the GEMM's delayed input
+        scale (amax recorded), mean (M,) fp32 | None, rstd (M,) fp32), in one launch."""
+        quantizer = plan.setup.input[plan.gemm]
+        q = (quantizer.scale, quantizer.amax)
+        scale_inv = torch.empty(1, dtype=torch.float32, device=x.device)
+        fp8 = (scale_inv, quantizer.fp8_dtype, columnwise)
+        zcg = self.zero_centered_gamma
+        if self.kind == "LayerNorm":
+            data, data_t, mean, rstd = norm_fp8_kernels.layernorm_forward_fp8(
+                x, weight, bias, self.eps, zcg, *q, *fp8
+            )
+        else:
+            data, data_t, rstd = norm_fp8_kernels.rmsnorm_forward_fp8(
+                x, weight, self.eps, zcg, *q, *fp8
+            )
+            mean = None
+        return Float8Storage(data, data_t, scale_inv, quantizer.fp8_dtype, shape), mean, rstd
+
     def backward(self, dz, x, weight, mean, rstd):
         """(dx (M, K), dweight (K,), dbias (K,) | None)."""
         if self.kind == "LayerNorm":
@@ -70,15 +100,20 @@ class NormSpec:
 def _ln_linear_forward(
     inp, ln_weight, ln_bias, weight, bias, w_fp8, plan, norm, need_dgrad, need_wgrad
 ):
-    """(y (..., N), z (..., K), and what backward needs)."""
+    """(y (..., N), z (..., K) or None where the norm wrote FP8 directly, and what backward
+    needs)."""
     x2d = inp.reshape(-1, inp.shape[-1])
     if x2d.dtype != plan.dtype:
         x2d = x2d.to(plan.dtype)  # the norm runs in the compute dtype, as the GEMM does
     if not x2d.is_contiguous():
         x2d = x2d.contiguous()
-    z2d, mean, rstd = norm.forward(x2d, ln_weight, ln_bias)
-    z = z2d.view(inp.shape)
-    y, z_saved, w_saved = linear_forward(z, weight, bias, w_fp8, plan, need_dgrad, need_wgrad)
+    if norm.fuses_quantization(plan):
+        z_in, mean, rstd = norm.forward_fp8(x2d, ln_weight, ln_bias, plan, need_wgrad, inp.shape)
+        z = None
+    else:
+        z2d, mean, rstd = norm.forward(x2d, ln_weight, ln_bias)
+        z = z_in = z2d.view(inp.shape)
+    y, z_saved, w_saved = linear_forward(z_in, weight, bias, w_fp8, plan, need_dgrad, need_wgrad)
     return y, z, (x2d, mean, rstd, z_saved, w_saved)
 
 
@@ -94,7 +129,7 @@ class _LayerNormLinearFunction(torch.autograd.Function):
             inp, ln_weight, ln_bias, weight, bias, w_fp8, plan, norm, need_dgrad, need_wgrad
         )
         save_for_backward(ctx, x2d, ln_weight, mean, rstd, z_saved, w_saved)
-        ctx.gemm = GemmRecord(z.shape, weight, bias, plan, need_dgrad, need_wgrad)
+        ctx.gemm = GemmRecord(inp.shape, weight, bias, plan, need_dgrad, need_wgrad)
         ctx.norm = norm
         return y, z
 
@@ -163,7 +198,9 @@ class LayerNormLinear(LinearCore):
         self.eps = eps
         self.zero_centered_gamma = zero_centered_gamma
         self.return_layernorm_output = return_layernorm_output
-        self._norm = NormSpec(normalization, float(eps), zero_centered_gamma)
+        self._norm = NormSpec(
+            normalization, float(eps), zero_centered_gamma, return_layernorm_output
+        )
         kw = {"dtype": self.params_dtype, "device": self.device}
         gamma = torch.zeros if zero_centered_gamma else torch.ones
         self.layer_norm_weight = nn.Parameter(gamma(in_features, **kw))

@@ -2,7 +2,8 @@
 
 Legend: x (..., H) input, z = norm(x) (..., H), h = z W1^T + b1 (..., F1) with F1 = 2F for
 gated activations (else F), a = act(h) (..., F), y = a W2^T + b2 (..., H).
-Under delayed scaling the activation writes a in FP8 for fc2 (one launch), and its backward
+Under delayed scaling the norm writes z in FP8 for fc1 and the activation writes a in FP8 for
+fc2 (one launch each), and its backward
 writes dh in FP8 for fc1 with fc1's bias gradient (one launch).
 With checkpoint=True, h (the largest intermediate) is not kept: backward recomputes it from
 the saved z with the same bytes and GEMM, so the gradients are the same as without.
@@ -125,11 +126,17 @@ def _mlp_forward(inp, params, w_fp8, plans: MLPPlan, spec: MLPSpec, needs):
         x2d = x2d.to(plans.fc1.dtype)
     if not x2d.is_contiguous():
         x2d = x2d.contiguous()
-    z2d, mean, rstd = spec.norm.forward(x2d, ln_weight, ln_bias)
-    z = z2d.view(inp.shape)
     keep = spec.checkpoint and (need_d1 or need_w1)  # recompute h from z in backward
+    if spec.norm.fuses_quantization(plans.fc1):
+        z_in, mean, rstd = spec.norm.forward_fp8(
+            x2d, ln_weight, ln_bias, plans.fc1, need_w1 or keep, inp.shape
+        )
+        z = None
+    else:
+        z2d, mean, rstd = spec.norm.forward(x2d, ln_weight, ln_bias)
+        z = z_in = z2d.view(inp.shape)
     h, z_saved, w1_saved = linear_forward(
-        z, fc1_weight, fc1_bias, w_fp8[0], plans.fc1, need_d1 or keep, need_w1 or keep, keep
+        z_in, fc1_weight, fc1_bias, w_fp8[0], plans.fc1, need_d1 or keep, need_w1 or keep, keep
     )
     h2d = h.reshape(-1, h.shape[-1])
     a_shape = (*inp.shape[:-1], fc2_weight.shape[1])
@@ -160,7 +167,7 @@ class _LayerNormMLPFunction(torch.autograd.Function):
         needs = (need_d1, need_w1, need_d2, need_w2)
         y, z, saved = _mlp_forward(inp, params, (w1_fp8, w2_fp8), plans, spec, needs)
         save_for_backward(ctx, ln_w, fc1_b, *saved)
-        ctx.gemm1 = GemmRecord(z.shape, fc1_w, fc1_b, plans.fc1, need_d1, need_w1)
+        ctx.gemm1 = GemmRecord(inp.shape, fc1_w, fc1_b, plans.fc1, need_d1, need_w1)
         a_shape = (*inp.shape[:-1], fc2_w.shape[1])
         ctx.gemm2 = GemmRecord(a_shape, fc2_w, fc2_b, plans.fc2, need_d2, need_w2)
         ctx.plans, ctx.spec, ctx.h_cols = plans, spec, fc1_w.shape[0]
@@ -270,7 +277,7 @@ class LayerNormMLP(TransformerEngineBaseModule):
         self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
         self.checkpoint, self.name = checkpoint, name
         self._spec = MLPSpec(
-            NormSpec(normalization, float(eps), zero_centered_gamma),
+            NormSpec(normalization, float(eps), zero_centered_gamma, return_layernorm_output),
             activation,
             float(act_params.get("limit", 7.0)),
             float(act_params.get("alpha", 1.702)),
