@@ -13,6 +13,18 @@ except ImportError:  # CPU-only installs: the torch references run
 
 
 @functools.cache
+def sm_count(device_index: int) -> int:
+    """Streaming multiprocessors of a CUDA device (read once per device)."""
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def int_key(value: int) -> tuple[bool, int, int]:
+    """What Triton specializes an int argument on: being 1, its residue mod 16, its width; the
+    part of a FastLaunch key that stands for an int argument."""
+    return value == 1, value & 15, value >> 31
+
+
+@functools.cache
 def triton_available() -> bool:
     """True when triton imports and a CUDA device is present (computed once)."""
     return triton is not None and torch.cuda.is_available()

@@ -32,7 +32,7 @@ import functools
 
 import torch
 
-from ._triton import FastLaunch, triton_available
+from ._triton import FastLaunch, int_key, sm_count, triton_available
 
 # A program handles blocks of BLOCK_M rows x BLOCK_N columns, BLOCK_M * BLOCK_N about *_TILE
 # elements when rows are short; P programs (*_PROGRAMS_PER_SM per SM, fewer when there are
@@ -97,6 +97,20 @@ if triton is not None:
                 m2 += tl.sum(d * d, axis=1) + delta * delta * (seen * count / total)
         n = tl.zeros((BLOCK_M,), tl.float32) + N * 1.0
         return mean, _rstd(tl.math.div_rn(m2, n), eps)
+
+    @triton.jit
+    def _tile_mean_var(x, mask, n, RMS: tl.constexpr):
+        """(mean, biased variance) (BLOCK_M,) fp32 of the rows of the whole-row tile x (BLOCK_M,
+        BLOCK_N) fp32, masked entries 0, n the row length as fp32; mean is 0 for RMSNorm, whose
+        "variance" is mean(x^2). The fused FP8 norm calls it too, for the same bits."""
+        if RMS:
+            mean = tl.zeros_like(n)
+            var = tl.math.div_rn(tl.sum(x * x, axis=1), n)
+        else:
+            mean = tl.math.div_rn(tl.sum(x, axis=1), n)
+            xc = tl.where(mask, x - mean[:, None], 0.0)
+            var = tl.math.div_rn(tl.sum(xc * xc, axis=1), n)
+        return mean, var
 
     @triton.jit
     def _normalize_store(
@@ -175,13 +189,8 @@ if triton is not None:
                 mask = row_in[:, None] & col_in[None, :]
                 offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
                 x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-                if RMS:
-                    mean = tl.zeros((BLOCK_M,), tl.float32)
-                    var = tl.math.div_rn(tl.sum(x * x, axis=1), n)
-                else:
-                    mean = tl.math.div_rn(tl.sum(x, axis=1), n)
-                    xc = tl.where(mask, x - mean[:, None], 0.0)
-                    var = tl.math.div_rn(tl.sum(xc * xc, axis=1), n)
+                mean, var = _tile_mean_var(x, mask, n, RMS)
+                if not RMS:
                     tl.store(mean_ptr + rows, mean, mask=row_in)
                 rstd = _rstd(var, eps)
                 tl.store(rstd_ptr + rows, rstd, mask=row_in)
@@ -440,15 +449,6 @@ def row_config(rows: int, cols: int, max_block_n: int, tile: int) -> tuple[int, 
 
 
 @functools.cache
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def _int_key(value: int) -> tuple[bool, int, int]:
-    """What Triton specializes an int argument on: being 1, its residue mod 16, its width."""
-    return value == 1, value & 15, value >> 31
-
-
 def _forward(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -468,7 +468,7 @@ def _forward(
         config = row_config(rows, cols, FWD_MAX_BLOCK_N, FWD_TILE)
     block_m, block_n, num_warps, chunked = config
     if num_programs is None:
-        num_programs = _sm_count(x.get_device()) * FWD_PROGRAMS_PER_SM
+        num_programs = sm_count(x.get_device()) * FWD_PROGRAMS_PER_SM
     programs = min((rows + block_m - 1) // block_m, num_programs)
     device = x.device
     y = torch.empty(rows, cols, dtype=x.dtype, device=device)
@@ -479,7 +479,7 @@ def _forward(
     m = rstd if mean is None else mean
     key = (
         x.dtype, weight.dtype, b.dtype, rms, bias is not None, zero_centered_gamma, config,
-        *_int_key(rows), *_int_key(cols), x.data_ptr() & 15, weight.data_ptr() & 15,
+        *int_key(rows), *int_key(cols), x.data_ptr() & 15, weight.data_ptr() & 15,
         b.data_ptr() & 15, y.data_ptr() & 15, m.data_ptr() & 15, rstd.data_ptr() & 15,
     )  # fmt: skip
     _launch_fwd(
@@ -516,7 +516,7 @@ def _backward(
     block_m, block_n, num_warps, chunked = config
     num_blocks = (rows + block_m - 1) // block_m
     if num_programs is None:
-        num_programs = _sm_count(x.get_device()) * BWD_PROGRAMS_PER_SM
+        num_programs = sm_count(x.get_device()) * BWD_PROGRAMS_PER_SM
     # Every program owns at least one row block, so every row of the partials gets written.
     programs = min(num_blocks, num_programs)
     device = x.device
@@ -526,7 +526,7 @@ def _backward(
     db = torch.empty(cols, dtype=weight.dtype, device=device) if has_bias else None
     key = (
         dy.dtype, x.dtype, weight.dtype, rms, has_bias, zero_centered_gamma, config,
-        *_int_key(rows), *_int_key(cols), dy.data_ptr() & 15, x.data_ptr() & 15,
+        *int_key(rows), *int_key(cols), dy.data_ptr() & 15, x.data_ptr() & 15,
         weight.data_ptr() & 15, mean.data_ptr() & 15, rstd.data_ptr() & 15, dx.data_ptr() & 15,
         part.data_ptr() & 15,
     )  # fmt: skip
@@ -537,7 +537,7 @@ def _backward(
     block_p, block_c, reduce_warps = reduce_config
     b = dw if db is None else db
     key = (
-        weight.dtype, has_bias, reduce_config, *_int_key(programs), *_int_key(cols),
+        weight.dtype, has_bias, reduce_config, *int_key(programs), *int_key(cols),
         part.data_ptr() & 15, dw.data_ptr() & 15, b.data_ptr() & 15,
     )  # fmt: skip
     _launch_reduce(

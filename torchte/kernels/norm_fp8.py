@@ -35,7 +35,7 @@ import functools
 import torch
 
 from . import norm as norm_mod
-from ._triton import FastLaunch, triton_available
+from ._triton import FastLaunch, int_key, triton_available
 from .cast_transpose import COLUMNWISE_ALIGN, FP8_MAX, _alloc_outputs, quantize_delayed_reference
 
 # Elements of one of the four row slices (GROUP_M / 4 rows) of the output pass's column chunk.
@@ -52,7 +52,7 @@ except ImportError:  # CPU-only installs: the torch references run
 if triton is not None:
     from .activation_fp8 import _encode, _round_as, _store_bytes, _store_words
     from .cast_transpose import _abs_bits
-    from .norm import _bias, _gamma, _row_stats_chunked, _rstd
+    from .norm import _bias, _gamma, _row_stats_chunked, _rstd, _tile_mean_var
 
     @triton.jit
     def _group_stats(
@@ -77,13 +77,7 @@ if triton is not None:
                 mask = row_in[:, None] & col_in[None, :]
                 offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
                 x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-                if RMS:
-                    mean = tl.zeros((BLOCK_M,), tl.float32)
-                    var = tl.math.div_rn(tl.sum(x * x, axis=1), n)
-                else:
-                    mean = tl.math.div_rn(tl.sum(x, axis=1), n)
-                    xc = tl.where(mask, x - mean[:, None], 0.0)
-                    var = tl.math.div_rn(tl.sum(xc * xc, axis=1), n)
+                mean, var = _tile_mean_var(x, mask, n, RMS)
                 rstd = _rstd(var, eps)
             if not RMS:
                 tl.store(mean_ptr + rows, mean, mask=row_in)
@@ -292,7 +286,7 @@ def _forward_fp8(
     key = (
         x.dtype, weight.dtype, b.dtype, fp8_dtype, rms, bias is not None, zero_centered_gamma,
         columnwise, config, group_m, out_block_n,
-        *norm_mod._int_key(rows), *norm_mod._int_key(cols),
+        *int_key(rows), *int_key(cols),
         x.data_ptr() & 15, weight.data_ptr() & 15, b.data_ptr() & 15, m.data_ptr() & 15,
         rstd.data_ptr() & 15, scale.data_ptr() & 15, amax.data_ptr() & 15,
         scale_inv.data_ptr() & 15, data.data_ptr() & 15, out_t.data_ptr() & 15,
