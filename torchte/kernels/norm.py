@@ -448,7 +448,6 @@ def row_config(rows: int, cols: int, max_block_n: int, tile: int) -> tuple[int, 
     return block_m, block_n, num_warps, chunked
 
 
-@functools.cache
 def _forward(
     x: torch.Tensor,
     weight: torch.Tensor,
