@@ -32,6 +32,7 @@ __all__ = [
     "LinearPlan",
     "cast_to",
     "check_unsupported",
+    "fprop",
     "linear_backward",
     "linear_forward",
     "zero_grad_output",
@@ -72,6 +73,23 @@ class LinearPlan:
         self.fast = not (self.fp8 or self.calibrating or self.main_grad is not None)
 
 
+def fprop(x, w, bias, plan: LinearPlan) -> torch.Tensor:
+    """y (M, N) = x (M, K) w (N, K)^T + bias in plan.dtype: FP8 operands (Float8Storage, rowwise
+    data) under FP8, else high-precision tensors of plan.dtype; bias (N,) | None in plan.dtype.
+    The one forward GEMM call, so a recompute in backward gives the same bits."""
+    if plan.fp8:
+        return fp8_gemm(
+            x.rowwise_data,
+            x.scale_inv,
+            w.rowwise_data,
+            w.scale_inv,
+            plan.dtype,
+            bias=bias,
+            use_fast_accum=True,
+        )
+    return hp_linear(x, w, bias)
+
+
 def linear_forward(
     inp, weight, bias, w_fp8, plan: LinearPlan, need_dgrad, need_wgrad, keep_rowwise=False
 ):
@@ -92,15 +110,7 @@ def linear_forward(
             x_fp8.update_usage(rowwise_usage=True, columnwise_usage=need_wgrad or None)
         else:
             x_fp8 = setup.input[plan.gemm].quantize(x2d, rowwise=True, columnwise=need_wgrad)
-        y = fp8_gemm(
-            x_fp8.rowwise_data,
-            x_fp8.scale_inv,
-            w_fp8.rowwise_data,
-            w_fp8.scale_inv,
-            dtype,
-            bias=bias,
-            use_fast_accum=True,
-        )
+        y = fprop(x_fp8, w_fp8, bias, plan)
         x_saved = x_fp8 if need_wgrad else None
         w_saved = w_fp8 if need_dgrad else None
         if x_saved is not None and not keep_rowwise and not isinstance(inp, Float8Tensor):
@@ -111,7 +121,7 @@ def linear_forward(
         if plan.calibrating:
             plan.setup.input[plan.gemm].record_amax(x2d)
             plan.setup.weight[plan.gemm].record_amax(weight)
-        y = hp_linear(x_hp, w_hp, bias)
+        y = fprop(x_hp, w_hp, bias, plan)
         x_saved = x_hp if need_wgrad else None
         w_saved = w_hp if need_dgrad else None
     y = y.view(*inp.shape[:-1], y.shape[-1])
@@ -274,7 +284,6 @@ class LinearCore(TransformerEngineBaseModule):
         self._nvtx_name = f"te.{type(self).__name__}.forward {name or ''}"
         self._splits = split_parameter_names(parameters_split, out_features, "out_features")
         self._make_parameters(init_method or default_init_method)
-        self._device_type = self.device.type
 
     def _apply_function(self, inp, weight, bias, w_fp8, plan: LinearPlan):
         raise NotImplementedError
@@ -282,12 +291,6 @@ class LinearCore(TransformerEngineBaseModule):
     def _needs_dgrad(self, inp: torch.Tensor) -> bool:
         """Whether backward needs the input gradient of the GEMM (the weight's transpose)."""
         return inp.requires_grad
-
-    def _compute_dtype(self) -> torch.dtype:
-        """params_dtype, or torch.autocast's dtype where it is on for this device."""
-        if torch.is_autocast_enabled(self._device_type):
-            return torch.get_autocast_dtype(self._device_type)
-        return self.params_dtype
 
     def _make_parameters(self, init_method: Callable) -> None:
         kw = {"dtype": self.params_dtype, "device": self.device}

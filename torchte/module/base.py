@@ -111,6 +111,7 @@ class TransformerEngineBaseModule(nn.Module):
                 f"got {self.params_dtype}"
             )
         self.num_gemms = num_gemms
+        self._device_type = self.device.type
         self._nvtx_name = f"te.{type(self).__name__}.forward"
         # history_len -> (forward state, backward state); the last used one is saved.
         self._delayed_states: dict[int, tuple[DelayedScalingState, DelayedScalingState]] = {}
@@ -194,6 +195,12 @@ class TransformerEngineBaseModule(nn.Module):
         self.__dict__["_saved_history_len"] = length
 
     # -- per call ----------------------------------------------------------------------------------
+
+    def _compute_dtype(self) -> torch.dtype:
+        """params_dtype, or torch.autocast's dtype where it is on for this device."""
+        if torch.is_autocast_enabled(self._device_type):
+            return torch.get_autocast_dtype(self._device_type)
+        return self.params_dtype
 
     def _plan(self, dtype, is_first_microbatch, fp8_output, fp8_grad):
         """The plan for the autocast state and these flags (built once by _build_plan)."""

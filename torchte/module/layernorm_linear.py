@@ -87,6 +87,32 @@ class NormSpec:
             mean = None
         return Float8Storage(data, data_t, scale_inv, quantizer.fp8_dtype, shape), mean, rstd
 
+    def run(self, inp, weight, bias, plan: LinearPlan, columnwise: bool):
+        """The norm in front of a GEMM: inp (..., K) -> (x2d (M, K) in the compute dtype, the
+        GEMM's input (the FP8 Float8Storage where the norm writes it, else z), z (..., K) or
+        None, mean (M,) | None, rstd (M,))."""
+        x2d = inp.reshape(-1, inp.shape[-1])
+        if x2d.dtype != plan.dtype:
+            x2d = x2d.to(plan.dtype)  # the norm runs in the compute dtype, as the GEMM does
+        if not x2d.is_contiguous():
+            x2d = x2d.contiguous()
+        if self.fuses_quantization(plan):
+            z_in, mean, rstd = self.forward_fp8(x2d, weight, bias, plan, columnwise, inp.shape)
+            return x2d, z_in, None, mean, rstd
+        z2d, mean, rstd = self.forward(x2d, weight, bias)
+        z = z2d.view(inp.shape)
+        return x2d, z, z, mean, rstd
+
+    def backward_after_gemm(self, dz, grad_z, x2d, weight, mean, rstd, inp_shape, bias_grad):
+        """The norm backward from the GEMM's input gradient dz (plus grad_z, the gradient of a
+        handed-out norm output): (dx of inp_shape, dweight, dbias if bias_grad else None)."""
+        dz = dz.reshape(x2d.shape)
+        if grad_z is not None:
+            dz = dz + grad_z.reshape(x2d.shape)
+        dz = dz.to(x2d.dtype).contiguous()
+        dx, dweight, dbias = self.backward(dz, x2d, weight, mean, rstd)
+        return dx.view(inp_shape), dweight, dbias if bias_grad else None
+
     def backward(self, dz, x, weight, mean, rstd):
         """(dx (M, K), dweight (K,), dbias (K,) | None)."""
         if self.kind == "LayerNorm":
@@ -102,17 +128,7 @@ def _ln_linear_forward(
 ):
     """(y (..., N), z (..., K) or None where the norm wrote FP8 directly, and what backward
     needs)."""
-    x2d = inp.reshape(-1, inp.shape[-1])
-    if x2d.dtype != plan.dtype:
-        x2d = x2d.to(plan.dtype)  # the norm runs in the compute dtype, as the GEMM does
-    if not x2d.is_contiguous():
-        x2d = x2d.contiguous()
-    if norm.fuses_quantization(plan):
-        z_in, mean, rstd = norm.forward_fp8(x2d, ln_weight, ln_bias, plan, need_wgrad, inp.shape)
-        z = None
-    else:
-        z2d, mean, rstd = norm.forward(x2d, ln_weight, ln_bias)
-        z = z_in = z2d.view(inp.shape)
+    x2d, z_in, z, mean, rstd = norm.run(inp, ln_weight, ln_bias, plan, need_wgrad)
     y, z_saved, w_saved = linear_forward(z_in, weight, bias, w_fp8, plan, need_dgrad, need_wgrad)
     return y, z, (x2d, mean, rstd, z_saved, w_saved)
 
@@ -141,14 +157,9 @@ class _LayerNormLinearFunction(torch.autograd.Function):
         dz, wgrad, dbias = linear_backward(ctx.gemm, grad_y, z_saved, w_saved)
         dx = d_ln_weight = d_ln_bias = None
         if dz is not None:
-            dz = dz.reshape(x2d.shape)
-            if grad_z is not None:
-                dz = dz + grad_z.reshape(x2d.shape)
-            dz = dz.to(x2d.dtype).contiguous()
-            dx, d_ln_weight, d_ln_bias = ctx.norm.backward(dz, x2d, ln_weight, mean, rstd)
-            dx = dx.view(ctx.gemm.inp_shape)
-            if not ctx.needs_input_grad[2]:
-                d_ln_bias = None
+            dx, d_ln_weight, d_ln_bias = ctx.norm.backward_after_gemm(
+                dz, grad_z, x2d, ln_weight, mean, rstd, ctx.gemm.inp_shape, ctx.needs_input_grad[2]
+            )
         return dx, d_ln_weight, d_ln_bias, wgrad, dbias, None, None, None
 
 

@@ -17,7 +17,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from torchte.gemm import fp8_gemm, hp_linear
 from torchte.kernels import activation as act_kernels
 from torchte.kernels import activation_fp8 as act_fp8_kernels
 from torchte.quantization.float8 import Float8Storage
@@ -30,6 +29,7 @@ from ._linear_core import (
     cast_to,
     check_unsupported,
     default_init_method,
+    fprop,
     linear_backward,
     linear_forward,
     zero_grad_output,
@@ -59,21 +59,6 @@ class MLPPlan:
 
     def __init__(self, fc1: LinearPlan, fc2: LinearPlan) -> None:
         self.fc1, self.fc2 = fc1, fc2
-
-
-def _fc1(z_saved, w1_saved, bias, plan: LinearPlan) -> torch.Tensor:
-    """h (M, F1) from saved operands, the same GEMM call as linear_forward makes."""
-    if plan.fp8:
-        return fp8_gemm(
-            z_saved.rowwise_data,
-            z_saved.scale_inv,
-            w1_saved.rowwise_data,
-            w1_saved.scale_inv,
-            plan.dtype,
-            bias=cast_to(bias, plan.dtype),
-            use_fast_accum=True,
-        )
-    return hp_linear(z_saved, w1_saved, cast_to(bias, plan.dtype))
 
 
 def _activation_fp8(h2d, spec: MLPSpec, plan: LinearPlan, columnwise: bool, shape):
@@ -121,20 +106,8 @@ def _mlp_forward(inp, params, w_fp8, plans: MLPPlan, spec: MLPSpec, needs):
     """(y (..., H), z (..., H), saved values). needs = (dgrad1, wgrad1, dgrad2, wgrad2)."""
     ln_weight, ln_bias, fc1_weight, fc1_bias, fc2_weight, fc2_bias = params
     need_d1, need_w1, need_d2, need_w2 = needs
-    x2d = inp.reshape(-1, inp.shape[-1])
-    if x2d.dtype != plans.fc1.dtype:
-        x2d = x2d.to(plans.fc1.dtype)
-    if not x2d.is_contiguous():
-        x2d = x2d.contiguous()
     keep = spec.checkpoint and (need_d1 or need_w1)  # recompute h from z in backward
-    if spec.norm.fuses_quantization(plans.fc1):
-        z_in, mean, rstd = spec.norm.forward_fp8(
-            x2d, ln_weight, ln_bias, plans.fc1, need_w1 or keep, inp.shape
-        )
-        z = None
-    else:
-        z2d, mean, rstd = spec.norm.forward(x2d, ln_weight, ln_bias)
-        z = z_in = z2d.view(inp.shape)
+    x2d, z_in, z, mean, rstd = spec.norm.run(inp, ln_weight, ln_bias, plans.fc1, need_w1 or keep)
     h, z_saved, w1_saved = linear_forward(
         z_in, fc1_weight, fc1_bias, w_fp8[0], plans.fc1, need_d1 or keep, need_w1 or keep, keep
     )
@@ -183,7 +156,7 @@ class _LayerNormMLPFunction(torch.autograd.Function):
         dx = d_ln_w = d_ln_b = dw1 = db1 = None
         if da is not None:
             if h2d is None:
-                h2d = _fc1(z_saved, w1_saved, fc1_b, ctx.plans.fc1)
+                h2d = fprop(z_saved, w1_saved, cast_to(fc1_b, ctx.plans.fc1.dtype), ctx.plans.fc1)
             da2d = da.reshape(-1, da.shape[-1])
             fc1 = ctx.plans.fc1
             if fc1.fp8 and fc1.setup.bwd_state is not None:
@@ -196,14 +169,9 @@ class _LayerNormMLPFunction(torch.autograd.Function):
                 dh = dh.view(*ctx.gemm1.inp_shape[:-1], ctx.h_cols)
                 dz, dw1, db1 = linear_backward(ctx.gemm1, dh, z_saved, w1_saved)
             if dz is not None:
-                dz = dz.reshape(x2d.shape)
-                if grad_z is not None:
-                    dz = dz + grad_z.reshape(x2d.shape)
-                dz = dz.to(x2d.dtype).contiguous()
-                dx, d_ln_w, d_ln_b = spec.norm.backward(dz, x2d, ln_w, mean, rstd)
-                dx = dx.view(ctx.gemm1.inp_shape)
-                if not ctx.needs_input_grad[2]:
-                    d_ln_b = None
+                dx, d_ln_w, d_ln_b = spec.norm.backward_after_gemm(
+                    dz, grad_z, x2d, ln_w, mean, rstd, ctx.gemm1.inp_shape, ctx.needs_input_grad[2]
+                )
         return dx, d_ln_w, d_ln_b, dw1, db1, dw2, db2, None, None, None, None
 
 
@@ -284,7 +252,6 @@ class LayerNormMLP(TransformerEngineBaseModule):
             checkpoint,
         )
         self._nvtx_name = f"te.LayerNormMLP.forward {name or ''}"
-        self._device_type = self.device.type
         self._make_parameters(
             init_method or default_init_method, output_layer_init_method or default_init_method
         )
@@ -350,9 +317,7 @@ class LayerNormMLP(TransformerEngineBaseModule):
 
     def forward(self, inp: torch.Tensor, is_first_microbatch: bool | None = None):
         """inp (..., hidden_size) -> y (..., hidden_size) [, fc2 bias] [, norm output]."""
-        dtype = self.params_dtype
-        if torch.is_autocast_enabled(self._device_type):
-            dtype = torch.get_autocast_dtype(self._device_type)
+        dtype = self._compute_dtype()
         self._check_input(inp, self.hidden_size, "hidden_size")
         plans: MLPPlan = self._plan(dtype, is_first_microbatch, False, False)
         p = self._parameters

@@ -146,7 +146,6 @@ class _Norm(TransformerEngineBaseModule):
             param.sequence_parallel = self.sequence_parallel
         self.reset_parameters()
         self._settings = NormSettings(self.eps, self.zero_centered_gamma)
-        self._device_type = self.device.type
         self._finish_init()
 
     def reset_parameters(self) -> None:
@@ -159,9 +158,7 @@ class _Norm(TransformerEngineBaseModule):
     def _input(self, inp: torch.Tensor) -> torch.Tensor:
         """inp checked and cast to the compute dtype (see the module docstring)."""
         self._check_input(inp, self.hidden_size, "hidden_size")
-        dtype = self.params_dtype
-        if torch.is_autocast_enabled(self._device_type):
-            dtype = torch.get_autocast_dtype(self._device_type)
+        dtype = self._compute_dtype()
         return inp if inp.dtype is dtype else inp.to(dtype)
 
     def extra_repr(self) -> str:
