@@ -113,6 +113,96 @@ def pieces(tokens: int, features: int) -> dict[str, float]:
     return results
 
 
+def mlp_pieces(tokens: int, hidden: int) -> dict[str, float]:
+    """Host us per call of the pieces of a bf16 LayerNormMLP step (ffn = 4 x hidden), each
+    beside the torch op it replaces."""
+    from torchte.kernels import activation as act
+    from torchte.kernels import norm
+
+    dev, bf16, ffn = "cuda", torch.bfloat16, 4 * hidden
+    x = torch.randn(tokens, hidden, device=dev, dtype=bf16)
+    h = torch.randn(tokens, ffn, device=dev, dtype=bf16)
+    w1 = torch.randn(ffn, hidden, device=dev, dtype=bf16)
+    g = torch.randn(hidden, device=dev, dtype=bf16)
+    _, mean, rstd = norm.layernorm_forward(x, g, g, 1e-5, False)
+    _, t_mean, t_rstd = torch.ops.aten.native_layer_norm(x, [hidden], g, g, 1e-5)
+    layer = te.LayerNormMLP(hidden, ffn, device=dev, params_dtype=bf16)
+    ref = torch.nn.Sequential(
+        torch.nn.LayerNorm(hidden, device=dev, dtype=bf16),
+        torch.nn.Linear(hidden, ffn, device=dev, dtype=bf16),
+        torch.nn.GELU(approximate="tanh"),
+        torch.nn.Linear(ffn, hidden, device=dev, dtype=bf16),
+    )
+    xg = x.clone().requires_grad_()
+
+    class Seven(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, a, b, c, d, e, f, g_):
+            return a.view_as(a)
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad, None, None, None, None, None, None
+
+    def te_step():
+        xg.grad = None
+        layer.zero_grad(set_to_none=True)
+        layer(xg).backward(x)
+
+    def torch_step():
+        xg.grad = None
+        ref.zero_grad(set_to_none=True)
+        ref(xg).backward(x)
+
+    with torch.no_grad():
+        fwd_only = {"te.LayerNormMLP fwd (no grad)": host_us(lambda: layer(x))}
+        fwd_only["torch MLP fwd (no grad)"] = host_us(lambda: ref(x))
+    return fwd_only | {
+        "te.LayerNormMLP fwd+bwd": host_us(te_step),
+        "torch MLP fwd+bwd": host_us(torch_step),
+        "7-input Function fwd+bwd": host_us(
+            lambda: Seven.apply(xg, g, g, w1, g, w1, g).backward(x)
+        ),
+        "te layernorm_forward": host_us(lambda: norm.layernorm_forward(x, g, g, 1e-5, False)),
+        "F.layer_norm": host_us(lambda: torch.nn.functional.layer_norm(x, (hidden,), g, g)),
+        "te layernorm_backward": host_us(
+            lambda: norm.layernorm_backward(x, x, g, mean, rstd, False)
+        ),
+        "aten layer_norm_backward": host_us(
+            lambda: torch.ops.aten.native_layer_norm_backward(
+                x, x, [hidden], t_mean, t_rstd, g, g, [True, True, True]
+            )
+        ),
+        "te activation_forward gelu": host_us(
+            lambda: act.activation_forward(h, "gelu", 7.0, 1.702)
+        ),
+        "F.gelu tanh": host_us(lambda: torch.nn.functional.gelu(h, approximate="tanh")),
+        "te activation_backward gelu": host_us(
+            lambda: act.activation_backward(h, h, "gelu", 7.0, 1.702)
+        ),
+        "aten gelu_backward": host_us(
+            lambda: torch.ops.aten.gelu_backward(h, h, approximate="tanh")
+        ),
+        "F.linear 16x1024->4096": host_us(lambda: F.linear(x, w1, None)),
+        "torch.mm dgrad 16x4096x1024": host_us(lambda: torch.mm(h, w1)),
+        "h.sum(0) (bias grad)": host_us(lambda: h.sum(0)),
+    }
+
+
+def kernel_list(tokens: int, hidden: int) -> str:
+    """The CUDA kernels (and their count) of one bf16 te.LayerNormMLP forward+backward."""
+    layer = te.LayerNormMLP(hidden, 4 * hidden, device="cuda", params_dtype=torch.bfloat16)
+    x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    for _ in range(3):
+        layer(x).backward(x.detach())
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        layer(x).backward(x.detach())
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return f"{len(names)} kernels:\n  " + "\n  ".join(n[:100] for n in names)
+
+
 def profile_step(tokens: int, features: int, fp8_recipe, steps: int = 300, mlp=False) -> str:
     """cProfile of `steps` forward+backward steps of a te.Linear (or te.LayerNormMLP with
     ffn = 4 x features), the top entries by own time."""
@@ -155,6 +245,10 @@ def main() -> None:
         for name, r in (("bf16", None), ("delayed", recipe.DelayedScaling())):
             print(f"=== cProfile, LayerNormMLP {name}, per 300 fwd+bwd steps (tottime)")
             print(profile_step(args.tokens, args.features, r, mlp=True))
+        print("=== LayerNormMLP bf16", kernel_list(args.tokens, args.features))
+        print(f"{'piece (LayerNormMLP bf16)':36s} {'host us/call':>12s}")
+        for name, us in mlp_pieces(args.tokens, args.features).items():
+            print(f"{name:36s} {us:12.1f}")
         return
     for name, r in (
         ("delayed", recipe.DelayedScaling()),

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 
 import torch
@@ -32,12 +33,17 @@ from torchte.module.norm import LayerNorm, RMSNorm
 
 EPS = 1e-5
 DTYPE = torch.bfloat16
-# (BLOCK_M, num_warps, programs per SM) to try; BLOCK_N is the row's (up to the maximum).
-# 64 programs per SM is one row block per program at 8192 x 4096 (no persistent loop).
-FWD_SWEEP = [(1, 4, 8), (1, 8, 8), (1, 16, 8), (2, 8, 8), (2, 16, 8), (4, 16, 8)]
-FWD_SWEEP += [(1, 8, 2), (1, 8, 4), (1, 8, 64), (1, 4, 64)]
-BWD_SWEEP = [(1, 4, 1), (1, 8, 1), (1, 8, 2), (1, 16, 1), (2, 8, 2), (2, 16, 1), (4, 16, 1)]
-BWD_SWEEP += [(1, 8, 4), (1, 4, 4), (1, 4, 2)]
+# (BLOCK_M, num_warps, programs per SM, stages) to try, BLOCK_N the row's (up to the maximum)
+# and stages the kernels' STAGES (Triton's pipelining of the row loop). The first forward entry
+# is the default at 4096 columns, the fifth at 1024; the first backward entry the default for
+# wide rows, the fifth for narrow ones. Earlier sweeps (docs/benchmarks.md) ruled out holding
+# weight and bias in registers across the forward loop and prefetching rows by hand.
+FWD_SWEEP = [(2, 4, 16, 1), (1, 4, 16, 1), (1, 8, 8, 1), (2, 4, 16, 2), (8, 4, 16, 1)]
+FWD_SWEEP += [(4, 8, 8, 1), (2, 8, 8, 1)]
+BWD_SWEEP = [(2, 16, 1, 3), (1, 8, 2, 3), (1, 16, 1, 3), (4, 16, 1, 1), (4, 8, 2, 1)]
+BWD_SWEEP += [(1, 8, 2, 1), (2, 16, 1, 2)]
+# (norm, columns) the sweep runs at, rows = the benchmark's.
+SWEEP_SHAPES = [("layernorm", 4096), ("rmsnorm", 4096), ("layernorm", 1024), ("layernorm", 8192)]
 
 
 def ops(rows: int, cols: int) -> tuple[dict[str, tuple], dict[str, int]]:
@@ -107,42 +113,56 @@ def bandwidth(rows: int, cols: int) -> list[dict]:
     return out
 
 
-def sweep(rows: int, cols: int) -> list[dict]:
-    """Block configurations of the forward and backward kernels (LayerNorm)."""
+def sweep(rows: int) -> list[dict]:
+    """Block configurations of the forward and backward kernels at SWEEP_SHAPES."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    out = []
+    for kind, cols in SWEEP_SHAPES:
+        out += _sweep_shape(kind, rows, cols, sms)
+    return out
+
+
+def _sweep_shape(kind: str, rows: int, cols: int, sms: int) -> list[dict]:
+    rms = kind == "rmsnorm"
     _, copy_rate = copy_gbs(rows, cols)
     x = torch.randn(rows, cols, device="cuda", dtype=DTYPE)
     dy = torch.randn_like(x)
     w = torch.randn(cols, device="cuda", dtype=DTYPE)
-    b = torch.randn(cols, device="cuda", dtype=DTYPE)
-    _, mean, rstd = norm.layernorm_forward(x, w, b, EPS, False)
+    b = None if rms else torch.randn(cols, device="cuda", dtype=DTYPE)
+    _, mean, rstd = norm._forward(x, w, b, EPS, False, rms)
+    mean = rstd if rms else mean
     act = x.numel() * x.element_size()
-    block_n = min(1 << (cols - 1).bit_length(), norm.FWD_MAX_BLOCK_N)
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
     out = []
-    for block_m, warps, per_sm in FWD_SWEEP:
+    for block_m, warps, per_sm, stages in FWD_SWEEP:
+        block_n = min(1 << (cols - 1).bit_length(), norm.FWD_MAX_BLOCK_N)
         cfg = (block_m, block_n, warps, cols > block_n)
-
-        def fwd(cfg=cfg, per_sm=per_sm):
-            norm._forward(x, w, b, EPS, False, False, cfg, sms * per_sm)
-
-        out.append(_sweep_row("fwd", (*cfg, f"{per_sm}/SM"), fwd, 2 * act, copy_rate))
-    block_n = min(1 << (cols - 1).bit_length(), norm.BWD_MAX_BLOCK_N)
-    for block_m, warps, per_sm in BWD_SWEEP:
+        fwd = functools.partial(norm._forward, x, w, b, EPS, False, rms, cfg, sms * per_sm, stages)
+        name = (kind, *cfg, f"{per_sm}/SM", f"stages {stages}")
+        out.append(_sweep_row("fwd", name, fwd, 2 * act, copy_rate, norm._launch_fwd))
+    for block_m, warps, per_sm, stages in BWD_SWEEP:
+        block_n = min(1 << (cols - 1).bit_length(), norm.BWD_MAX_BLOCK_N)
         cfg = (block_m, block_n, warps, cols > block_n)
-
-        def bwd(cfg=cfg, per_sm=per_sm):
-            norm._backward(dy, x, w, mean, rstd, False, False, True, cfg, sms * per_sm)
-
-        out.append(_sweep_row("bwd", (*cfg, f"{per_sm}/SM"), bwd, 3 * act, copy_rate))
+        bwd = functools.partial(
+            norm._backward, dy, x, w, mean, rstd, False, rms, not rms, cfg, sms * per_sm,
+            stages=stages,
+        )  # fmt: skip
+        name = (kind, *cfg, f"{per_sm}/SM", f"stages {stages}")
+        out.append(_sweep_row("bwd", name, bwd, 3 * act, copy_rate, norm._launch_bwd))
     return out
 
 
-def _sweep_row(kernel: str, config, fn, nbytes: int, copy_rate: float) -> dict:
+def _sweep_row(kernel: str, config, fn, nbytes: int, copy_rate: float, launcher) -> dict:
+    """Time fn; registers and spills per thread of the kernel its first call compiled."""
     try:
+        before = set(map(id, launcher.compiled.values()))
+        fn()
+        new = [k for k in launcher.compiled.values() if id(k) not in before]
         ms = gpu_ms(fn, reps=15, inner=5)
     except Exception as exc:
         return {"kernel": kernel, "config": config, "error": repr(exc)}
-    return {"kernel": kernel, "config": config, "ms": ms, "frac": nbytes / ms / 1e6 / copy_rate}
+    regs = f"{new[0].n_regs} regs, {new[0].n_spills} spills" if new else ""
+    frac = nbytes / ms / 1e6 / copy_rate
+    return {"kernel": kernel, "config": config, "ms": ms, "frac": frac, "regs": regs}
 
 
 def host_overhead(rows: int = 16, cols: int = 1024) -> list[dict]:
@@ -183,14 +203,15 @@ def main() -> None:
     if not torch.cuda.is_available():
         print("norm benchmark: no CUDA device, nothing measured")
         return
-    sweep_rows = sweep(args.rows, args.cols)
+    sweep_rows = sweep(args.rows)
     host = host_overhead()
     main_rows = bandwidth(args.rows, args.cols)
 
-    print(f"\nsweep at {args.rows}x{args.cols} bf16, LayerNorm (fraction of d2d copy bandwidth)")
+    print(f"\nsweep at {args.rows} rows, bf16 (fraction of d2d copy bandwidth)")
     for row in sweep_rows:
-        print(f"  {row['kernel']:4s} {row['config']!s:34s} ", end="")
-        print(row.get("error") or f"{row['ms']:.4f} ms  {row['frac']:.3f}")
+        config = " ".join(str(part) for part in row["config"] if part)
+        print(f"  {row['kernel']:4s} {config:44s} ", end="")
+        print(row.get("error") or f"{row['ms']:.4f} ms  {row['frac']:.3f}  {row['regs']}")
 
     print("\nhost us per call at 16x1024 bf16 (calls queued, one synchronize)")
     print(f"  {'op':20s} {'torchte':>9s} {'torch':>9s} {'torch/te':>9s}")

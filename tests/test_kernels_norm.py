@@ -177,6 +177,22 @@ def test_row_config():
     assert norm.row_config(64, 16384, norm.FWD_MAX_BLOCK_N, 4096)[3] is False
     assert norm.row_config(64, 16384, norm.BWD_MAX_BLOCK_N, 4096)[1:] == (8192, 16, True)
     assert norm.row_config(4, 65536, norm.FWD_MAX_BLOCK_N, 4096) == (1, 16384, 16, True)
+    # More values per thread, fewer warps.
+    assert norm.row_config(8192, 4096, 16384, 8192, 64) == (2, 4096, 4, False)
+    assert norm.row_config(8192, 1024, 16384, 8192, 64) == (8, 1024, 4, False)
+
+
+def test_launch_configs():
+    # Forward: 2 rows x 4096 per program step, 4 warps, 16 programs per SM (capped at the
+    # row-block count).
+    assert norm.forward_launch(8192, 4096, 132) == ((2, 4096, 4, False), 2112)
+    assert norm.forward_launch(6, 4096, 132) == ((2, 4096, 4, False), 3)
+    # Backward: wide rows take one program per SM and a 3-stage pipelined loop; narrow rows
+    # two programs per SM, no pipelining.
+    assert norm.backward_launch(8192, 4096, 132) == ((2, 4096, 16, False), 132, 3)
+    assert norm.backward_launch(8192, 1024, 132) == ((4, 1024, 8, False), 264, 1)
+    assert norm.backward_launch(5, 8192, 132) == ((1, 8192, 16, False), 5, 3)
+    assert norm.backward_launch(64, 20000, 132)[0][3] is True
 
 
 # ----------------------------------------------------------------------------------------------

@@ -64,9 +64,14 @@ def run_fused(rms, x, weight, bias, zc, fp8_dtype, columnwise):
 
 
 def run_unfused(rms, x, weight, bias, zc, fp8_dtype, columnwise):
-    """The same from norm's forward, then quantize_delayed (Triton on CUDA)."""
+    """The same from norm's forward, then quantize_delayed (Triton on CUDA, where the norm runs
+    on the fused kernel's tile config: the reductions then add in the same order)."""
     scale, amax, scale_inv = quant_state(fp8_dtype, x.device)
-    if rms:
+    if x.is_cuda:
+        cfg = norm.row_config(*x.shape, norm.FWD_MAX_BLOCK_N, nfp8.FP8_TILE)
+        y, mean, rstd = norm._forward(x, weight, None if rms else bias, EPS, zc, rms, cfg)
+        stats = (rstd,) if rms else (mean, rstd)
+    elif rms:
         y, rstd = norm.rmsnorm_forward(x, weight, EPS, zc)
         stats = (rstd,)
     else:
@@ -230,7 +235,7 @@ def check(x, w, b, zc, rms, fp8, columnwise, config, out_tile):
     scale, amax, scale_inv = state(fp8)
     data, data_t, mean, rstd = nfp8._forward_fp8(x, w, b, EPS, zc, rms, scale, amax, scale_inv,
                                                  fp8, columnwise, config, out_tile)
-    cfg = config or norm.row_config(*x.shape, norm.FWD_MAX_BLOCK_N, norm.FWD_TILE)
+    cfg = config or norm.row_config(*x.shape, norm.FWD_MAX_BLOCK_N, nfp8.FP8_TILE)
     y, mean_u, rstd_u = norm._forward(x.float(), w, b, EPS, zc, rms, cfg, 3)
     _, amax_u, scale_inv_u = state(fp8)
     want = ct.quantize_delayed_reference(y.to(x.dtype), scale, amax_u, scale_inv_u, fp8, True,

@@ -13,7 +13,7 @@ Backward, with xhat = (x - mean) * rstd (LayerNorm) or x * rstd (RMSNorm):
     dx = rstd * (g dy - xhat * mean(g dy xhat) - mean(g dy))   (RMSNorm: no last term)
     dweight = sum over rows of dy * xhat,  dbias = sum over rows of dy
 
-On CUDA with Triton the kernels below run; elsewhere the torch reference beside them. M == 0
+On CUDA with Triton the kernels of norm_triton.py run; elsewhere the torch reference below. M == 0
 also takes the reference: empty outputs, zero gradients (one fill each on CUDA).
 
 Launches per call: forward 1; backward 2 (the row kernel writes dx and each program's partial
@@ -35,327 +35,33 @@ import torch
 from ._triton import FastLaunch, int_key, sm_count, triton_available
 
 # A program handles blocks of BLOCK_M rows x BLOCK_N columns, BLOCK_M * BLOCK_N about *_TILE
-# elements when rows are short; P programs (*_PROGRAMS_PER_SM per SM, fewer when there are
-# fewer row blocks) each own row blocks p, p + P, ... . The forward over-subscribes the SMs
-# (extra programs queue) and reads weight and bias once per program; the backward's P sets the
-# size of its partial-sum buffer. Reduction of the partial sums: (BLOCK_P, BLOCK_N, num_warps).
-# Chosen from register budgets (fp32 values per thread), not yet tuned on a GPU:
-# benchmarks/norm.py sweeps them.
-FWD_TILE = 4096
-BWD_TILE = 4096
+# elements when rows are short, *_ELEMS_PER_THREAD of them per thread (which sets num_warps);
+# P programs (*_PROGRAMS_PER_SM per SM, fewer when there are fewer row blocks) each own row
+# blocks p, p + P, ... . The forward over-subscribes the SMs (extra programs queue) and loads
+# weight and bias with each row block (cache hits; holding them for the whole loop costs the
+# registers that let more rows be in flight). The backward's P sets the size of its
+# partial-sum buffer; for rows of WIDE_ROW elements or more it takes one program per SM and
+# lets Triton pipeline the row loads through shared memory (num_stages of its loop).
+# Reduction of the partial sums: (BLOCK_P, BLOCK_N, num_warps). Tuned by the sweep in
+# benchmarks/norm.py on an H200 at 8192 rows x 1024/4096/8192 bf16 (docs/benchmarks.md).
+FWD_TILE = 8192
+FWD_ELEMS_PER_THREAD = 64
 FWD_MAX_BLOCK_N = 16384
+FWD_PROGRAMS_PER_SM = 16
+FWD_STAGES = 1
+BWD_TILE = 4096
+BWD_ELEMS_PER_THREAD = 16
 BWD_MAX_BLOCK_N = 8192
-FWD_PROGRAMS_PER_SM = 8
 BWD_PROGRAMS_PER_SM = 2
+BWD_STAGES = 1
+WIDE_ROW = 4096
+BWD_WIDE = (8192, 1, 3)  # (tile, programs per SM, stages) for rows of WIDE_ROW or more
 REDUCE_CONFIG = (32, 64, 4)
 
 try:
-    import triton
-    import triton.language as tl
+    from .norm_triton import _norm_bwd_kernel, _norm_fwd_kernel, _reduce_partials_kernel
 except ImportError:  # CPU-only installs: the torch reference runs
-    triton = None
-
-if triton is not None:
-
-    @triton.jit
-    def _gamma(w_ptr, cols, col_in, ZERO_CENTERED: tl.constexpr):
-        """g (BLOCK_N,) fp32 from weight columns `cols`; 0 past N (1 when zero-centered)."""
-        g = tl.load(w_ptr + cols, mask=col_in, other=0.0).to(tl.float32)
-        if ZERO_CENTERED:
-            g = g + 1.0
-        return g
-
-    @triton.jit
-    def _rstd(var, eps):
-        """1 / sqrt(var + eps), both correctly rounded (one value per row: free)."""
-        return tl.math.div_rn(tl.full(var.shape, 1.0, tl.float32), tl.sqrt_rn(var + eps))
-
-    @triton.jit
-    def _row_stats_chunked(
-        x_ptr, row_offs, row_in, N, eps,
-        RMS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    ):  # fmt: skip
-        """(mean, rstd), each (BLOCK_M,) fp32, of rows longer than one block."""
-        mean = tl.zeros((BLOCK_M,), tl.float32)
-        m2 = tl.zeros((BLOCK_M,), tl.float32)  # centered sum of squares (RMS: sum of squares)
-        for start in range(0, N, BLOCK_N):
-            cols = start + tl.arange(0, BLOCK_N)
-            mask = row_in[:, None] & (cols < N)[None, :]
-            x = tl.load(x_ptr + row_offs[:, None] + cols[None, :], mask=mask, other=0.0)
-            x = x.to(tl.float32)
-            if RMS:
-                m2 += tl.sum(x * x, axis=1)
-            else:
-                # Chan et al.: merge this chunk's (count, mean, m2) into the running ones.
-                count = tl.minimum(N - start, BLOCK_N) * 1.0
-                seen = start * 1.0
-                chunk_mean = tl.sum(x, axis=1) / count
-                d = tl.where(mask, x - chunk_mean[:, None], 0.0)
-                delta = chunk_mean - mean
-                total = seen + count
-                mean += delta * (count / total)
-                m2 += tl.sum(d * d, axis=1) + delta * delta * (seen * count / total)
-        n = tl.zeros((BLOCK_M,), tl.float32) + N * 1.0
-        return mean, _rstd(tl.math.div_rn(m2, n), eps)
-
-    @triton.jit
-    def _tile_mean_var(x, mask, n, RMS: tl.constexpr):
-        """(mean, biased variance) (BLOCK_M,) fp32 of the rows of the whole-row tile x (BLOCK_M,
-        BLOCK_N) fp32, masked entries 0, n the row length as fp32; mean is 0 for RMSNorm, whose
-        "variance" is mean(x^2). The fused FP8 norm calls it too, for the same bits."""
-        if RMS:
-            mean = tl.zeros_like(n)
-            var = tl.math.div_rn(tl.sum(x * x, axis=1), n)
-        else:
-            mean = tl.math.div_rn(tl.sum(x, axis=1), n)
-            xc = tl.where(mask, x - mean[:, None], 0.0)
-            var = tl.math.div_rn(tl.sum(xc * xc, axis=1), n)
-        return mean, var
-
-    @triton.jit
-    def _normalize_store(
-        x, y_ptr, offs, mask, g, b, mean, rstd, RMS: tl.constexpr, HAS_BIAS: tl.constexpr
-    ):
-        """Store y for the (BLOCK_M, BLOCK_N) tile x (fp32) at `offs`: the row stats mean,
-        rstd (BLOCK_M,), the column scales g and biases b (BLOCK_N,), all fp32."""
-        if RMS:
-            y = x * rstd[:, None] * g[None, :]
-        else:
-            y = (x - mean[:, None]) * rstd[:, None] * g[None, :]
-        if HAS_BIAS:
-            y += b[None, :]
-        tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
-
-    @triton.jit
-    def _bias(b_ptr, cols, col_in, HAS_BIAS: tl.constexpr):
-        """b (BLOCK_N,) fp32 from bias columns `cols` (zeros without a bias)."""
-        if HAS_BIAS:
-            b = tl.load(b_ptr + cols, mask=col_in, other=0.0).to(tl.float32)
-        else:
-            b = tl.zeros(cols.shape, tl.float32)
-        return b
-
-    @triton.jit
-    def _norm_fwd_kernel(
-        x_ptr,  # (M, N) fp32 / bf16 / fp16, contiguous
-        w_ptr,  # (N,) the parameters' dtype
-        b_ptr,  # (N,) the parameters' dtype; read when HAS_BIAS
-        y_ptr,  # (M, N) x's dtype
-        mean_ptr,  # (M,) fp32; written unless RMS
-        rstd_ptr,  # (M,) fp32
-        M,
-        N,
-        eps,  # fp32
-        RMS: tl.constexpr,
-        HAS_BIAS: tl.constexpr,
-        ZERO_CENTERED: tl.constexpr,
-        BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        CHUNKED: tl.constexpr,  # N > BLOCK_N: walk each row in chunks
-    ):
-        """Program p normalizes row blocks p, p + P, ... (P programs): a single-block row's
-        weight and bias are read once per program, not once per row."""
-        pid = tl.program_id(0)
-        num_programs = tl.num_programs(0)
-        if CHUNKED:
-            for block in range(pid, tl.cdiv(M, BLOCK_M), num_programs):
-                rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
-                row_in = rows < M
-                row_offs = rows.to(tl.int64) * N
-                mean, rstd = _row_stats_chunked(
-                    x_ptr, row_offs, row_in, N, eps, RMS, BLOCK_M, BLOCK_N
-                )
-                for start in range(0, N, BLOCK_N):
-                    cols = start + tl.arange(0, BLOCK_N)
-                    col_in = cols < N
-                    mask = row_in[:, None] & col_in[None, :]
-                    offs = row_offs[:, None] + cols[None, :]
-                    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-                    g = _gamma(w_ptr, cols, col_in, ZERO_CENTERED)
-                    b = _bias(b_ptr, cols, col_in, HAS_BIAS)
-                    _normalize_store(x, y_ptr, offs, mask, g, b, mean, rstd, RMS, HAS_BIAS)
-                if not RMS:
-                    tl.store(mean_ptr + rows, mean, mask=row_in)
-                tl.store(rstd_ptr + rows, rstd, mask=row_in)
-        else:
-            cols = tl.arange(0, BLOCK_N)
-            col_in = cols < N
-            g = _gamma(w_ptr, cols, col_in, ZERO_CENTERED)
-            b = _bias(b_ptr, cols, col_in, HAS_BIAS)
-            n = tl.zeros((BLOCK_M,), tl.float32) + N * 1.0
-            for block in range(pid, tl.cdiv(M, BLOCK_M), num_programs):
-                rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
-                row_in = rows < M
-                mask = row_in[:, None] & col_in[None, :]
-                offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
-                x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-                mean, var = _tile_mean_var(x, mask, n, RMS)
-                if not RMS:
-                    tl.store(mean_ptr + rows, mean, mask=row_in)
-                rstd = _rstd(var, eps)
-                tl.store(rstd_ptr + rows, rstd, mask=row_in)
-                _normalize_store(x, y_ptr, offs, mask, g, b, mean, rstd, RMS, HAS_BIAS)
-
-    @triton.jit
-    def _bwd_tile(
-        dy_ptr, x_ptr, mean_ptr, rstd_ptr, rows, row_in, cols, col_in, N, g,
-        RMS: tl.constexpr,
-    ):  # fmt: skip
-        """(dy, xhat, g dy, rstd) of one (BLOCK_M, BLOCK_N) tile, fp32; zero outside M x N."""
-        mask = row_in[:, None] & col_in[None, :]
-        offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
-        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        rstd = tl.load(rstd_ptr + rows, mask=row_in, other=0.0)
-        if RMS:
-            xhat = x * rstd[:, None]
-        else:
-            mean = tl.load(mean_ptr + rows, mask=row_in, other=0.0)
-            xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
-        return dy, xhat, dy * g[None, :], rstd
-
-    @triton.jit
-    def _dx(xhat, gdy, rstd, c1, c2, RMS: tl.constexpr):
-        """dx from the row means c1 = mean(g dy xhat) and c2 = mean(g dy) (unused for RMS)."""
-        if RMS:
-            dx = (gdy - xhat * c1[:, None]) * rstd[:, None]
-        else:
-            dx = (gdy - (xhat * c1[:, None] + c2[:, None])) * rstd[:, None]
-        return dx
-
-    @triton.jit
-    def _bwd_rows_chunked(
-        dy_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, part_w, part_b, block, accumulate,
-        M, N, n,
-        RMS: tl.constexpr, HAS_BIAS: tl.constexpr, ZERO_CENTERED: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    ):  # fmt: skip
-        """Backward of one row block whose rows are longer than BLOCK_N: the row means first,
-        then dx and the partial sums chunk by chunk. Partial sums go to this program's own row
-        of the buffer, added to what it holds when `accumulate` (not the program's first block).
-        """
-        # The previous block's partial sums may have been stored by other threads of this
-        # program than the ones that read them back below (layouts are the compiler's choice):
-        # a CTA barrier orders those global stores before these loads.
-        tl.debug_barrier()
-        rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
-        row_in = rows < M
-        s1 = tl.zeros((BLOCK_M,), tl.float32)
-        s2 = tl.zeros((BLOCK_M,), tl.float32)
-        for start in range(0, N, BLOCK_N):
-            cols = start + tl.arange(0, BLOCK_N)
-            col_in = cols < N
-            g = _gamma(w_ptr, cols, col_in, ZERO_CENTERED)
-            dy, xhat, gdy, rstd = _bwd_tile(
-                dy_ptr, x_ptr, mean_ptr, rstd_ptr, rows, row_in, cols, col_in, N, g, RMS
-            )
-            s1 += tl.sum(xhat * gdy, axis=1)
-            s2 += tl.sum(gdy, axis=1)
-        c1 = tl.math.div_rn(s1, n)
-        c2 = tl.math.div_rn(s2, n)
-        for start in range(0, N, BLOCK_N):
-            cols = start + tl.arange(0, BLOCK_N)
-            col_in = cols < N
-            g = _gamma(w_ptr, cols, col_in, ZERO_CENTERED)
-            dy, xhat, gdy, rstd = _bwd_tile(
-                dy_ptr, x_ptr, mean_ptr, rstd_ptr, rows, row_in, cols, col_in, N, g, RMS
-            )
-            dx = _dx(xhat, gdy, rstd, c1, c2, RMS)
-            offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
-            mask = row_in[:, None] & col_in[None, :]
-            tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
-            dw = tl.sum(dy * xhat, axis=0)
-            dw += tl.load(part_w + cols, mask=col_in & accumulate, other=0.0)
-            tl.store(part_w + cols, dw, mask=col_in)
-            if HAS_BIAS:
-                db = tl.sum(dy, axis=0)
-                db += tl.load(part_b + cols, mask=col_in & accumulate, other=0.0)
-                tl.store(part_b + cols, db, mask=col_in)
-
-    @triton.jit
-    def _norm_bwd_kernel(
-        dy_ptr,  # (M, N) fp32 / bf16 / fp16, contiguous
-        x_ptr,  # (M, N) fp32 / bf16 / fp16, contiguous
-        w_ptr,  # (N,) the parameters' dtype
-        mean_ptr,  # (M,) fp32; read unless RMS
-        rstd_ptr,  # (M,) fp32
-        dx_ptr,  # (M, N) x's dtype
-        part_ptr,  # (2 if HAS_BIAS else 1, P, N) fp32: row p = program p's partial dweight
-        # (then dbias) sums; P = the number of programs, each owning row blocks p, p + P, ...
-        M,
-        N,
-        RMS: tl.constexpr,
-        HAS_BIAS: tl.constexpr,
-        ZERO_CENTERED: tl.constexpr,
-        BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        CHUNKED: tl.constexpr,  # N > BLOCK_N: walk each row in chunks
-    ):
-        pid = tl.program_id(0)
-        num_programs = tl.num_programs(0)
-        part_w = part_ptr + pid.to(tl.int64) * N
-        part_b = part_w + num_programs.to(tl.int64) * N
-        n = tl.zeros((BLOCK_M,), tl.float32) + N * 1.0
-        if not CHUNKED:
-            cols = tl.arange(0, BLOCK_N)
-            col_in = cols < N
-            g = _gamma(w_ptr, cols, col_in, ZERO_CENTERED)
-            dw = tl.zeros((BLOCK_N,), tl.float32)
-            db = tl.zeros((BLOCK_N,), tl.float32)
-            for block in range(pid, tl.cdiv(M, BLOCK_M), num_programs):
-                rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
-                row_in = rows < M
-                dy, xhat, gdy, rstd = _bwd_tile(
-                    dy_ptr, x_ptr, mean_ptr, rstd_ptr, rows, row_in, cols, col_in, N, g, RMS
-                )
-                c1 = tl.math.div_rn(tl.sum(xhat * gdy, axis=1), n)
-                c2 = tl.math.div_rn(tl.sum(gdy, axis=1), n)
-                dx = _dx(xhat, gdy, rstd, c1, c2, RMS)
-                offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
-                mask = row_in[:, None] & col_in[None, :]
-                tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
-                dw += tl.sum(dy * xhat, axis=0)
-                db += tl.sum(dy, axis=0)
-            tl.store(part_w + cols, dw, mask=col_in)
-            if HAS_BIAS:
-                tl.store(part_b + cols, db, mask=col_in)
-        else:
-            for block in range(pid, tl.cdiv(M, BLOCK_M), num_programs):
-                _bwd_rows_chunked(
-                    dy_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, part_w, part_b,
-                    block, block != pid, M, N, n,
-                    RMS, HAS_BIAS, ZERO_CENTERED, BLOCK_M, BLOCK_N,
-                )  # fmt: skip
-
-    @triton.jit
-    def _reduce_partials_kernel(
-        part_ptr,  # (2 if HAS_BIAS else 1, P, N) fp32, contiguous
-        dw_ptr,  # (N,) the weight's dtype
-        db_ptr,  # (N,) the weight's dtype; written when HAS_BIAS
-        P,
-        N,
-        HAS_BIAS: tl.constexpr,
-        BLOCK_P: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-    ):
-        """dw = part[0].sum(0), db = part[1].sum(0) for BLOCK_N columns, in a fixed order."""
-        cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        col_in = cols < N
-        acc_w = tl.zeros((BLOCK_P, BLOCK_N), tl.float32)
-        acc_b = tl.zeros((BLOCK_P, BLOCK_N), tl.float32)
-        for start in range(0, P, BLOCK_P):
-            prow = start + tl.arange(0, BLOCK_P)
-            mask = (prow < P)[:, None] & col_in[None, :]
-            offs = prow.to(tl.int64)[:, None] * N + cols[None, :]
-            acc_w += tl.load(part_ptr + offs, mask=mask, other=0.0)
-            if HAS_BIAS:
-                offs_b = (prow + P).to(tl.int64)[:, None] * N + cols[None, :]
-                acc_b += tl.load(part_ptr + offs_b, mask=mask, other=0.0)
-        tl.store(dw_ptr + cols, tl.sum(acc_w, axis=0).to(dw_ptr.dtype.element_ty), mask=col_in)
-        if HAS_BIAS:
-            db = tl.sum(acc_b, axis=0).to(db_ptr.dtype.element_ty)
-            tl.store(db_ptr + cols, db, mask=col_in)
-
+    _norm_fwd_kernel = None
 
 # ----------------------------------------------------------------------------------------------
 # Public functions: Triton on CUDA, the torch reference elsewhere
@@ -429,23 +135,45 @@ def rmsnorm_backward(
 # ----------------------------------------------------------------------------------------------
 
 
-if triton is not None:
+if _norm_fwd_kernel is not None:
     _launch_fwd = FastLaunch(_norm_fwd_kernel)
     _launch_bwd = FastLaunch(_norm_bwd_kernel)
     _launch_reduce = FastLaunch(_reduce_partials_kernel)
 
 
 @functools.lru_cache(maxsize=1024)
-def row_config(rows: int, cols: int, max_block_n: int, tile: int) -> tuple[int, int, int, bool]:
+def row_config(
+    rows: int, cols: int, max_block_n: int, tile: int, elems_per_thread: int = 16
+) -> tuple[int, int, int, bool]:
     """(BLOCK_M, BLOCK_N, num_warps, chunked) for rows of `cols` elements: the whole row in one
     block up to max_block_n (else chunks of max_block_n), and several short rows per block, up
-    to `tile` elements; about 16 fp32 values per thread."""
+    to `tile` elements; about elems_per_thread fp32 values per thread."""
     block_n = max(16, 1 << (cols - 1).bit_length())
     chunked = block_n > max_block_n
     block_n = min(block_n, max_block_n)
     block_m = max(1, min(tile // block_n, 1 << (rows - 1).bit_length()))
-    num_warps = min(max(block_m * block_n // 512, 1), 16)
+    num_warps = min(max(block_m * block_n // (32 * elems_per_thread), 1), 16)
     return block_m, block_n, num_warps, chunked
+
+
+@functools.lru_cache(maxsize=1024)
+def forward_launch(rows: int, cols: int, sms: int) -> tuple[tuple[int, int, int, bool], int]:
+    """(config, programs) of the forward kernel for an (rows, cols) input on `sms` SMs."""
+    config = row_config(rows, cols, FWD_MAX_BLOCK_N, FWD_TILE, FWD_ELEMS_PER_THREAD)
+    return config, min(-(-rows // config[0]), sms * FWD_PROGRAMS_PER_SM)
+
+
+def _backward_scheme(cols: int) -> tuple[int, int, int]:
+    """(tile, programs per SM, stages) of the backward for rows of `cols` elements."""
+    return BWD_WIDE if cols >= WIDE_ROW else (BWD_TILE, BWD_PROGRAMS_PER_SM, BWD_STAGES)
+
+
+@functools.lru_cache(maxsize=1024)
+def backward_launch(rows: int, cols: int, sms: int) -> tuple[tuple[int, int, int, bool], int, int]:
+    """(config, programs, stages) of the backward kernel for (rows, cols) on `sms` SMs."""
+    tile, per_sm, stages = _backward_scheme(cols)
+    config = row_config(rows, cols, BWD_MAX_BLOCK_N, tile, BWD_ELEMS_PER_THREAD)
+    return config, min(-(-rows // config[0]), sms * per_sm), stages
 
 
 def _forward(
@@ -457,18 +185,22 @@ def _forward(
     rms: bool,
     config: tuple[int, int, int, bool] | None = None,
     num_programs: int | None = None,
+    stages: int = FWD_STAGES,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """Launch _norm_fwd_kernel on x (M, N), M > 0: (y, mean (None for RMS), rstd). config and
-    num_programs (before capping at the row-block count) override the defaults."""
+    """Launch _norm_fwd_kernel on x (M, N), M > 0: (y, mean (None for RMS), rstd). config,
+    num_programs (before capping at the row-block count) and stages override the defaults
+    (tests, benchmark sweeps)."""
     if not x.is_contiguous():
         x = x.contiguous()
     rows, cols = x.shape
-    if config is None:
-        config = row_config(rows, cols, FWD_MAX_BLOCK_N, FWD_TILE)
+    if config is None and num_programs is None:
+        config, programs = forward_launch(rows, cols, sm_count(x.get_device()))
+    else:
+        config = config or forward_launch(rows, cols, 1)[0]
+        if num_programs is None:
+            num_programs = sm_count(x.get_device()) * FWD_PROGRAMS_PER_SM
+        programs = min(-(-rows // config[0]), num_programs)
     block_m, block_n, num_warps, chunked = config
-    if num_programs is None:
-        num_programs = sm_count(x.get_device()) * FWD_PROGRAMS_PER_SM
-    programs = min((rows + block_m - 1) // block_m, num_programs)
     device = x.device
     y = torch.empty(rows, cols, dtype=x.dtype, device=device)
     rstd = torch.empty(rows, dtype=torch.float32, device=device)
@@ -478,12 +210,12 @@ def _forward(
     m = rstd if mean is None else mean
     key = (
         x.dtype, weight.dtype, b.dtype, rms, bias is not None, zero_centered_gamma, config,
-        *int_key(rows), *int_key(cols), x.data_ptr() & 15, weight.data_ptr() & 15,
+        stages, *int_key(rows), *int_key(cols), x.data_ptr() & 15, weight.data_ptr() & 15,
         b.data_ptr() & 15, y.data_ptr() & 15, m.data_ptr() & 15, rstd.data_ptr() & 15,
     )  # fmt: skip
     _launch_fwd(
         key, (programs, 1, 1), num_warps, x, weight, b, y, m, rstd, rows, cols, float(eps),
-        rms, bias is not None, zero_centered_gamma, block_m, block_n, chunked,
+        rms, bias is not None, zero_centered_gamma, block_m, block_n, chunked, stages,
     )  # fmt: skip
     return y, mean, rstd
 
@@ -500,38 +232,42 @@ def _backward(
     config: tuple[int, int, int, bool] | None = None,
     num_programs: int | None = None,
     reduce_config: tuple[int, int, int] = REDUCE_CONFIG,
+    stages: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Launch _norm_bwd_kernel and _reduce_partials_kernel on x, dy (M, N), M > 0:
     (dx, dweight, dbias or None). mean is not read under RMS (pass rstd). config,
-    num_programs (before capping at the row-block count) and reduce_config override the
-    defaults (tests, benchmark sweeps)."""
+    num_programs (before capping at the row-block count), reduce_config and stages override
+    the defaults (tests, benchmark sweeps)."""
     if not x.is_contiguous():
         x = x.contiguous()
     if not dy.is_contiguous():
         dy = dy.contiguous()
     rows, cols = x.shape
-    if config is None:
-        config = row_config(rows, cols, BWD_MAX_BLOCK_N, BWD_TILE)
+    if config is None and num_programs is None:
+        config, programs, default_stages = backward_launch(rows, cols, sm_count(x.get_device()))
+    else:
+        default_config, _, default_stages = backward_launch(rows, cols, 1)
+        config = config or default_config
+        if num_programs is None:
+            num_programs = sm_count(x.get_device()) * _backward_scheme(cols)[1]
+        # Every program owns at least one row block, so every row of the partials is written.
+        programs = min(-(-rows // config[0]), num_programs)
+    stages = default_stages if stages is None else stages
     block_m, block_n, num_warps, chunked = config
-    num_blocks = (rows + block_m - 1) // block_m
-    if num_programs is None:
-        num_programs = sm_count(x.get_device()) * BWD_PROGRAMS_PER_SM
-    # Every program owns at least one row block, so every row of the partials gets written.
-    programs = min(num_blocks, num_programs)
     device = x.device
     dx = torch.empty(rows, cols, dtype=x.dtype, device=device)
     part = torch.empty(2 if has_bias else 1, programs, cols, dtype=torch.float32, device=device)
     dw = torch.empty(cols, dtype=weight.dtype, device=device)
     db = torch.empty(cols, dtype=weight.dtype, device=device) if has_bias else None
     key = (
-        dy.dtype, x.dtype, weight.dtype, rms, has_bias, zero_centered_gamma, config,
+        dy.dtype, x.dtype, weight.dtype, rms, has_bias, zero_centered_gamma, config, stages,
         *int_key(rows), *int_key(cols), dy.data_ptr() & 15, x.data_ptr() & 15,
         weight.data_ptr() & 15, mean.data_ptr() & 15, rstd.data_ptr() & 15, dx.data_ptr() & 15,
         part.data_ptr() & 15,
     )  # fmt: skip
     _launch_bwd(
         key, (programs, 1, 1), num_warps, dy, x, weight, mean, rstd, dx, part, rows, cols,
-        rms, has_bias, zero_centered_gamma, block_m, block_n, chunked,
+        rms, has_bias, zero_centered_gamma, block_m, block_n, chunked, stages,
     )  # fmt: skip
     block_p, block_c, reduce_warps = reduce_config
     b = dw if db is None else db

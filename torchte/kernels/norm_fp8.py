@@ -10,10 +10,11 @@ This replaces two launches with one and never writes y in high precision:
     quantize_delayed(y, scale, amax, scale_inv, fp8_dtype, True, columnwise)
 and gives the same bytes, amax, scale_inv, mean and rstd as those:
 
-- The row statistics are computed by the unfused kernel's code on the unfused kernel's tiles:
-  norm.row_config picks (BLOCK_M, BLOCK_N, num_warps, chunked) for the same (M, N), a row longer
-  than one block goes through norm's _row_stats_chunked, a shorter one through the same
-  single-block sums, so the fp32 reductions run in the same order.
+- The row statistics are computed by the unfused kernel's code on the same tiles: given the
+  same (BLOCK_M, BLOCK_N, num_warps, chunked), a row longer than one block goes through norm's
+  _row_stats_chunked, a shorter one through the same single-block sums, so the fp32 reductions
+  run in the same order. The default here is norm.row_config with FP8_TILE elements per tile
+  (the unfused forward's own default tile is larger: pass this config to compare bits).
 - y is the same fp32 expression, rounded to x's dtype (as storing y does), then quantized with
   activation_fp8's helpers: cast_transpose's integer FP8 encoder, uint8 bytes rowwise, int32
   words of four rows columnwise, amax as an int32 atomic max of the bits of |y|.
@@ -42,6 +43,9 @@ from .cast_transpose import COLUMNWISE_ALIGN, FP8_MAX, _alloc_outputs, quantize_
 # Chosen for about 4-16 fp32 values per thread at the norm config's num_warps; not yet tuned
 # on a GPU.
 OUT_TILE = 2048
+# Elements per statistics tile (BLOCK_M x BLOCK_N), about 16 fp32 values per thread: the
+# unfused forward's larger tile (64 per thread) leaves this kernel's output pass too few warps.
+FP8_TILE = 4096
 
 try:
     import triton
@@ -52,7 +56,7 @@ except ImportError:  # CPU-only installs: the torch references run
 if triton is not None:
     from .activation_fp8 import _encode, _round_as, _store_bytes, _store_words
     from .cast_transpose import _abs_bits
-    from .norm import _bias, _gamma, _row_stats_chunked, _rstd, _tile_mean_var
+    from .norm_triton import _bias, _gamma, _row_stats_chunked, _rstd, _tile_mean_var
 
     @triton.jit
     def _group_stats(
@@ -267,12 +271,13 @@ def _forward_fp8(
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
     """Launch _norm_fwd_fp8_kernel on x (M, N), M > 0: (rowwise, columnwise or None, mean (None
     for RMS), rstd). config is the unfused kernel's (BLOCK_M, BLOCK_N, num_warps, chunked), by
-    default norm.row_config's for (M, N); pass the same one to norm._forward to compare."""
+    default norm.row_config's for (M, N) with FP8_TILE; pass the same one to norm._forward to
+    compare."""
     if not x.is_contiguous():
         x = x.contiguous()
     rows, cols = x.shape
     if config is None:
-        config = norm_mod.row_config(rows, cols, norm_mod.FWD_MAX_BLOCK_N, norm_mod.FWD_TILE)
+        config = norm_mod.row_config(rows, cols, norm_mod.FWD_MAX_BLOCK_N, FP8_TILE)
     block_m, block_n, num_warps, chunked = config
     group_m, out_block_n = fp8_config(config, out_tile)
     device = x.device
