@@ -6,6 +6,7 @@ Use it as Transformer Engine's `transformer_engine.pytorch`: `import torchte as 
 from . import recipe
 from ._device import is_fp8_available
 from .autocast import autocast, fp8_autocast
+from .module.grouped_linear import GroupedLinear
 from .module.layernorm_linear import LayerNormLinear
 from .module.layernorm_mlp import LayerNormMLP
 from .module.linear import Linear
@@ -15,6 +16,7 @@ from .quantization.model_init import fp8_model_init, quantized_model_init
 
 __all__ = [
     "Float8Tensor",
+    "GroupedLinear",
     "LayerNorm",
     "LayerNormLinear",
     "LayerNormMLP",

@@ -6,14 +6,31 @@ accumulation). FP8: torch._scaled_mm on a GPU; on a CPU the FP8 operands are mul
 
 Every FP8 GEMM here takes both operands "K-major": a (M, K) and b (N, K), row-major, and gives
 out (M, N) = (a * a_scale_inv) @ (b * b_scale_inv).T.
+
+Grouped (mixture-of-experts) GEMMs over G groups of rows, group g owning rows
+[offs[g-1], offs[g]) of x (offs: int32 cumulative ends, offs[G-1] = T), run as one
+torch._grouped_mm where grouped_mm_supported says it works (bf16 on sm90 and newer, probed once
+per device and layout), else the callers loop over the groups.
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
-__all__ = ["fp8_gemm", "hp_linear", "hp_mm"]
+__all__ = [
+    "fp8_gemm",
+    "grouped_dgrad",
+    "grouped_fprop",
+    "grouped_mm_supported",
+    "grouped_wgrad",
+    "hp_linear",
+    "hp_mm",
+    "scaled_grouped_fprop",
+    "scaled_grouped_mm_supported",
+]
 
 
 def hp_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -98,3 +115,127 @@ def _empty_product(m, n, device, out_dtype, bias, out, accumulate) -> torch.Tens
     if bias is not None and m > 0:
         out += bias.to(out.dtype)
     return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Grouped GEMMs (high precision)
+# ----------------------------------------------------------------------------------------------
+
+
+def grouped_fprop(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """x (T, K), w (G, N, K) -> y (T, N): y[rows of g] = x[rows of g] @ w[g].T."""
+    return torch._grouped_mm(x, w.transpose(1, 2), offs=offs)
+
+
+def grouped_dgrad(dy: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """dy (T, N), w (G, N, K) -> dx (T, K): dx[rows of g] = dy[rows of g] @ w[g]."""
+    return torch._grouped_mm(dy, w, offs=offs)
+
+
+def grouped_wgrad(dy: torch.Tensor, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """dy (T, N), x (T, K) -> dw (G, N, K), one buffer: dw[g] = dy[rows of g].T @ x[rows of g]
+    (zeros for a group without rows)."""
+    return torch._grouped_mm(dy.t(), x, offs=offs)
+
+
+# Group sizes of the capability probes: multiples of 16 (what FP8 MoE layers pad to) and ragged.
+PROBE_SIZES = {False: [16, 0, 32], True: [13, 0, 35]}
+
+
+@functools.cache
+def grouped_mm_supported(device: torch.device, dtype: torch.dtype, ragged: bool = True) -> bool:
+    """Whether the three grouped GEMMs above run on `device` for `dtype` and agree with a loop
+    of matmuls (checked once on a small problem with an empty group; ragged: group sizes that
+    are not multiples of 16). CUDA only: on the CPU the callers' loop is the same arithmetic
+    as te.Linear, which the tests hold it to."""
+    if device.type != "cuda" or not hasattr(torch, "_grouped_mm"):
+        return False
+    try:
+        return _grouped_mm_agrees(device, dtype, PROBE_SIZES[ragged])
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+
+
+def _grouped_mm_agrees(device: torch.device, dtype: torch.dtype, sizes: list[int]) -> bool:
+    gen = torch.Generator().manual_seed(0)
+    k, n = 64, 48
+    x = torch.randn(sum(sizes), k, generator=gen).to(device, dtype)
+    dy = torch.randn(sum(sizes), n, generator=gen).to(device, dtype)
+    w = torch.randn(len(sizes), n, k, generator=gen).to(device, dtype)
+    offs = torch.tensor(sizes, device=device).cumsum(0).to(torch.int32)
+    got = (grouped_fprop(x, w, offs), grouped_dgrad(dy, w, offs), grouped_wgrad(dy, x, offs))
+    xs, dys = x.float().split(sizes), dy.float().split(sizes)
+    want = (
+        torch.cat([xg @ wg.t() for xg, wg in zip(xs, w.float(), strict=True)]),
+        torch.cat([dg @ wg for dg, wg in zip(dys, w.float(), strict=True)]),
+        torch.stack([dg.t() @ xg for dg, xg in zip(dys, xs, strict=True)]),
+    )
+    tol = 5e-2 if dtype in (torch.bfloat16, torch.float16) else 1e-4
+    return all(
+        g.shape == v.shape and torch.allclose(g.float(), v, rtol=tol, atol=tol)
+        for g, v in zip(got, want, strict=True)
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# Grouped GEMMs (FP8)
+# ----------------------------------------------------------------------------------------------
+
+
+def scaled_grouped_fprop(x_fp8, w_fp8, splits, out_dtype: torch.dtype) -> torch.Tensor:
+    """y (T, N) = per group (x_g * x_scale_inv[g]) @ (w_g * w_g.scale_inv).T as one
+    torch._scaled_grouped_mm: x_fp8 a GroupedStorage (rowwise (T, K)), w_fp8 G Float8Storages
+    (rowwise (N, K)), splits the GroupSplits. The per-tensor scales become the row scales it
+    takes: x's scale_inv of each row's group, w's scale_inv repeated over its N columns."""
+    weights = torch.stack([w.rowwise_data for w in w_fp8])
+    w_scale = torch.cat([w.scale_inv for w in w_fp8])
+    num_groups, n = weights.shape[0], weights.shape[1]
+    row_scale = x_fp8.scale_inv.index_select(0, splits.row_groups())
+    col_scale = w_scale[:, None].expand(num_groups, n).contiguous()
+    return torch._scaled_grouped_mm(
+        x_fp8.rowwise_data,
+        weights.transpose(1, 2),
+        row_scale,
+        col_scale,
+        offs=splits.offsets(),
+        out_dtype=out_dtype,
+        use_fast_accum=True,
+    )
+
+
+@functools.cache
+def scaled_grouped_mm_supported(device: torch.device, a_dtype, b_dtype, ragged=True) -> bool:
+    """Whether scaled_grouped_fprop runs on `device` for these FP8 dtypes and agrees with a
+    loop of fp8_gemm (checked once on a small problem with an empty group; ragged as for
+    grouped_mm_supported)."""
+    if device.type != "cuda" or not hasattr(torch, "_scaled_grouped_mm"):
+        return False
+    try:
+        return _scaled_grouped_agrees(device, a_dtype, b_dtype, PROBE_SIZES[ragged])
+    except (RuntimeError, NotImplementedError, TypeError, ValueError):
+        return False
+
+
+def _scaled_grouped_agrees(device, a_dtype, b_dtype, sizes: list[int]) -> bool:
+    from torchte.module._group_splits import GroupSplits
+    from torchte.quantization.float8 import Float8Storage
+    from torchte.quantization.grouped import GroupedStorage
+
+    gen = torch.Generator().manual_seed(0)
+    k, n = 64, 48
+    x = (torch.randn(sum(sizes), k, generator=gen) * 4).to(device, a_dtype)
+    x_scale = torch.tensor([0.5, 1.0, 0.25], device=device)
+    x_fp8 = GroupedStorage(x, None, x_scale, a_dtype, sizes, (sum(sizes), k))
+    w_fp8 = []
+    for g in range(len(sizes)):
+        w = (torch.randn(n, k, generator=gen) * 4).to(device, b_dtype)
+        scale = torch.full((1,), 0.125 * (g + 1), device=device)
+        w_fp8.append(Float8Storage(w, None, scale, b_dtype, (n, k)))
+    splits = GroupSplits(list(sizes), None, len(sizes), sum(sizes), device)
+    got = scaled_grouped_fprop(x_fp8, w_fp8, splits, torch.bfloat16)
+    want = torch.cat([
+        fp8_gemm(x_fp8.group(g).rowwise_data, x_scale[g : g + 1].clone(), w.rowwise_data,
+                 w.scale_inv, torch.bfloat16, use_fast_accum=True)
+        for g, w in enumerate(w_fp8)
+    ])  # fmt: skip
+    return got.shape == want.shape and torch.allclose(got.float(), want.float(), rtol=2e-2, atol=1)

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import copy
 import weakref
 from collections.abc import Sequence
 
 import torch
 
+from torchte.quantization.base import QuantizedStorage
 from torchte.quantization.float8 import Float8Storage
 
 __all__ = [
@@ -15,40 +17,54 @@ __all__ = [
     "restore_saved",
     "save_for_backward",
     "split_parameter_names",
+    "stacked_view",
 ]
 
 
-def save_for_backward(ctx, *values: torch.Tensor | Float8Storage | None) -> None:
-    """Save tensors and FP8 storages so that saved_tensors_hooks see every data tensor.
+def save_for_backward(ctx, *values: torch.Tensor | QuantizedStorage | None) -> None:
+    """Save tensors and quantized storages so that saved_tensors_hooks see every data tensor.
 
-    A storage is saved as a shallow copy (the original, e.g. a cached FP8 weight, stays whole);
-    its data tensors go through ctx.save_for_backward.
+    A storage (any object with prepare_for_saving: Float8Storage, GroupedStorage) is saved as a
+    shallow copy (the original, e.g. a cached FP8 weight, stays whole); its data tensors go
+    through ctx.save_for_backward.
     """
     tensors: list[torch.Tensor | None] = []
-    layout: list[Float8Storage | None] = []
+    layout: list[QuantizedStorage | None] = []
     for value in values:
-        if isinstance(value, Float8Storage):
-            copy = Float8Storage(
-                value.rowwise_data,
-                value.columnwise_data,
-                value.scale_inv,
-                value.fp8_dtype,
-                value.shape,
-            )
-            data, copy = copy.prepare_for_saving()
-            tensors.extend(data)
-            layout.append(copy)
-        else:
+        if value is None or isinstance(value, torch.Tensor):
             tensors.append(value)
             layout.append(None)
+        else:
+            data, emptied = _shallow_copy(value).prepare_for_saving()
+            tensors.extend(data)
+            layout.append(emptied)
     ctx.save_for_backward(*tensors)
     ctx.saved_layout = layout
 
 
-def restore_saved(ctx) -> list[torch.Tensor | Float8Storage | None]:
+def _shallow_copy(storage: QuantizedStorage) -> QuantizedStorage:
+    """A copy of storage sharing its data tensors."""
+    if type(storage) is Float8Storage:
+        # The hot path: the constructor costs a tenth of copy.copy.
+        return Float8Storage(
+            storage.rowwise_data,
+            storage.columnwise_data,
+            storage.scale_inv,
+            storage.fp8_dtype,
+            storage.shape,
+        )
+    if not hasattr(storage, "prepare_for_saving"):
+        raise TypeError(
+            f"save_for_backward: {type(storage).__name__} is neither a tensor nor a quantized "
+            "storage (no prepare_for_saving)"
+        )
+    return copy.copy(storage)
+
+
+def restore_saved(ctx) -> list[torch.Tensor | QuantizedStorage | None]:
     """The values given to save_for_backward, in order, storages refilled."""
     tensors = list(ctx.saved_tensors)
-    values: list[torch.Tensor | Float8Storage | None] = []
+    values: list[torch.Tensor | QuantizedStorage | None] = []
     for storage in ctx.saved_layout:
         if storage is None:
             values.append(tensors.pop(0))
@@ -191,3 +207,13 @@ def split_parameter_names(
     if len({name for name, _ in splits}) != len(splits) or any(not n for n, _ in splits):
         raise ValueError(f"parameters_split names must be distinct and non-empty: {splits}")
     return splits
+
+
+def stacked_view(parts: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """The (len(parts), *shape) tensor the equal-shaped `parts` form as consecutive blocks of
+    one buffer (a view, no copy), or None when they do not."""
+    if not parts or not _adjacent(parts) or any(p.shape != parts[0].shape for p in parts):
+        return None
+    shape = (len(parts), *parts[0].shape)
+    first = parts[0]
+    return first.as_strided(shape, _contiguous_strides(shape), first.storage_offset())

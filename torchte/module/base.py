@@ -100,6 +100,9 @@ def check_recipe(recipe: Recipe, device: torch.device) -> None:
 class TransformerEngineBaseModule(nn.Module):
     """Base of te modules: device and dtype defaults, FP8 state, the setattr guard."""
 
+    # Delayed-scaling state laid out slot by slot (see DelayedScalingState): grouped modules.
+    _slot_major = False
+
     def __init__(self, device, params_dtype: torch.dtype | None, num_gemms: int = 1) -> None:
         super().__init__()
         self.__dict__["_initialized"] = False
@@ -165,7 +168,9 @@ class TransformerEngineBaseModule(nn.Module):
         pair = self._delayed_states.get(history_len)
         if pair is None:
             pair = tuple(
-                DelayedScalingState(forward, history_len, self.device, self.num_gemms)
+                DelayedScalingState(
+                    forward, history_len, self.device, self.num_gemms, self._slot_major
+                )
                 for forward in (True, False)
             )
             self._delayed_states[history_len] = pair

@@ -2,8 +2,10 @@
 
 Shapes: amax_history (L, n) fp32, scale (n,) fp32, n = slots per GEMM x GEMMs, on the module's
 device. Slot j is one tensor (forward: input, weight, output; backward: grad_output,
-grad_input). Quantizers hold views into row 0 of the history and into the scale, so both are
-only ever updated in place.
+grad_input), ordered GEMM by GEMM, or, for a grouped module (slot_major), slot by slot so that
+one slot's values for all GEMMs are one contiguous (G,) vector a grouped kernel can take.
+Quantizers hold views into row 0 of the history and into the scale, so both are only ever
+updated in place.
 """
 
 from __future__ import annotations
@@ -28,12 +30,26 @@ BACKWARD_SLOTS = ("grad_output", "grad_input")
 class DelayedScalingState:
     """Scales and amax history of one direction (forward or backward) of one module."""
 
-    __slots__ = ("amax_history", "forward", "generation", "scale", "slots")
+    __slots__ = (
+        "amax_history",
+        "forward",
+        "generation",
+        "num_gemms",
+        "scale",
+        "slot_major",
+        "slots",
+    )
 
     def __init__(
-        self, forward: bool, history_len: int, device: torch.device, num_gemms: int = 1
+        self,
+        forward: bool,
+        history_len: int,
+        device: torch.device,
+        num_gemms: int = 1,
+        slot_major: bool = False,
     ) -> None:
         self.forward = forward
+        self.num_gemms, self.slot_major = num_gemms, slot_major
         self.slots = FORWARD_SLOTS if forward else BACKWARD_SLOTS
         n = len(self.slots) * num_gemms
         self.amax_history = torch.zeros(history_len, n, dtype=torch.float32, device=device)
@@ -46,10 +62,22 @@ class DelayedScalingState:
     ) -> Float8Quantizer:
         """A Float8Quantizer for `slot` of GEMM number `gemm`: it reads this state's scale and
         records into its amax history."""
-        j = gemm * len(self.slots) + self.slots.index(slot)
+        j = self._index(slot, gemm)
         return Float8Quantizer(
             self.scale[j : j + 1], self.amax_history[0, j : j + 1], fp8_dtype, internal
         )
+
+    def _index(self, slot: str, gemm: int) -> int:
+        if self.slot_major:
+            return self.slots.index(slot) * self.num_gemms + gemm
+        return gemm * len(self.slots) + self.slots.index(slot)
+
+    def slot_vectors(self, slot: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(scale (G,), current amax (G,)) of `slot` for all GEMMs: views (slot_major only)."""
+        if not self.slot_major:
+            raise ValueError("slot_vectors needs a slot-major state (a grouped module's)")
+        j = self.slots.index(slot) * self.num_gemms
+        return self.scale[j : j + self.num_gemms], self.amax_history[0, j : j + self.num_gemms]
 
     def update(self, recipe: DelayedScaling) -> None:
         """New scales from the history, then roll it (done once per step for each direction)."""

@@ -1,0 +1,489 @@
+"""Grouped FP8 cast + transpose + amax: the torch reference against cast_transpose's one-tensor
+references group by group (CPU), the Triton kernels against the reference byte for byte (Triton's
+CPU interpreter; GPU), and the launch counts (GPU)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from interpreter import requires_interpreter, run_under_interpreter
+from launches import count_device_ops
+
+from torchte.kernels import cast_transpose as ct
+from torchte.kernels import grouped_cast as gc
+from torchte.kernels._triton import triton_available
+
+FP8_DTYPES = [torch.float8_e4m3fn, torch.float8_e5m2]
+HP_DTYPES = [torch.float32, torch.bfloat16]
+SPLITS = [[7, 0, 33, 1], [0, 0, 5], [20], [16, 32, 0], [0]]
+
+requires_triton = pytest.mark.skipif(not triton_available(), reason="needs a CUDA GPU and Triton")
+
+
+def u8(t: torch.Tensor | None) -> torch.Tensor | None:
+    """FP8 data as its bytes."""
+    return None if t is None else t.view(torch.uint8)
+
+
+def random_input(shape, dtype, device="cpu", seed=0) -> torch.Tensor:
+    """Normal values, a few huge (to saturate) and a few tiny (FP8 subnormals and zero)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(shape, device=device, generator=gen) * 3
+    x.view(-1)[::7] *= 1e-3
+    x.view(-1)[::13] *= 300
+    x.view(-1)[::29] = 0.0
+    return x.to(dtype)
+
+
+def group_scales(groups: int, fp8_dtype: torch.dtype, device="cpu") -> torch.Tensor:
+    """A different scale per group, some making values saturate."""
+    return ct.FP8_MAX[fp8_dtype] / torch.linspace(2.0, 600.0, groups, device=device)
+
+
+def columnwise_blocks(data_t: torch.Tensor, m_splits: list[int], features: int):
+    """Group g's (K, round_up(m_g, 16)) block of the flat columnwise output, as bytes."""
+    blocks, start = [], 0
+    for rows in m_splits:
+        padded = ct.round_up(rows, 16)
+        blocks.append(u8(data_t)[start : start + features * padded].view(features, padded))
+        start += features * padded
+    assert start == data_t.numel()
+    return blocks
+
+
+def assert_same(out, ref):
+    for got, want in zip(out, ref, strict=True):
+        assert (got is None) == (want is None)
+        if got is not None:
+            assert got.dtype == want.dtype and got.shape == want.shape
+            assert torch.equal(u8(got), u8(want))
+
+
+# ----------------------------------------------------------------------------------------------
+# The reference against cast_transpose's references, group by group (CPU)
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("features", [1, 17, 64])
+@pytest.mark.parametrize("m_splits", SPLITS)
+@pytest.mark.parametrize("hp_dtype", HP_DTYPES)
+@pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
+def test_delayed_reference_matches_single_tensor(fp8_dtype, hp_dtype, m_splits, features):
+    groups = len(m_splits)
+    x = random_input((sum(m_splits), features), hp_dtype, seed=features)
+    row_offsets, col_offsets = gc.grouped_offsets(m_splits, "cpu")
+    scale = group_scales(groups, fp8_dtype)
+    amax = torch.linspace(0.5, 1.5, groups)
+    amax_before, scale_inv = amax.clone(), torch.empty(groups)
+    data, data_t = gc.quantize_grouped_delayed(
+        x, m_splits, row_offsets, col_offsets, scale, amax, scale_inv, fp8_dtype, True, True
+    )
+    assert data.shape == x.shape and data.dtype == fp8_dtype and data_t.dtype == fp8_dtype
+    assert data_t.shape == (features * sum(ct.round_up(m, 16) for m in m_splits),)
+    blocks = columnwise_blocks(data_t, m_splits, features)
+    start = 0
+    for g, rows in enumerate(m_splits):
+        amax_g, scale_inv_g = amax_before[g : g + 1].clone(), torch.empty(1)
+        one = ct.quantize_delayed_reference(
+            x[start : start + rows], scale[g : g + 1], amax_g, scale_inv_g, fp8_dtype, True, True
+        )
+        assert torch.equal(u8(data)[start : start + rows], u8(one[0]))
+        assert torch.equal(blocks[g], u8(one[1]))
+        assert torch.equal(amax[g : g + 1], amax_g) and torch.equal(
+            scale_inv[g : g + 1], scale_inv_g
+        )
+        start += rows
+
+
+@pytest.mark.parametrize("eps,power_2", [(0.0, False), (0.0, True), (1e-3, False), (1e-3, True)])
+@pytest.mark.parametrize("features", [1, 17, 64])
+@pytest.mark.parametrize("m_splits", SPLITS)
+@pytest.mark.parametrize("hp_dtype", HP_DTYPES)
+@pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
+def test_current_reference_matches_single_tensor(
+    fp8_dtype, hp_dtype, m_splits, features, eps, power_2
+):
+    groups = len(m_splits)
+    x = random_input((sum(m_splits), features), hp_dtype, seed=features + 1)
+    start = 0
+    for rows in m_splits:  # a different amax per group
+        x[start : start + rows] *= 2.0 ** (rows % 5 - 2)
+        start += rows
+    row_offsets, col_offsets = gc.grouped_offsets(m_splits, "cpu")
+    scale_inv = torch.empty(groups)
+    data, data_t, amax = gc.quantize_grouped_current(
+        x, m_splits, row_offsets, col_offsets, scale_inv, fp8_dtype, eps, power_2, True, True
+    )
+    assert amax.shape == (groups,) and amax.dtype == torch.float32
+    blocks = columnwise_blocks(data_t, m_splits, features)
+    start = 0
+    for g, rows in enumerate(m_splits):
+        x_g, scale_inv_g, amax_g = x[start : start + rows], torch.empty(1), torch.zeros(1)
+        one = ct.quantize_current_reference(x_g, scale_inv_g, fp8_dtype, eps, power_2, True, True)
+        ct.record_amax_reference(x_g, amax_g)
+        assert torch.equal(u8(data)[start : start + rows], u8(one[0]))
+        assert torch.equal(blocks[g], u8(one[1]))
+        assert torch.equal(amax[g : g + 1], amax_g) and torch.equal(
+            scale_inv[g : g + 1], scale_inv_g
+        )
+        start += rows
+
+
+def test_columnwise_blocks_are_padded_transposes_of_rowwise():
+    m_splits, features = [3, 0, 17, 16], 5
+    x = random_input((sum(m_splits), features), torch.bfloat16)
+    offsets = gc.grouped_offsets(m_splits, "cpu")
+    scale_inv = torch.empty(4)
+    data, data_t, _ = gc.quantize_grouped_current(
+        x, m_splits, *offsets, scale_inv, torch.float8_e4m3fn, 0.0, False, True, True
+    )
+    start = 0
+    for block, rows in zip(columnwise_blocks(data_t, m_splits, features), m_splits, strict=True):
+        assert torch.equal(block[:, :rows], u8(data)[start : start + rows].t())
+        assert not block[:, rows:].any()
+        start += rows
+
+
+@pytest.mark.parametrize("rowwise,columnwise", [(True, False), (False, True), (False, False)])
+def test_reference_usage(rowwise, columnwise):
+    m_splits, features, fp8 = [5, 0, 9], 3, torch.float8_e5m2
+    x = random_input((14, features), torch.bfloat16)
+    offsets = gc.grouped_offsets(m_splits, "cpu")
+    scale, amax, scale_inv = group_scales(3, fp8), torch.zeros(3), torch.empty(3)
+    both = gc.quantize_grouped_delayed(x, m_splits, *offsets, scale, amax, scale_inv, fp8, 1, 1)
+    out = gc.quantize_grouped_delayed(
+        x, m_splits, *offsets, scale, amax, scale_inv, fp8, rowwise, columnwise
+    )
+    assert (out[0] is not None) == rowwise and (out[1] is not None) == columnwise
+    for got, want in zip(out, both, strict=True):
+        if got is not None:
+            assert torch.equal(u8(got), u8(want))
+    current = gc.quantize_grouped_current(
+        x, m_splits, *offsets, scale_inv, fp8, 0.0, False, rowwise, columnwise
+    )
+    assert (current[0] is not None) == rowwise and (current[1] is not None) == columnwise
+
+
+def test_delayed_amax_accumulates_per_group_and_carries_nan():
+    m_splits, fp8 = [2, 0, 3], torch.float8_e4m3fn
+    offsets = gc.grouped_offsets(m_splits, "cpu")
+    scale, amax, scale_inv = torch.tensor([1.0, 2.0, 4.0]), torch.tensor([0.0, 9.0, 5.0]), None
+    scale_inv = torch.empty(3)
+    for value in [2.0, -7.0, 3.0]:
+        x = torch.full((5, 4), value)
+        x[2:] *= 0.5
+        gc.quantize_grouped_delayed(x, m_splits, *offsets, scale, amax, scale_inv, fp8, 1, 1)
+    assert amax.tolist() == [7.0, 9.0, 5.0] and scale_inv.tolist() == [1.0, 0.5, 0.25]
+    x[3, 1] = math.nan
+    gc.quantize_grouped_delayed(x, m_splits, *offsets, scale, amax, scale_inv, fp8, 1, 1)
+    assert amax[:2].tolist() == [7.0, 9.0] and math.isnan(amax[2].item())
+
+
+def test_current_amax_buffer_is_overwritten_and_returned():
+    m_splits, fp8 = [4, 0, 2], torch.float8_e4m3fn
+    x = torch.tensor([[1.0], [-3.0], [2.0], [0.5], [-0.25], [0.125]])
+    buffer, scale_inv = torch.full((3,), 100.0), torch.empty(3)
+    offsets = gc.grouped_offsets(m_splits, "cpu")
+    *_, amax = gc.quantize_grouped_current(
+        x, m_splits, *offsets, scale_inv, fp8, 0.0, True, True, False, amax=buffer
+    )
+    assert amax is buffer and amax.tolist() == [3.0, 0.0, 0.25]
+    assert scale_inv[1].item() == 1.0  # an empty group: amax 0, scale 1
+
+
+def test_zero_tokens_and_zero_features():
+    fp8 = torch.float8_e4m3fn
+    for m_splits, features in [([0, 0], 8), ([3, 2], 0)]:
+        x = torch.empty((sum(m_splits), features))
+        offsets = gc.grouped_offsets(m_splits, "cpu")
+        scale, amax, scale_inv = torch.tensor([2.0, 4.0]), torch.ones(2), torch.empty(2)
+        data, data_t = gc.quantize_grouped_delayed(
+            x, m_splits, *offsets, scale, amax, scale_inv, fp8, True, True
+        )
+        assert data.shape == x.shape and data_t.numel() == features * 16 * sum(map(bool, m_splits))
+        assert amax.tolist() == [1.0, 1.0] and scale_inv.tolist() == [0.5, 0.25]
+
+
+def test_grouped_offsets_values_and_cache():
+    row_offsets, col_offsets = gc.grouped_offsets([7, 0, 33, 16, 1], "cpu")
+    assert row_offsets.dtype == col_offsets.dtype == torch.int32
+    assert row_offsets.tolist() == [0, 7, 7, 40, 56, 57]
+    assert col_offsets.tolist() == [0, 16, 16, 64, 80, 96]
+    again = gc.grouped_offsets((7, 0, 33, 16, 1), torch.device("cpu"))
+    assert again[0] is row_offsets and again[1] is col_offsets
+
+
+def _delayed_args(m_splits, tokens=6, groups=None, **override):
+    groups = len(m_splits) if groups is None else groups
+    offsets = gc.grouped_offsets([max(m, 0) for m in m_splits], "cpu")
+    args = dict(
+        x=torch.zeros(tokens, 4),
+        m_splits=m_splits,
+        row_offsets=offsets[0],
+        col_offsets=offsets[1],
+        scale=torch.ones(groups),
+        amax=torch.zeros(groups),
+        scale_inv=torch.empty(groups),
+        fp8_dtype=torch.float8_e4m3fn,
+        rowwise=True,
+        columnwise=True,
+    )
+    args.update(override)
+    return args
+
+
+@pytest.mark.parametrize(
+    "args,match",
+    [
+        (_delayed_args([2, 4], groups=3), "scale has 3 elements but len\\(m_splits\\) = 2"),
+        (_delayed_args([2, 4], amax=torch.zeros(1)), "amax has 1 elements"),
+        (_delayed_args([2, 4], scale_inv=torch.empty(4)), "scale_inv has 4 elements"),
+        (_delayed_args([2, 5]), "m_splits sums to 7 but x has 6 rows"),
+        (_delayed_args([8, -2]), "m_splits must be non-negative"),
+        (_delayed_args([2, 4], x=torch.zeros(6)), "x must be 2-D"),
+        (_delayed_args([2, 4], row_offsets=torch.tensor([0, 2])), "row_offsets must be int32"),
+        (
+            _delayed_args([2, 4], col_offsets=torch.tensor([0, 16, 32])),
+            "col_offsets must be int32",
+        ),
+        (_delayed_args([2, 4], fp8_dtype=torch.bfloat16), "fp8_dtype must be one of"),
+        (_delayed_args([2, 4], scale=torch.ones(2, device="meta")), "scale is on meta"),
+    ],
+)
+def test_validation_errors(args, match):
+    for fn in (gc.quantize_grouped_delayed, gc.quantize_grouped_delayed_reference):
+        with pytest.raises(ValueError, match=match):
+            fn(**args)
+
+
+def test_validation_errors_current():
+    args = _delayed_args([2, 4])
+    del args["scale"], args["amax"]
+    current = dict(args, amax_epsilon=0.0, power_2_scales=False)
+    for fn in (gc.quantize_grouped_current, gc.quantize_grouped_current_reference):
+        with pytest.raises(ValueError, match="scale_inv has 1 elements"):
+            fn(**dict(current, scale_inv=torch.empty(1)))
+        with pytest.raises(ValueError, match="amax has 3 elements"):
+            fn(**current, amax=torch.zeros(3))
+        with pytest.raises(ValueError, match="m_splits sums to 5"):
+            fn(**dict(current, m_splits=[1, 4]))
+
+
+# ----------------------------------------------------------------------------------------------
+# The Triton kernels under Triton's CPU interpreter (where triton is installed)
+# ----------------------------------------------------------------------------------------------
+
+# Runs in a fresh process: TRITON_INTERPRET must be set before the kernels are defined. FP8
+# outputs are allocated poisoned (0xA5), so a byte the kernel fails to write shows.
+INTERPRETER_SCRIPT = """
+import math
+import torch
+
+from torchte.kernels import grouped_cast as gc
+
+FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
+_empty = torch.empty
+
+def poisoned_empty(*shape, dtype=None, **kwargs):
+    out = _empty(*shape, dtype=dtype, **kwargs)
+    if dtype in FP8:
+        out.view(torch.uint8).fill_(0xA5)
+    return out
+
+torch.empty = poisoned_empty
+
+def same(out, ref, what):
+    for got, want in zip(out, ref):
+        assert (got is None) == (want is None), what
+        if got is not None:
+            assert got.dtype == want.dtype and got.shape == want.shape, what
+            assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), what
+
+def check(x, m_splits, fp8, config, power_2=False, eps=0.0, usage=(True, True)):
+    groups, what = len(m_splits), (tuple(x.shape), x.dtype, m_splits, fp8, config, usage)
+    offsets = gc.grouped_offsets(m_splits, "cpu")
+    # Delayed: one launch.
+    scale = gc.FP8_MAX[fp8] / torch.linspace(2.0, 600.0, groups)
+    amax, amax_ref = torch.linspace(0.5, 1.5, groups), torch.linspace(0.5, 1.5, groups)
+    scale_inv, scale_inv_ref = torch.empty(groups), torch.empty(groups)
+    out = gc._grouped_cast_transpose(
+        x, m_splits, *offsets, scale, amax, scale_inv, fp8, *usage, False, 0.0, False, config)
+    ref = gc.quantize_grouped_delayed_reference(
+        x, m_splits, *offsets, scale, amax_ref, scale_inv_ref, fp8, *usage)
+    same(out, ref, what)
+    assert torch.equal(amax.nan_to_num(-1.0), amax_ref.nan_to_num(-1.0)), what
+    assert torch.equal(scale_inv, scale_inv_ref), what
+    # Current: the amax kernel, then the cast making each group's scale.
+    amax = torch.zeros(groups)
+    gc._grouped_amax(x, m_splits, offsets[0], amax, (config[0] * 2, config[1], 4))
+    out = gc._grouped_cast_transpose(
+        x, m_splits, *offsets, amax, amax, scale_inv, fp8, *usage, True, eps, power_2, config)
+    ref = gc.quantize_grouped_current_reference(
+        x, m_splits, *offsets, scale_inv_ref, fp8, eps, power_2, *usage)
+    same(out, ref[:2], what)
+    assert torch.equal(amax.nan_to_num(-1.0), ref[2].nan_to_num(-1.0)), what
+    assert torch.equal(scale_inv, scale_inv_ref), what
+
+def random_input(shape, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=gen) * 3
+    x.view(-1)[::7] *= 1e-3
+    x.view(-1)[::13] *= 300
+    x.view(-1)[::29] = 0.0
+    return x.to(dtype)
+
+CASES = [  # (m_splits, features, config): groups smaller than, equal to and past a tile
+    ([7, 0, 33, 1], 37, (16, 32, 4)),
+    ([0, 16, 5, 0], 64, (32, 32, 4)),
+    ([50], 17, (16, 16, 4)),
+    ([1, 1, 1], 1, (16, 16, 4)),
+    ([0] * 9 + [3, 0, 20, 0, 0, 0, 0, 2, 0, 0, 1], 24, (16, 16, 4)),  # G = 20 > 16
+]
+for i, (m_splits, features, config) in enumerate(CASES):
+    for j, dtype in enumerate([torch.float32, torch.bfloat16, torch.float16]):
+        for k, fp8 in enumerate(FP8):
+            x = random_input((sum(m_splits), features), dtype, seed=i * 6 + j * 2 + k)
+            check(x, m_splits, fp8, config, power_2=(i + j + k) % 2 == 1, eps=1e-3 * (k == 1))
+x = random_input((40, 20), torch.bfloat16, seed=99)
+for usage in [(True, False), (False, True), (False, False)]:
+    check(x, [9, 0, 31], torch.float8_e4m3fn, (16, 32, 4), usage=usage)
+x[12, 3] = math.nan  # a NaN reaches its own group's amax only
+check(x, [9, 0, 31], torch.float8_e5m2, (16, 32, 4), power_2=True)
+print("ok")
+"""
+
+
+@requires_interpreter
+def test_triton_kernels_in_interpreter_match_reference():
+    run_under_interpreter(INTERPRETER_SCRIPT)
+
+
+# ----------------------------------------------------------------------------------------------
+# Triton vs the reference on the GPU, and launch counts
+# ----------------------------------------------------------------------------------------------
+
+GPU_SPLITS = [
+    [700, 0, 1, 1024, 333, 15, 1000, 1023],  # 8 groups, 4096 tokens, one empty
+    [4096],
+    [0] * 40 + [17] * 8 + [0] * 15 + [3960],  # 64 groups, mostly empty
+]
+
+
+def _gpu_case(m_splits, features, hp_dtype, fp8_dtype, seed=0):
+    groups = len(m_splits)
+    x = random_input((sum(m_splits), features), hp_dtype, device="cuda", seed=seed)
+    return x, gc.grouped_offsets(m_splits, "cuda"), group_scales(groups, fp8_dtype, "cuda")
+
+
+@pytest.mark.gpu
+@requires_triton
+@pytest.mark.parametrize("features", [4096, 1024, 129])
+@pytest.mark.parametrize("m_splits", GPU_SPLITS)
+@pytest.mark.parametrize("hp_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
+def test_triton_delayed_matches_reference(fp8_dtype, hp_dtype, m_splits, features):
+    x, offsets, scale = _gpu_case(m_splits, features, hp_dtype, fp8_dtype, seed=features)
+    amax = torch.linspace(0.5, 1.5, len(m_splits), device="cuda")
+    amax_ref, scale_inv, scale_inv_ref = amax.clone(), torch.empty_like(amax), amax.clone()
+    common = (x, m_splits, *offsets, scale)
+    out = gc.quantize_grouped_delayed(*common, amax, scale_inv, fp8_dtype, True, True)
+    ref = gc.quantize_grouped_delayed_reference(
+        *common, amax_ref, scale_inv_ref, fp8_dtype, True, True
+    )
+    assert_same(out, ref)
+    assert torch.equal(amax, amax_ref) and torch.equal(scale_inv, scale_inv_ref)
+
+
+@pytest.mark.gpu
+@requires_triton
+@pytest.mark.parametrize("eps,power_2", [(0.0, False), (1e-3, True)])
+@pytest.mark.parametrize("features", [4096, 1024, 129])
+@pytest.mark.parametrize("m_splits", GPU_SPLITS)
+@pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
+def test_triton_current_matches_reference(fp8_dtype, m_splits, features, eps, power_2):
+    x, offsets, _ = _gpu_case(m_splits, features, torch.bfloat16, fp8_dtype, seed=features + 1)
+    groups = len(m_splits)
+    scale_inv, scale_inv_ref = (
+        torch.empty(groups, device="cuda"),
+        torch.empty(groups, device="cuda"),
+    )
+    common = (x, m_splits, *offsets)
+    current = (eps, power_2, True, True)
+    out = gc.quantize_grouped_current(*common, scale_inv, fp8_dtype, *current)
+    ref = gc.quantize_grouped_current_reference(*common, scale_inv_ref, fp8_dtype, *current)
+    assert_same(out[:2], ref[:2])
+    assert torch.equal(out[2], ref[2]) and torch.equal(scale_inv, scale_inv_ref)
+
+
+@pytest.mark.gpu
+@requires_triton
+@pytest.mark.parametrize("rowwise,columnwise", [(True, False), (False, True), (False, False)])
+def test_triton_usage_and_nan(rowwise, columnwise):
+    m_splits, fp8 = [100, 0, 37, 300], torch.float8_e4m3fn
+    x, offsets, scale = _gpu_case(m_splits, 256, torch.bfloat16, fp8)
+    x[120, 7] = math.nan  # group 2
+    amax, amax_ref = torch.zeros(4, device="cuda"), torch.zeros(4, device="cuda")
+    scale_inv, scale_inv_ref = torch.empty(4, device="cuda"), torch.empty(4, device="cuda")
+    usage = (rowwise, columnwise)
+    out = gc.quantize_grouped_delayed(x, m_splits, *offsets, scale, amax, scale_inv, fp8, *usage)
+    ref = gc.quantize_grouped_delayed_reference(
+        x, m_splits, *offsets, scale, amax_ref, scale_inv_ref, fp8, *usage
+    )
+    assert_same(out, ref)
+    assert math.isnan(amax[2].item()) and torch.equal(amax.nan_to_num(-1), amax_ref.nan_to_num(-1))
+    assert torch.equal(scale_inv, scale_inv_ref)
+
+
+@pytest.mark.gpu
+@requires_triton
+def test_triton_views_of_any_alignment():
+    # The launch cache keys on pointer alignment: x at an odd offset and per-group vectors that
+    # are unaligned views (as rows of a delayed-scaling state) must get their own kernels.
+    m_splits, fp8, features = [40, 0, 25], torch.float8_e4m3fn, 96
+    base = random_input((65 * features + 3,), torch.bfloat16, device="cuda")
+    offsets = gc.grouped_offsets(m_splits, "cuda")
+    state = torch.zeros(3, 8, device="cuda")
+    state[0] = 8.0
+    for shift in [0, 1, 0, 3]:
+        x = base[shift : shift + 65 * features].view(65, features)
+        scale, amax = state[0, shift : shift + 3], state[1, shift : shift + 3]
+        scale_inv, amax_ref = state[2, shift : shift + 3], amax.clone()
+        scale_inv_ref = torch.empty(3, device="cuda")
+        out = gc.quantize_grouped_delayed(
+            x, m_splits, *offsets, scale, amax, scale_inv, fp8, True, True
+        )
+        ref = gc.quantize_grouped_delayed_reference(
+            x, m_splits, *offsets, scale, amax_ref, scale_inv_ref, fp8, True, True
+        )
+        assert_same(out, ref)
+        assert torch.equal(amax, amax_ref) and torch.equal(scale_inv, scale_inv_ref)
+
+
+@pytest.mark.gpu
+@requires_triton
+def test_triton_launch_counts():
+    # Delayed: one launch. Current: zeroing the amax buffer + the amax kernel + the cast.
+    m_splits, fp8 = GPU_SPLITS[0], torch.float8_e4m3fn
+    x, offsets, scale = _gpu_case(m_splits, 1024, torch.bfloat16, fp8)
+    amax, scale_inv = torch.zeros(8, device="cuda"), torch.empty(8, device="cuda")
+
+    def delayed():
+        gc.quantize_grouped_delayed(x, m_splits, *offsets, scale, amax, scale_inv, fp8, 1, 1)
+
+    def current():
+        gc.quantize_grouped_current(x, m_splits, *offsets, scale_inv, fp8, 0.0, False, 1, 1)
+
+    def current_into_buffer():
+        gc.quantize_grouped_current(
+            x, m_splits, *offsets, scale_inv, fp8, 0.0, False, 1, 1, amax=amax
+        )
+
+    fns = (delayed, current, current_into_buffer)
+    for fn in fns:
+        fn()  # compile outside the profile
+    counts = [count_device_ops(fn) for fn in fns]
+    if counts == [0, 0, 0]:
+        pytest.skip("the profiler records no GPU activity here")
+    assert counts == [1, 3, 3]

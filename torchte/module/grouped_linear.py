@@ -1,0 +1,332 @@
+"""te.GroupedLinear: one Linear per mixture-of-experts group, over the groups' stacked tokens.
+
+Legend: x (T, K) the tokens of G groups stacked (group g owns m_g consecutive rows, the
+m_splits), W_g (N, K) and b_g (N,) group g's weight and bias, y (T, N) with
+y[rows of g] = x[rows of g] W_g^T + b_g.
+
+Three paths, chosen per setting (the plan's mode):
+- "grouped": bf16 on a GPU where torch._grouped_mm works (gemm.grouped_mm_supported), without
+  FP8 or fused wgrad accumulation: one grouped GEMM each for fprop, dgrad and wgrad, whatever
+  G is, and no host-device synchronization when m_splits is a device tensor. The weights are
+  views of one (G, N, K) buffer, so the GEMM reads them in place; the weight gradients come
+  out of one (G, N, K) buffer as views.
+- "fp8": FP8 recipes without fused wgrad accumulation (_grouped_fp8.py): x and dy quantized for
+  all groups in one launch (delayed scaling; three under current scaling) into a
+  GroupedStorage, the GEMMs per group as te.Linear runs them (fprop as one
+  torch._scaled_grouped_mm where that runs). The group sizes are read on the host.
+- "per_group": everything else (fp32/fp16, calibration, main_grad, bf16 off the GPU): group g
+  goes through te.Linear's own forward and backward (module/_linear_core.py) with GEMM g's
+  quantizers. The weight gradients are stacked into one buffer and handed out as views.
+Outside the grouped fprop GEMMs, results equal a stack of te.Linear layers bit for bit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import nn
+
+from torchte.gemm import grouped_dgrad, grouped_fprop, grouped_mm_supported, grouped_wgrad
+from torchte.quantization.model_init import model_init_settings
+
+from ._common import MainGradTarget, restore_saved, save_for_backward, stacked_view
+from ._group_splits import GroupSplits, group_splits
+from ._grouped_fp8 import fp8_backward, fp8_forward
+from ._linear_core import (
+    GemmRecord,
+    LinearPlan,
+    cast_to,
+    check_unsupported,
+    default_init_method,
+    linear_backward,
+    linear_forward,
+)
+from .base import TransformerEngineBaseModule, check_fp8_dims
+
+__all__ = ["GroupedLinear"]
+
+
+class GroupedPlan:
+    """The per-GEMM LinearPlans of one setting, and which path runs: "grouped" (bf16 grouped
+    GEMMs), "fp8" (grouped quantization, _grouped_fp8.py) or "per_group"."""
+
+    __slots__ = ("gemms", "mode")
+
+    def __init__(self, gemms: list[LinearPlan], mode: str) -> None:
+        self.gemms, self.mode = gemms, mode
+
+    @property
+    def grouped(self) -> bool:
+        return self.mode == "grouped"
+
+
+def _stack(params: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """(G, *shape) in dtype: a view of the parameters' common buffer where they are adjacent in
+    it (the module makes them so), else a copy."""
+    stacked = stacked_view(params)
+    if stacked is None:
+        stacked = torch.stack(list(params))
+    return cast_to(stacked, dtype)
+
+
+def _grouped_forward(ctx, x, splits: GroupSplits, dtype, weights, biases, needs):
+    need_dgrad, need_wgrad = needs
+    x = cast_to(x, dtype)
+    w = _stack(weights, dtype)
+    y = grouped_fprop(x, w, splits.offsets())
+    if biases:
+        y.add_(_stack(biases, dtype).index_select(0, splits.row_groups()))
+    ctx.save_for_backward(x if need_wgrad else None, w if need_dgrad else None)
+    return y
+
+
+def _grouped_backward(ctx, dy: torch.Tensor):
+    x, w = ctx.saved_tensors
+    splits: GroupSplits = ctx.splits
+    dtype = ctx.plan.gemms[0].dtype
+    dy = cast_to(dy, dtype).contiguous()
+    offs = splits.offsets()
+    dx = grouped_dgrad(dy, w, offs) if ctx.need_dgrad else None
+    dws = [None] * ctx.num_gemms
+    if ctx.need_wgrad:
+        dw = grouped_wgrad(dy, x, offs).to(ctx.weight_dtype)
+        dws = list(dw.unbind(0))
+    dbs = [None] * ctx.num_bias
+    if ctx.num_bias and ctx.bias_grad:
+        dbs = list(_group_sums(dy, splits).to(ctx.weight_dtype).unbind(0))
+    return dx, dws, dbs
+
+
+def _group_sums(dy: torch.Tensor, splits: GroupSplits) -> torch.Tensor:
+    """(G, N) fp32: the column sums of each group's rows of dy (T, N), as one GEMM with a
+    one-hot (G, T) matrix: the same order every run, no atomics, no host synchronization."""
+    one_hot = splits.one_hot(dy.dtype)
+    if dy.is_cuda and dy.dtype in (torch.bfloat16, torch.float16):
+        return torch.mm(one_hot, dy, out_dtype=torch.float32)
+    return one_hot.float() @ dy.float()
+
+
+def _per_group_forward(ctx, x, splits: GroupSplits, plan: GroupedPlan, params, w_fp8, needs):
+    weights, biases = params
+    need_dgrad, need_wgrad = needs
+    xs = x.split(splits.sizes())
+    ys, saved, records = [], [], []
+    for g, gemm in enumerate(plan.gemms):
+        bias = biases[g] if biases else None
+        y, x_saved, w_saved = linear_forward(
+            xs[g], weights[g], bias, w_fp8[g], gemm, need_dgrad, need_wgrad
+        )
+        ys.append(y)
+        saved += [x_saved, w_saved]
+        records.append(GemmRecord(xs[g].shape, weights[g], bias, gemm, need_dgrad, need_wgrad))
+    save_for_backward(ctx, *saved)
+    ctx.records = records
+    return torch.cat(ys)
+
+
+def _per_group_backward(ctx, dy: torch.Tensor):
+    saved = restore_saved(ctx)
+    splits: GroupSplits = ctx.splits
+    dys = dy.split(splits.sizes())
+    dxs, dws, dbs = [], [], []
+    for g, record in enumerate(ctx.records):
+        dx, dw, db = linear_backward(record, dys[g], saved[2 * g], saved[2 * g + 1])
+        dxs.append(dx)
+        dws.append(dw)
+        dbs.append(db)
+    dx = torch.cat(dxs) if ctx.need_dgrad else None
+    grads_are_new = ctx.need_wgrad and ctx.plan.gemms[0].main_grad is None
+    if grads_are_new and all(dw is not None for dw in dws) and ctx.num_gemms > 1:
+        dws = list(torch.stack(dws).unbind(0))  # one buffer, one view per weight
+    return dx, dws, dbs[: ctx.num_bias]
+
+
+def _forward(ctx, inp, splits, plan: GroupedPlan, w_fp8, num_bias, params, grads):
+    """y (T, N); what backward needs goes on ctx. grads: needs_input_grad of the Function's
+    inputs (inp, splits, plan, w_fp8, num_bias, *weights, *biases)."""
+    num_gemms = len(plan.gemms)
+    weights, biases = params[:num_gemms], params[num_gemms:]
+    first = plan.gemms[0]
+    need_dgrad = grads[0]
+    need_wgrad = any(grads[5 : 5 + num_gemms]) or first.main_grad is not None
+    ctx.splits, ctx.plan, ctx.num_gemms, ctx.num_bias = splits, plan, num_gemms, num_bias
+    ctx.need_dgrad, ctx.need_wgrad = need_dgrad, need_wgrad
+    ctx.bias_grad = any(grads[5 + num_gemms :])
+    ctx.weight_dtype = weights[0].dtype
+    needs = (need_dgrad, need_wgrad)
+    if plan.mode == "grouped":
+        return _grouped_forward(ctx, inp, splits, first.dtype, weights, biases, needs)
+    if plan.mode == "fp8":
+        return fp8_forward(ctx, inp, splits, plan, weights, biases, w_fp8, needs)
+    return _per_group_forward(ctx, inp, splits, plan, (weights, biases), w_fp8, needs)
+
+
+class _NoGradContext:
+    """Stands in for the Function's ctx when autograd is off: nothing is saved."""
+
+    def save_for_backward(self, *tensors) -> None:
+        pass
+
+
+class _GroupedLinearFunction(torch.autograd.Function):
+    """inp (T, K), then the G weights and the G biases (if any) -> y (T, N)."""
+
+    @staticmethod
+    def forward(ctx, inp, splits, plan: GroupedPlan, w_fp8, num_bias, *params):
+        return _forward(ctx, inp, splits, plan, w_fp8, num_bias, params, ctx.needs_input_grad)
+
+    @staticmethod
+    def backward(ctx, dy):
+        if ctx.plan.mode == "grouped":
+            dx, dws, dbs = _grouped_backward(ctx, dy)
+        elif ctx.plan.mode == "fp8":
+            dx, dws, dbs = fp8_backward(ctx, dy)
+        else:
+            dx, dws, dbs = _per_group_backward(ctx, dy)
+        return dx, None, None, None, None, *dws, *dbs
+
+
+class GroupedLinear(TransformerEngineBaseModule):
+    """G Linear layers applied to the consecutive row groups of one input, with Transformer
+    Engine's arguments; FP8 under te.autocast.
+
+    forward(inp (T, in_features), m_splits, is_first_microbatch=None) -> (T, out_features).
+    Parameters weight0..weight{G-1} (out_features, in_features) and bias0..bias{G-1}
+    (out_features,), as in Transformer Engine, so state_dicts carry over; with return_bias the
+    biases are not added but returned (a list, cast to the compute dtype) after the output.
+    """
+
+    _slot_major = True
+
+    def __init__(
+        self,
+        num_gemms: int,
+        in_features: int,
+        out_features: int,
+        sequence_parallel: bool = False,
+        fuse_wgrad_accumulation: bool = False,
+        tp_group=None,
+        tp_size: int = 1,
+        get_rng_state_tracker=None,
+        rng_tracker_name: str | None = None,
+        init_method: Callable[[torch.Tensor], None] | None = None,
+        bias: bool = True,
+        return_bias: bool = False,
+        params_dtype: torch.dtype | None = None,
+        parallel_mode: str | None = None,
+        device: torch.device | str | None = None,
+        ub_overlap_rs: bool = False,
+        ub_overlap_ag: bool = False,
+        ub_name: str | None = None,
+        delay_wgrad_compute: bool = False,
+        save_original_input: bool = False,
+        name: str | None = None,
+        **unsupported,
+    ) -> None:
+        if not isinstance(num_gemms, int) or num_gemms <= 0:
+            raise ValueError(f"num_gemms must be a positive int, got {num_gemms!r}")
+        super().__init__(device, params_dtype, num_gemms=num_gemms)
+        check_unsupported(
+            "te.GroupedLinear", unsupported, tp_group, tp_size, parallel_mode, sequence_parallel
+        )
+        if ub_overlap_rs or ub_overlap_ag or delay_wgrad_compute:
+            raise NotImplementedError(
+                "userbuffers overlap and delay_wgrad_compute are not implemented in torchte yet"
+            )
+        if in_features <= 0 or out_features <= 0:
+            raise ValueError(
+                f"in_features and out_features must be positive, got {in_features}, {out_features}"
+            )
+        if model_init_settings() is not None:
+            raise NotImplementedError(
+                "quantized_model_init is not implemented for te.GroupedLinear yet: build it "
+                "outside the context (its weights are quantized per call under te.autocast)"
+            )
+        self.num_gemms, self.in_features, self.out_features = num_gemms, in_features, out_features
+        self.use_bias, self.return_bias = bias, return_bias
+        self.fuse_wgrad_accumulation, self.name = fuse_wgrad_accumulation, name
+        self._nvtx_name = f"te.GroupedLinear.forward {name or ''}"
+        kw = {"dtype": self.params_dtype, "device": self.device}
+        # One buffer per kind: the parameters are its views, so the grouped GEMM reads them in
+        # place (a parameter later moved elsewhere is stacked per call instead).
+        weights = torch.empty(num_gemms, out_features, in_features, **kw)
+        biases = torch.zeros(num_gemms, out_features, **kw)
+        for g in range(num_gemms):
+            (init_method or default_init_method)(weights[g])
+            self.register_parameter(f"weight{g}", nn.Parameter(weights[g]))
+            self.register_parameter(f"bias{g}", nn.Parameter(biases[g]) if bias else None)
+        self.weight_names = [f"weight{g}" for g in range(num_gemms)]
+        self.bias_names = [f"bias{g}" for g in range(num_gemms)] if bias else []
+        self._finish_init()
+
+    def _build_plan(self, key: tuple) -> GroupedPlan:
+        fp8, calibrating, recipe, group, dtype, is_first_microbatch, _, _ = key
+        if fp8:
+            check_fp8_dims(
+                "te.GroupedLinear", in_features=self.in_features, out_features=self.out_features
+            )
+        setup = self._fp8_setup(recipe) if recipe is not None else None
+        gemms = []
+        for g in range(self.num_gemms):
+            main_grad = None
+            if self.fuse_wgrad_accumulation:
+                main_grad = MainGradTarget([self._parameters[f"weight{g}"]])
+            gemms.append(
+                LinearPlan(
+                    g,
+                    calibrating=calibrating,
+                    dtype=dtype,
+                    fp8=fp8,
+                    fp8_grad=False,
+                    fp8_output=False,
+                    group=group,
+                    is_first_microbatch=is_first_microbatch,
+                    main_grad=main_grad,
+                    recipe=recipe,
+                    setup=setup,
+                )
+            )
+        mode = "per_group"
+        if all(gemm.fast for gemm in gemms):
+            if dtype == torch.bfloat16 and grouped_mm_supported(self.device, dtype, True):
+                mode = "grouped"
+        elif fp8 and not self.fuse_wgrad_accumulation:
+            mode = "fp8"
+        return GroupedPlan(gemms, mode)
+
+    def forward(self, inp: torch.Tensor, m_splits, is_first_microbatch: bool | None = None):
+        """inp (..., in_features) with the groups' rows stacked -> y (..., out_features)
+        [, the biases]."""
+        dtype = self._compute_dtype()
+        self._check_input(inp, self.in_features)
+        x = inp.reshape(-1, self.in_features)
+        splits = group_splits(m_splits, self.num_gemms, x.shape[0], self.device)
+        plan: GroupedPlan = self._plan(dtype, is_first_microbatch, False, False)
+        p = self._parameters
+        weights = [p[n] for n in self.weight_names]
+        biases = [] if self.return_bias else [p[n] for n in self.bias_names]
+        first = plan.gemms[0]
+
+        def run():
+            w_fp8 = [
+                self._fp8_weight(w, gemm, is_first_microbatch, inp.requires_grad, w._version)
+                for w, gemm in zip(weights, plan.gemms, strict=True)
+            ]
+            args = (x, splits, plan, w_fp8, len(biases), *weights, *biases)
+            if torch.is_grad_enabled():
+                return _GroupedLinearFunction.apply(*args)
+            return _forward(_NoGradContext(), *args[:5], args[5:], (False,) * len(args))
+
+        y = self._guarded_forward(first.setup, first.recipe, first.group, run)
+        y = y.view(*inp.shape[:-1], self.out_features)
+        if self.return_bias:
+            return y, [cast_to(p[n], dtype) for n in self.bias_names]
+        return y
+
+    def extra_repr(self) -> str:
+        return (
+            f"num_gemms={self.num_gemms}, in_features={self.in_features}, "
+            f"out_features={self.out_features}, bias={self.use_bias}, "
+            f"params_dtype={self.params_dtype}, device={self.device}"
+        )

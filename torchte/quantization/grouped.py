@@ -1,0 +1,412 @@
+"""Grouped FP8 values of a mixture-of-experts layer: GroupedStorage inside, GroupedTensor outside.
+
+G groups (experts) of T rows in all share one FP8 dtype but each has its own per-tensor scale.
+Shapes (m_splits: G host ints >= 0 summing to T; group g owns rows [o_g, o_{g+1})):
+- rowwise_data (T, K): the groups' rows stacked.
+- columnwise_data (K * C,) flat, C = sum_g Mp_g, Mp_g = round_up(m_g, 16): group g's block
+  starts at element K * c_g (c_g = sum_{j<g} Mp_j) and is the contiguous (K, Mp_g) transpose of
+  its rows, zero-padded in the last columns (Float8Storage's columnwise layout, per group).
+- scale_inv (G,) fp32: value of group g = its data * scale_inv[g].
+Grouped kernels produce this layout directly; `group(g)` takes views of it, never copies.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from itertools import accumulate
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_map_only
+
+from torchte.kernels.cast_transpose import COLUMNWISE_ALIGN
+
+from .base import round_up
+from .float8 import Float8Storage
+from .float8_tensor import Float8Tensor, _Dequantize, _written_args
+
+__all__ = ["GroupedStorage", "GroupedTensor"]
+
+_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+_REPR_VALUES = 6
+
+
+class GroupedStorage:
+    """The FP8 values of G groups in one buffer per usage; a plain object, no Tensor subclass.
+
+    rowwise_data (T, K) and/or columnwise_data (K * C,) in `fp8_dtype`, scale_inv (G,) fp32;
+    see the module docstring for the layout. Either data tensor may be None (usage dropped).
+    """
+
+    __slots__ = (
+        "_col_offsets",
+        "_m_splits",
+        "_row_offsets",
+        "columnwise_data",
+        "fp8_dtype",
+        "rowwise_data",
+        "scale_inv",
+        "shape",
+    )
+
+    def __init__(
+        self,
+        rowwise_data: torch.Tensor | None,
+        columnwise_data: torch.Tensor | None,
+        scale_inv: torch.Tensor,
+        fp8_dtype: torch.dtype,
+        m_splits: Sequence[int],
+        shape: tuple[int, int] | torch.Size,
+    ) -> None:
+        self._m_splits = tuple(int(m) for m in m_splits)
+        self.shape = tuple(int(s) for s in shape)
+        if len(self.shape) != 2:
+            raise ValueError(f"GroupedStorage: shape must be (T, K), got {self.shape}")
+        if not self._m_splits or min(self._m_splits) < 0:
+            raise ValueError(f"GroupedStorage: m_splits must be >= 1 ints >= 0: {self._m_splits}")
+        if sum(self._m_splits) != self.shape[0]:
+            raise ValueError(
+                f"GroupedStorage: m_splits {self._m_splits} sum to {sum(self._m_splits)}, "
+                f"not to the token count T={self.shape[0]}"
+            )
+        if fp8_dtype not in _FP8_DTYPES:
+            raise ValueError(f"GroupedStorage: fp8_dtype must be one of {_FP8_DTYPES}")
+        self._row_offsets = (0, *accumulate(self._m_splits))
+        padded = (round_up(m, COLUMNWISE_ALIGN) for m in self._m_splits)
+        self._col_offsets = (0, *accumulate(padded))
+        self.rowwise_data = rowwise_data
+        self.columnwise_data = columnwise_data
+        self.scale_inv = scale_inv
+        self.fp8_dtype = fp8_dtype
+        self._check_tensors()
+
+    def _check_tensors(self) -> None:
+        """Shapes and dtypes of the data tensors against the layout; ValueError naming one."""
+        rows, k = self.shape
+        expected = {
+            "rowwise_data": ((rows, k), self.fp8_dtype),
+            "columnwise_data": ((k * self._col_offsets[-1],), self.fp8_dtype),
+            "scale_inv": ((self.num_groups,), torch.float32),
+        }
+        for name, (shape, dtype) in expected.items():
+            t = getattr(self, name)
+            if t is not None and (tuple(t.shape) != shape or t.dtype != dtype):
+                raise ValueError(
+                    f"GroupedStorage: {name} must be {dtype} of shape {shape}, "
+                    f"got {t.dtype} of shape {tuple(t.shape)}"
+                )
+        if self.scale_inv is None:
+            raise ValueError("GroupedStorage: scale_inv is required")
+
+    def __copy__(self) -> GroupedStorage:
+        """A shallow copy sharing every data tensor (what save_for_backward saves)."""
+        copy = object.__new__(GroupedStorage)
+        for name in GroupedStorage.__slots__:
+            setattr(copy, name, getattr(self, name))
+        return copy
+
+    @classmethod
+    def from_groups(
+        cls, storages: Sequence[Float8Storage], fp8_dtype: torch.dtype
+    ) -> GroupedStorage:
+        """Copy per-group Float8Storage values (each (m_g, K), scale_inv (1,)) into one layout.
+
+        A usage (rowwise / columnwise) is kept when every group has it; ValueError when the
+        groups share none, or disagree on K, fp8 dtype or device.
+        """
+        if not storages:
+            raise ValueError("GroupedStorage.from_groups: needs at least one group")
+        k, device = storages[0].shape[-1], storages[0].device
+        for g, s in enumerate(storages):
+            if (s.shape[-1], s.fp8_dtype, s.device) != (k, fp8_dtype, device):
+                raise ValueError(
+                    f"GroupedStorage.from_groups: group {g} is {s.fp8_dtype} with K="
+                    f"{s.shape[-1]} on {s.device}; group 0 sets {fp8_dtype}, K={k}, {device}"
+                )
+        m_splits = [s.num_rows for s in storages]
+        rowwise = all(s.rowwise_data is not None for s in storages)
+        columnwise = all(s.columnwise_data is not None for s in storages)
+        if not (rowwise or columnwise):
+            raise ValueError(
+                "GroupedStorage.from_groups: the groups have no usage in common (all rowwise or "
+                "all columnwise); call update_usage on them first"
+            )
+        scale_inv = torch.cat([s.scale_inv.reshape(1).float() for s in storages])
+        out = cls(None, None, scale_inv, fp8_dtype, m_splits, (sum(m_splits), k))
+        if rowwise:
+            rows = [s.rowwise_data.view(torch.uint8).reshape(-1, k) for s in storages]
+            out.rowwise_data = torch.cat(rows).view(fp8_dtype)
+        if columnwise:
+            columnwise_data = out._empty_columnwise()
+            for g, s in enumerate(storages):
+                if tuple(s.columnwise_data.shape) != (k, round_up(m_splits[g], COLUMNWISE_ALIGN)):
+                    raise ValueError(
+                        f"GroupedStorage.from_groups: group {g}'s columnwise data has shape "
+                        f"{tuple(s.columnwise_data.shape)}, not (K, round_up(m_g, 16))"
+                    )
+                block = out._columnwise_block(g, columnwise_data).view(torch.uint8)
+                block[:, : m_splits[g]] = s.columnwise_data.view(torch.uint8)[:, : m_splits[g]]
+            out.columnwise_data = columnwise_data
+        return out
+
+    @property
+    def num_groups(self) -> int:
+        return len(self._m_splits)
+
+    @property
+    def m_splits(self) -> tuple[int, ...]:
+        """Rows of each group, (G,) host ints."""
+        return self._m_splits
+
+    @property
+    def device(self) -> torch.device:
+        return self.scale_inv.device
+
+    def row_offsets(self) -> list[int]:
+        """o_g: the first row of each group, and T last (G + 1 host ints)."""
+        return list(self._row_offsets)
+
+    def col_offsets(self) -> list[int]:
+        """c_g: the first padded column of each group's columnwise block, and C last (G + 1)."""
+        return list(self._col_offsets)
+
+    def _check_index(self, g: int) -> None:
+        if not 0 <= g < self.num_groups:
+            raise IndexError(f"GroupedStorage: group {g} out of range for {self.num_groups}")
+
+    def _columnwise_block(self, g: int, columnwise: torch.Tensor | None = None) -> torch.Tensor:
+        """Group g's (K, Mp_g) block of `columnwise` (default: columnwise_data), a view."""
+        columnwise = self.columnwise_data if columnwise is None else columnwise
+        k, start, end = self.shape[1], self._col_offsets[g], self._col_offsets[g + 1]
+        return columnwise[k * start : k * end].view(k, end - start)
+
+    def _empty_columnwise(self) -> torch.Tensor:
+        # Zeros: the padding columns of every block must read as zero.
+        numel = self.shape[1] * self._col_offsets[-1]
+        return torch.zeros(numel, dtype=torch.uint8, device=self.device).view(self.fp8_dtype)
+
+    def group(self, g: int) -> Float8Storage:
+        """Group g as a Float8Storage of shape (m_g, K) whose tensors are views (no copy)."""
+        self._check_index(g)
+        if self.scale_inv is None:
+            raise RuntimeError("GroupedStorage holds no data (emptied by prepare_for_saving?)")
+        row = self.rowwise_data
+        if row is not None:
+            row = row[self._row_offsets[g] : self._row_offsets[g + 1]]
+        col = None if self.columnwise_data is None else self._columnwise_block(g)
+        shape = (self._m_splits[g], self.shape[1])
+        return Float8Storage(row, col, self.scale_inv[g : g + 1], self.fp8_dtype, shape)
+
+    def groups(self) -> list[Float8Storage]:
+        """Every group, as group(g) gives it."""
+        return [self.group(g) for g in range(self.num_groups)]
+
+    def _rowwise_from_columnwise(self) -> torch.Tensor:
+        """(T, K) rowwise data rebuilt from the columnwise blocks: an exact byte transpose."""
+        out = torch.empty(self.shape, dtype=torch.uint8, device=self.device)
+        for g, m in enumerate(self._m_splits):
+            rows = out[self._row_offsets[g] : self._row_offsets[g + 1]]
+            rows.copy_(self._columnwise_block(g).view(torch.uint8)[:, :m].t())
+        return out.view(self.fp8_dtype)
+
+    def _columnwise_from_rowwise(self) -> torch.Tensor:
+        """(K * C,) columnwise data rebuilt from the rowwise rows: an exact byte transpose."""
+        out = self._empty_columnwise()
+        src = self.rowwise_data.view(torch.uint8)
+        for g, m in enumerate(self._m_splits):
+            block = self._columnwise_block(g, out).view(torch.uint8)
+            block[:, :m] = src[self._row_offsets[g] : self._row_offsets[g + 1]].t()
+        return out
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The high-precision value (T, K) in `dtype`: each group's rows times its scale_inv."""
+        if self.rowwise_data is not None:
+            data = self.rowwise_data
+        elif self.columnwise_data is not None:
+            data = self._rowwise_from_columnwise()
+        else:
+            raise RuntimeError("GroupedStorage holds no data (emptied by prepare_for_saving?)")
+        repeats = torch.tensor(self._m_splits, device=self.device)
+        row_scale = torch.repeat_interleave(self.scale_inv, repeats, output_size=self.shape[0])
+        return (data.float() * row_scale[:, None]).to(dtype)
+
+    def update_usage(
+        self, rowwise_usage: bool | None = None, columnwise_usage: bool | None = None
+    ) -> None:
+        """Make (True) or drop (False) the rowwise / columnwise data; None leaves one as is.
+
+        Either is rebuilt from the other when missing, by an exact per-group byte transpose
+        in torch; RuntimeError when both are gone.
+        """
+        if rowwise_usage and self.rowwise_data is None:
+            self._require_data("rowwise")
+            self.rowwise_data = self._rowwise_from_columnwise()
+        if columnwise_usage and self.columnwise_data is None:
+            self._require_data("columnwise")
+            self.columnwise_data = self._columnwise_from_rowwise()
+        if rowwise_usage is False:
+            self.rowwise_data = None
+        if columnwise_usage is False:
+            self.columnwise_data = None
+
+    def _require_data(self, wanted: str) -> None:
+        if self.rowwise_data is None and self.columnwise_data is None:
+            raise RuntimeError(f"cannot make {wanted} FP8 data: the GroupedStorage holds none")
+
+    def prepare_for_saving(self) -> tuple[list[torch.Tensor | None], GroupedStorage]:
+        """Its data tensors (rowwise, columnwise, scale_inv), and itself emptied of them."""
+        tensors = [self.rowwise_data, self.columnwise_data, self.scale_inv]
+        self.rowwise_data = self.columnwise_data = self.scale_inv = None
+        return tensors, self
+
+    def restore_from_saved(self, tensors: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+        """Take back (rowwise, columnwise, scale_inv) from the front of tensors; return the rest."""
+        self.rowwise_data, self.columnwise_data, self.scale_inv = tensors[:3]
+        return tensors[3:]
+
+    def get_data_tensors(self) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+        """(rowwise_data, columnwise_data, scale_inv)."""
+        return self.rowwise_data, self.columnwise_data, self.scale_inv
+
+    def __repr__(self) -> str:
+        usage = [n for n in ("rowwise", "columnwise") if getattr(self, f"{n}_data") is not None]
+        return (
+            f"GroupedStorage(shape={self.shape}, m_splits={self._m_splits}, "
+            f"dtype={self.fp8_dtype}, usage={usage})"
+        )
+
+
+# ----------------------------------------------------------------------------------------------
+# GroupedTensor
+# ----------------------------------------------------------------------------------------------
+
+aten = torch.ops.aten
+_TensorBase = torch._C.TensorBase
+
+
+class GroupedTensor(torch.Tensor):
+    """A GroupedStorage seen by torch as a (T, K) tensor of a nominal high-precision dtype.
+
+    `_storage` holds the FP8 bytes (read by modules directly). detach / alias share it, clone
+    and device moves copy it, a new dtype dequantizes; any other op runs on the dequantized
+    value and gives plain tensors. Ops that would write into a GroupedTensor raise: there is
+    no grouped quantizer here to requantize with.
+    """
+
+    _storage: GroupedStorage
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @staticmethod
+    def __new__(
+        cls, storage: GroupedStorage, dtype: torch.dtype, requires_grad: bool = False
+    ) -> GroupedTensor:
+        tensor = _TensorBase._make_wrapper_subclass(
+            cls, storage.shape, dtype=dtype, device=storage.device, requires_grad=requires_grad
+        )
+        tensor._storage = storage
+        return tensor
+
+    @property
+    def fp8_dtype(self) -> torch.dtype:
+        return self._storage.fp8_dtype
+
+    @property
+    def m_splits(self) -> tuple[int, ...]:
+        return self._storage.m_splits
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The plain value (T, K) in `dtype` (default: the nominal dtype); the gradient of the
+        result flows to this tensor unchanged."""
+        dtype = self.dtype if dtype is None else dtype
+        if self.requires_grad and torch.is_grad_enabled():
+            return _Dequantize.apply(self, dtype)
+        return self._storage.dequantize(dtype)
+
+    def split_groups(self) -> list[Float8Tensor]:
+        """Each group as a Float8Tensor (m_g, K) of the nominal dtype over views of the buffers."""
+        return [Float8Tensor.from_storage(s, self.dtype, None) for s in self._storage.groups()]
+
+    def __repr__(self, *, tensor_contents: Any = None) -> str:
+        try:
+            flat = self._storage.dequantize(torch.float32).reshape(-1)
+        except RuntimeError:
+            values = "<no data>"
+        else:
+            shown = ", ".join(f"{v:.4g}" for v in flat[:_REPR_VALUES].tolist())
+            values = f"[{shown}{', ...' if flat.numel() > _REPR_VALUES else ''}]"
+        return (
+            f"GroupedTensor(shape={tuple(self.shape)}, m_splits={self.m_splits}, "
+            f"dtype={self.dtype}, fp8_dtype={self.fp8_dtype}, device={self.device}, "
+            f"values={values})"
+        )
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = {} if kwargs is None else kwargs
+        handler = _HANDLERS.get(func)
+        if handler is not None:
+            return handler(args, kwargs)
+        for position, name in _written_args(func):
+            target = args[position] if position < len(args) else kwargs.get(name)
+            if isinstance(target, GroupedTensor):
+                raise NotImplementedError(
+                    f"{func}: a GroupedTensor cannot be written in place; dequantize it first"
+                )
+        return _run_dequantized(func, args, kwargs)
+
+
+def _map_storage(storage: GroupedStorage, fn: Callable[[torch.Tensor], torch.Tensor]):
+    """A new GroupedStorage with fn applied to each data tensor (None stays None)."""
+    row, col = storage.rowwise_data, storage.columnwise_data
+    return GroupedStorage(
+        None if row is None else fn(row),
+        None if col is None else fn(col),
+        fn(storage.scale_inv),
+        storage.fp8_dtype,
+        storage.m_splits,
+        storage.shape,
+    )
+
+
+def _dequantize_arg(tensor: GroupedTensor) -> torch.Tensor:
+    return tensor._storage.dequantize(tensor.dtype)
+
+
+def _run_dequantized(func, args, kwargs):
+    """Fallback: run func on the dequantized values; the results are plain tensors."""
+    args, kwargs = tree_map_only(GroupedTensor, _dequantize_arg, (args, kwargs))
+    return func(*args, **kwargs)
+
+
+def _handle_alias(args, kwargs):
+    self = args[0]
+    return GroupedTensor(self._storage, self.dtype)
+
+
+def _handle_clone(args, kwargs):
+    self = args[0]
+    return GroupedTensor(_map_storage(self._storage, torch.clone), self.dtype)
+
+
+def _handle_to_copy(args, kwargs):
+    """A new dtype: the plain dequantized tensor; otherwise a GroupedTensor copy (maybe moved)."""
+    self = args[0]
+    dtype = kwargs.get("dtype")
+    if dtype is not None and dtype != self.dtype:
+        return _run_dequantized(aten._to_copy.default, args, kwargs)
+    device = kwargs.get("device")
+    device = self.device if device is None else torch.device(device)
+    non_blocking = bool(kwargs.get("non_blocking", False))
+    storage = _map_storage(
+        self._storage, lambda t: t.to(device=device, non_blocking=non_blocking, copy=True)
+    )
+    return GroupedTensor(storage, self.dtype)
+
+
+_HANDLERS = {
+    aten.detach.default: _handle_alias,
+    aten.alias.default: _handle_alias,
+    aten.clone.default: _handle_clone,
+    aten._to_copy.default: _handle_to_copy,
+}
