@@ -381,6 +381,29 @@ class LinearCore(TransformerEngineBaseModule):
         )
 
 
+def gemm_plan(module, gemm: int, key: tuple, weight_name: str) -> LinearPlan:
+    """The plan of GEMM `gemm` of a module with several (no FP8 output or gradient) for the
+    plan key (fp8, calibrating, recipe, group, dtype, is_first_microbatch, ...); main_grad
+    reached through the parameter `weight_name` when the module fuses wgrad accumulation."""
+    fp8, calibrating, recipe, group, dtype, is_first_microbatch, _, _ = key
+    main_grad = None
+    if module.fuse_wgrad_accumulation:
+        main_grad = MainGradTarget([module._parameters[weight_name]])
+    return LinearPlan(
+        gemm,
+        calibrating=calibrating,
+        dtype=dtype,
+        fp8=fp8,
+        fp8_grad=False,
+        fp8_output=False,
+        group=group,
+        is_first_microbatch=is_first_microbatch,
+        main_grad=main_grad,
+        recipe=recipe,
+        setup=module._fp8_setup(recipe) if recipe is not None else None,
+    )
+
+
 def cast_to(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
     """t in dtype (t itself when it already is, or None)."""
     return t if t is None or t.dtype == dtype else t.to(dtype)

@@ -30,7 +30,7 @@ from torch import nn
 from torchte.gemm import grouped_dgrad, grouped_fprop, grouped_mm_supported, grouped_wgrad
 from torchte.quantization.model_init import model_init_settings
 
-from ._common import MainGradTarget, restore_saved, save_for_backward, stacked_view
+from ._common import restore_saved, save_for_backward, stacked_view
 from ._group_splits import GroupSplits, group_splits
 from ._grouped_fp8 import fp8_backward, fp8_forward
 from ._linear_core import (
@@ -39,6 +39,7 @@ from ._linear_core import (
     cast_to,
     check_unsupported,
     default_init_method,
+    gemm_plan,
     linear_backward,
     linear_forward,
 )
@@ -261,32 +262,12 @@ class GroupedLinear(TransformerEngineBaseModule):
         self._finish_init()
 
     def _build_plan(self, key: tuple) -> GroupedPlan:
-        fp8, calibrating, recipe, group, dtype, is_first_microbatch, _, _ = key
+        fp8, _, _, _, dtype, _, _, _ = key
         if fp8:
             check_fp8_dims(
                 "te.GroupedLinear", in_features=self.in_features, out_features=self.out_features
             )
-        setup = self._fp8_setup(recipe) if recipe is not None else None
-        gemms = []
-        for g in range(self.num_gemms):
-            main_grad = None
-            if self.fuse_wgrad_accumulation:
-                main_grad = MainGradTarget([self._parameters[f"weight{g}"]])
-            gemms.append(
-                LinearPlan(
-                    g,
-                    calibrating=calibrating,
-                    dtype=dtype,
-                    fp8=fp8,
-                    fp8_grad=False,
-                    fp8_output=False,
-                    group=group,
-                    is_first_microbatch=is_first_microbatch,
-                    main_grad=main_grad,
-                    recipe=recipe,
-                    setup=setup,
-                )
-            )
+        gemms = [gemm_plan(self, g, key, f"weight{g}") for g in range(self.num_gemms)]
         mode = "per_group"
         if all(gemm.fast for gemm in gemms):
             if dtype == torch.bfloat16 and grouped_mm_supported(self.device, dtype, True):

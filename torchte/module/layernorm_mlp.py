@@ -22,7 +22,7 @@ from torchte.kernels import activation_fp8 as act_fp8_kernels
 from torchte.quantization.float8 import Float8Storage
 from torchte.quantization.model_init import make_fp8_parameter, model_init_settings
 
-from ._common import MainGradTarget, restore_saved, save_for_backward
+from ._common import restore_saved, save_for_backward
 from ._linear_core import (
     GemmRecord,
     LinearPlan,
@@ -30,6 +30,7 @@ from ._linear_core import (
     check_unsupported,
     default_init_method,
     fprop,
+    gemm_plan,
     linear_backward,
     linear_forward,
     zero_grad_output,
@@ -286,34 +287,14 @@ class LayerNormMLP(TransformerEngineBaseModule):
             self.register_parameter(f"{name}_bias", bias)
 
     def _build_plan(self, key: tuple) -> MLPPlan:
-        fp8, calibrating, recipe, group, dtype, is_first_microbatch, _, _ = key
+        fp8 = key[0]
         if fp8:
             check_fp8_dims(
                 "te.LayerNormMLP",
                 hidden_size=self.hidden_size,
                 ffn_hidden_size=self.ffn_hidden_size,
             )
-        setup = self._fp8_setup(recipe) if recipe is not None else None
-
-        def plan(gemm: int, weight_name: str) -> LinearPlan:
-            main_grad = None
-            if self.fuse_wgrad_accumulation:
-                main_grad = MainGradTarget([self._parameters[weight_name]])
-            return LinearPlan(
-                gemm,
-                calibrating=calibrating,
-                dtype=dtype,
-                fp8=fp8,
-                fp8_grad=False,
-                fp8_output=False,
-                group=group,
-                is_first_microbatch=is_first_microbatch,
-                main_grad=main_grad,
-                recipe=recipe,
-                setup=setup,
-            )
-
-        return MLPPlan(plan(0, "fc1_weight"), plan(1, "fc2_weight"))
+        return MLPPlan(gemm_plan(self, 0, key, "fc1_weight"), gemm_plan(self, 1, key, "fc2_weight"))
 
     def forward(self, inp: torch.Tensor, is_first_microbatch: bool | None = None):
         """inp (..., hidden_size) -> y (..., hidden_size) [, fc2 bias] [, norm output]."""

@@ -12,7 +12,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-__all__ = ["QuantizedStorage", "Quantizer", "round_up"]
+__all__ = ["QuantizedStorage", "Quantizer", "TwoUsageStorage", "round_up"]
 
 
 def round_up(value: int, multiple: int) -> int:
@@ -45,6 +45,51 @@ class QuantizedStorage(Protocol):
     def get_data_tensors(self) -> tuple[torch.Tensor | None, ...]:
         """Every tensor it holds, in a fixed order."""
         ...
+
+
+class TwoUsageStorage:
+    """The part of an FP8 Storage with rowwise and columnwise copies of its data that does not
+    depend on their layout: making and dropping copies, saving and restoring. A subclass holds
+    rowwise_data, columnwise_data, scale_inv in its __slots__ and gives the two byte-exact
+    conversions `_rowwise_from_columnwise` and `_columnwise_from_rowwise`."""
+
+    __slots__ = ()
+
+    def update_usage(
+        self, rowwise_usage: bool | None = None, columnwise_usage: bool | None = None
+    ) -> None:
+        """Make (True) or drop (False) the rowwise / columnwise copies, a missing one rebuilt
+        exactly from the other; None leaves one as is. RuntimeError when both are gone."""
+        if rowwise_usage and self.rowwise_data is None:
+            self._require_data("rowwise")
+            self.rowwise_data = self._rowwise_from_columnwise()
+        if columnwise_usage and self.columnwise_data is None:
+            self._require_data("columnwise")
+            self.columnwise_data = self._columnwise_from_rowwise()
+        if rowwise_usage is False:
+            self.rowwise_data = None
+        if columnwise_usage is False:
+            self.columnwise_data = None
+
+    def _require_data(self, wanted: str) -> None:
+        if self.rowwise_data is None and self.columnwise_data is None:
+            name = type(self).__name__
+            raise RuntimeError(f"cannot make {wanted} FP8 data: the {name} holds none")
+
+    def prepare_for_saving(self):
+        """Its data tensors (rowwise, columnwise, scale_inv), and itself emptied of them."""
+        tensors = [self.rowwise_data, self.columnwise_data, self.scale_inv]
+        self.rowwise_data = self.columnwise_data = self.scale_inv = None
+        return tensors, self
+
+    def restore_from_saved(self, tensors: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+        """Take back (rowwise, columnwise, scale_inv) from the front of tensors; return the rest."""
+        self.rowwise_data, self.columnwise_data, self.scale_inv = tensors[:3]
+        return tensors[3:]
+
+    def get_data_tensors(self) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+        """(rowwise_data, columnwise_data, scale_inv)."""
+        return self.rowwise_data, self.columnwise_data, self.scale_inv
 
 
 class Quantizer:

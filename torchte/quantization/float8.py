@@ -13,12 +13,12 @@ import torch
 
 from torchte.kernels import cast_transpose as ct
 
-from .base import Quantizer
+from .base import Quantizer, TwoUsageStorage
 
 __all__ = ["Float8CurrentScalingQuantizer", "Float8Quantizer", "Float8Storage"]
 
 
-class Float8Storage:
+class Float8Storage(TwoUsageStorage):
     """An FP8 value inside autograd: data tensors and a scale_inv, no Tensor subclass."""
 
     __slots__ = ("columnwise_data", "fp8_dtype", "rowwise_data", "scale_inv", "shape")
@@ -55,40 +55,12 @@ class Float8Storage:
             raise RuntimeError("Float8Storage holds no data (emptied by prepare_for_saving?)")
         return (data.float() * self.scale_inv).to(dtype).reshape(self.shape)
 
-    def update_usage(
-        self, rowwise_usage: bool | None = None, columnwise_usage: bool | None = None
-    ) -> None:
-        """Make or drop the rowwise / columnwise copies (an exact byte transpose)."""
-        if rowwise_usage and self.rowwise_data is None:
-            self._require_data("rowwise")
-            cols = self.columnwise_data[:, : self.num_rows]
-            self.rowwise_data = cols.view(torch.uint8).t().contiguous().view(self.fp8_dtype)
-        if columnwise_usage and self.columnwise_data is None:
-            self._require_data("columnwise")
-            self.columnwise_data = ct.fp8_transpose(self.rowwise_data)
-        if rowwise_usage is False:
-            self.rowwise_data = None
-        if columnwise_usage is False:
-            self.columnwise_data = None
+    def _rowwise_from_columnwise(self) -> torch.Tensor:
+        cols = self.columnwise_data[:, : self.num_rows]
+        return cols.view(torch.uint8).t().contiguous().view(self.fp8_dtype)
 
-    def _require_data(self, wanted: str) -> None:
-        if self.rowwise_data is None and self.columnwise_data is None:
-            raise RuntimeError(f"cannot make {wanted} FP8 data: the Float8Storage holds none")
-
-    def prepare_for_saving(self) -> tuple[list[torch.Tensor | None], Float8Storage]:
-        """Its data tensors (rowwise, columnwise, scale_inv), and itself emptied of them."""
-        tensors = [self.rowwise_data, self.columnwise_data, self.scale_inv]
-        self.rowwise_data = self.columnwise_data = self.scale_inv = None
-        return tensors, self
-
-    def restore_from_saved(self, tensors: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
-        """Take back (rowwise, columnwise, scale_inv) from the front of tensors; return the rest."""
-        self.rowwise_data, self.columnwise_data, self.scale_inv = tensors[:3]
-        return tensors[3:]
-
-    def get_data_tensors(self) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
-        """(rowwise_data, columnwise_data, scale_inv)."""
-        return self.rowwise_data, self.columnwise_data, self.scale_inv
+    def _columnwise_from_rowwise(self) -> torch.Tensor:
+        return ct.fp8_transpose(self.rowwise_data)
 
     def copy_from_(self, src: Float8Storage) -> None:
         """Overwrite this value's bytes with src's, keeping every data tensor's address."""

@@ -21,7 +21,7 @@ from torch.utils._pytree import tree_map_only
 
 from torchte.kernels.cast_transpose import COLUMNWISE_ALIGN
 
-from .base import round_up
+from .base import TwoUsageStorage, round_up
 from .float8 import Float8Storage
 from .float8_tensor import Float8Tensor, _Dequantize, _written_args
 
@@ -31,7 +31,7 @@ _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 _REPR_VALUES = 6
 
 
-class GroupedStorage:
+class GroupedStorage(TwoUsageStorage):
     """The FP8 values of G groups in one buffer per usage; a plain object, no Tensor subclass.
 
     rowwise_data (T, K) and/or columnwise_data (K * C,) in `fp8_dtype`, scale_inv (G,) fp32;
@@ -229,44 +229,6 @@ class GroupedStorage:
         repeats = torch.tensor(self._m_splits, device=self.device)
         row_scale = torch.repeat_interleave(self.scale_inv, repeats, output_size=self.shape[0])
         return (data.float() * row_scale[:, None]).to(dtype)
-
-    def update_usage(
-        self, rowwise_usage: bool | None = None, columnwise_usage: bool | None = None
-    ) -> None:
-        """Make (True) or drop (False) the rowwise / columnwise data; None leaves one as is.
-
-        Either is rebuilt from the other when missing, by an exact per-group byte transpose
-        in torch; RuntimeError when both are gone.
-        """
-        if rowwise_usage and self.rowwise_data is None:
-            self._require_data("rowwise")
-            self.rowwise_data = self._rowwise_from_columnwise()
-        if columnwise_usage and self.columnwise_data is None:
-            self._require_data("columnwise")
-            self.columnwise_data = self._columnwise_from_rowwise()
-        if rowwise_usage is False:
-            self.rowwise_data = None
-        if columnwise_usage is False:
-            self.columnwise_data = None
-
-    def _require_data(self, wanted: str) -> None:
-        if self.rowwise_data is None and self.columnwise_data is None:
-            raise RuntimeError(f"cannot make {wanted} FP8 data: the GroupedStorage holds none")
-
-    def prepare_for_saving(self) -> tuple[list[torch.Tensor | None], GroupedStorage]:
-        """Its data tensors (rowwise, columnwise, scale_inv), and itself emptied of them."""
-        tensors = [self.rowwise_data, self.columnwise_data, self.scale_inv]
-        self.rowwise_data = self.columnwise_data = self.scale_inv = None
-        return tensors, self
-
-    def restore_from_saved(self, tensors: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
-        """Take back (rowwise, columnwise, scale_inv) from the front of tensors; return the rest."""
-        self.rowwise_data, self.columnwise_data, self.scale_inv = tensors[:3]
-        return tensors[3:]
-
-    def get_data_tensors(self) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
-        """(rowwise_data, columnwise_data, scale_inv)."""
-        return self.rowwise_data, self.columnwise_data, self.scale_inv
 
     def __repr__(self) -> str:
         usage = [n for n in ("rowwise", "columnwise") if getattr(self, f"{n}_data") is not None]
