@@ -210,10 +210,20 @@ def split_parameter_names(
 
 
 def stacked_view(parts: Sequence[torch.Tensor]) -> torch.Tensor | None:
-    """The (len(parts), *shape) tensor the equal-shaped `parts` form as consecutive blocks of
-    one buffer (a view, no copy), or None when they do not."""
-    if not parts or not _adjacent(parts) or any(p.shape != parts[0].shape for p in parts):
-        return None
-    shape = (len(parts), *parts[0].shape)
+    """The (len(parts), *shape) tensor the equal-shaped contiguous `parts` form as consecutive
+    blocks of memory (a view of the first one's storage, no copy), or None when they do not.
+    Checked by addresses alone (cheap: it runs per call): memory at an address belongs to one
+    allocation, and a view reaching past the first part's storage is refused by as_strided."""
     first = parts[0]
-    return first.as_strided(shape, _contiguous_strides(shape), first.storage_offset())
+    shape, base = first.shape, first.data_ptr()
+    step = first.numel() * first.element_size()
+    for i, part in enumerate(parts):
+        if part.data_ptr() != base + i * step or part.shape != shape or not part.is_contiguous():
+            return None
+    stacked_shape = (len(parts), *shape)
+    try:
+        return first.as_strided(
+            stacked_shape, _contiguous_strides(stacked_shape), first.storage_offset()
+        )
+    except RuntimeError:
+        return None

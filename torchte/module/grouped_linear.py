@@ -116,7 +116,7 @@ def _per_group_forward(ctx, x, splits: GroupSplits, plan: GroupedPlan, params, w
     for g, gemm in enumerate(plan.gemms):
         bias = biases[g] if biases else None
         y, x_saved, w_saved = linear_forward(
-            xs[g], weights[g], bias, w_fp8[g], gemm, need_dgrad, need_wgrad
+            xs[g], weights[g], bias, w_fp8 and w_fp8[g], gemm, need_dgrad, need_wgrad
         )
         ys.append(y)
         saved += [x_saved, w_saved]
@@ -290,10 +290,12 @@ class GroupedLinear(TransformerEngineBaseModule):
         first = plan.gemms[0]
 
         def run():
-            w_fp8 = [
-                self._fp8_weight(w, gemm, is_first_microbatch, inp.requires_grad, w._version)
-                for w, gemm in zip(weights, plan.gemms, strict=True)
-            ]
+            w_fp8 = None
+            if first.fp8:
+                w_fp8 = [
+                    self._fp8_weight(w, gemm, is_first_microbatch, inp.requires_grad, w._version)
+                    for w, gemm in zip(weights, plan.gemms, strict=True)
+                ]
             args = (x, splits, plan, w_fp8, len(biases), *weights, *biases)
             if torch.is_grad_enabled():
                 return _GroupedLinearFunction.apply(*args)
