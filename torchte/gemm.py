@@ -183,13 +183,14 @@ def _grouped_mm_agrees(device: torch.device, dtype: torch.dtype, sizes: list[int
 
 
 def scaled_grouped_fprop(x_fp8, w_fp8, splits, out_dtype: torch.dtype) -> torch.Tensor:
-    """y (T, N) = per group (x_g * x_scale_inv[g]) @ (w_g * w_g.scale_inv).T as one
-    torch._scaled_grouped_mm: x_fp8 a GroupedStorage (rowwise (T, K)), w_fp8 G Float8Storages
-    (rowwise (N, K)), splits the GroupSplits. The per-tensor scales become the row scales it
-    takes: x's scale_inv of each row's group, w's scale_inv repeated over its N columns."""
-    weights = torch.stack([w.rowwise_data for w in w_fp8])
-    w_scale = torch.cat([w.scale_inv for w in w_fp8])
-    num_groups, n = weights.shape[0], weights.shape[1]
+    """y (T, N) = per group (x_g * x_scale_inv[g]) @ (w_g * w_scale_inv[g]).T as one
+    torch._scaled_grouped_mm: x_fp8 a GroupedStorage (rowwise (T, K)), w_fp8 a GroupedStorage
+    of G groups of N rows (rowwise (G * N, K)), splits the GroupSplits. The per-tensor scales
+    become the row scales it takes: x's scale_inv of each row's group, w's scale_inv repeated
+    over its N columns."""
+    num_groups, n = len(w_fp8.m_splits), w_fp8.m_splits[0]
+    weights = w_fp8.rowwise_data.view(num_groups, n, -1)
+    w_scale = w_fp8.scale_inv
     row_scale = x_fp8.scale_inv.index_select(0, splits.row_groups())
     col_scale = w_scale[:, None].expand(num_groups, n).contiguous()
     return torch._scaled_grouped_mm(
@@ -218,7 +219,6 @@ def scaled_grouped_mm_supported(device: torch.device, a_dtype, b_dtype, ragged=T
 
 def _scaled_grouped_agrees(device, a_dtype, b_dtype, sizes: list[int]) -> bool:
     from torchte.module._group_splits import GroupSplits
-    from torchte.quantization.float8 import Float8Storage
     from torchte.quantization.grouped import GroupedStorage
 
     gen = torch.Generator().manual_seed(0)
@@ -226,16 +226,16 @@ def _scaled_grouped_agrees(device, a_dtype, b_dtype, sizes: list[int]) -> bool:
     x = (torch.randn(sum(sizes), k, generator=gen) * 4).to(device, a_dtype)
     x_scale = torch.tensor([0.5, 1.0, 0.25], device=device)
     x_fp8 = GroupedStorage(x, None, x_scale, a_dtype, sizes, (sum(sizes), k))
-    w_fp8 = []
-    for g in range(len(sizes)):
-        w = (torch.randn(n, k, generator=gen) * 4).to(device, b_dtype)
-        scale = torch.full((1,), 0.125 * (g + 1), device=device)
-        w_fp8.append(Float8Storage(w, None, scale, b_dtype, (n, k)))
-    splits = GroupSplits(list(sizes), None, len(sizes), sum(sizes), device)
+    groups = len(sizes)
+    w = (torch.randn(groups * n, k, generator=gen) * 4).to(device, b_dtype)
+    w_scale = torch.tensor([0.125 * (g + 1) for g in range(groups)], device=device)
+    w_fp8 = GroupedStorage(w, None, w_scale, b_dtype, [n] * groups, (groups * n, k))
+    splits = GroupSplits(list(sizes), None, groups, sum(sizes), device)
     got = scaled_grouped_fprop(x_fp8, w_fp8, splits, torch.bfloat16)
     want = torch.cat([
-        fp8_gemm(x_fp8.group(g).rowwise_data, x_scale[g : g + 1].clone(), w.rowwise_data,
-                 w.scale_inv, torch.bfloat16, use_fast_accum=True)
-        for g, w in enumerate(w_fp8)
+        fp8_gemm(x_fp8.group(g).rowwise_data, x_scale[g : g + 1].clone(),
+                 w_fp8.group(g).rowwise_data, w_scale[g : g + 1].clone(), torch.bfloat16,
+                 use_fast_accum=True)
+        for g in range(groups)
     ])  # fmt: skip
     return got.shape == want.shape and torch.allclose(got.float(), want.float(), rtol=2e-2, atol=1)

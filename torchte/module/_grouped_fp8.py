@@ -18,18 +18,16 @@ from torchte.kernels import grouped_cast
 from torchte.quantization.grouped import GroupedStorage
 from torchte.recipe import Float8CurrentScaling
 
-from ._common import restore_saved, save_for_backward
+from ._common import restore_saved, save_for_backward, stacked_view
 from ._group_splits import GroupSplits
+from .base import cached_value
 
 _STATE = autocast_state()
 
 
-def quantize_groups(
-    x, splits: GroupSplits, setup, slot: str, forward: bool, usage
-) -> GroupedStorage:
-    """x (T, K) -> GroupedStorage with GEMM g's `slot` scale (delayed) or each group's own
-    (current); usage = (rowwise, columnwise)."""
-    sizes = splits.sizes()
+def quantize_groups(x, sizes: list[int], setup, slot: str, forward: bool, usage) -> GroupedStorage:
+    """x (T, K) with groups of `sizes` rows -> GroupedStorage with GEMM g's `slot` scale
+    (delayed) or each group's own (current); usage = (rowwise, columnwise)."""
     rows, cols = grouped_cast.grouped_offsets(sizes, x.device)
     recipe = setup.recipe
     fmt = recipe.fp8_format
@@ -57,31 +55,53 @@ def aligned_scale_invs(storage: GroupedStorage) -> list[torch.Tensor]:
     return [padded[g, :1] for g in range(padded.shape[0])]
 
 
-def fp8_forward(ctx, x, splits: GroupSplits, plan, weights, biases, w_fp8, needs):
+def grouped_fp8_weights(weights, setup, key, is_first_microbatch, columnwise) -> GroupedStorage:
+    """The G weights (N, K) quantized together, GEMM g's weight scale each, as one
+    GroupedStorage of G groups of N rows: rowwise (G * N, K) is the (G, N, K) operand of the
+    grouped GEMM, group g's columnwise block its (K, N) transpose for dgrad. Cached like
+    te.Linear's FP8 weight (base.cached_value): requantized when a weight or the scales moved."""
+    cache = setup.grouped_weight_cache
+    storage = cached_value(cache, key, is_first_microbatch)
+    if storage is None:
+        stacked = stacked_view(weights)
+        if stacked is None:
+            stacked = torch.stack(list(weights))
+        sizes = [stacked.shape[1]] * stacked.shape[0]
+        with torch.no_grad():
+            storage = quantize_groups(
+                stacked.reshape(-1, stacked.shape[2]), sizes, setup, "weight", True,
+                (True, columnwise),
+            )  # fmt: skip
+        cache[0] = (key, storage)
+    elif columnwise and storage.columnwise_data is None:
+        storage.update_usage(columnwise_usage=True)
+    return storage
+
+
+def fp8_forward(ctx, x, splits: GroupSplits, plan, biases, w_fp8: GroupedStorage, needs):
     """y (T, N) under FP8; saves what fp8_backward needs on ctx."""
     need_dgrad, need_wgrad = needs
     first = plan.gemms[0]
-    dtype = first.dtype
-    x_fp8 = quantize_groups(
-        cast_input(x, dtype), splits, first.setup, "input", True, (True, need_wgrad)
-    )
-    bias = [b.to(dtype) for b in biases] if biases else [None] * len(weights)
-    if one_fprop_gemm(x.device, x_fp8.fp8_dtype, w_fp8[0].fp8_dtype, splits.sizes()):
+    dtype, sizes = first.dtype, splits.sizes()
+    x = cast_input(x, dtype)
+    x_fp8 = quantize_groups(x, sizes, first.setup, "input", True, (True, need_wgrad))
+    num_groups, n = len(sizes), w_fp8.m_splits[0]
+    bias = [b.to(dtype) for b in biases] if biases else [None] * num_groups
+    if one_fprop_gemm(x.device, x_fp8.fp8_dtype, w_fp8.fp8_dtype, sizes):
         y = scaled_grouped_fprop(x_fp8, w_fp8, splits, dtype)
         if biases:
             y.add_(torch.stack(bias).index_select(0, splits.row_groups()))
     else:
-        parts = []
-        scale_invs = aligned_scale_invs(x_fp8)
-        for g, (w, b) in enumerate(zip(w_fp8, bias, strict=True)):
-            parts.append(
-                fp8_gemm(x_fp8.group(g).rowwise_data, scale_invs[g], w.rowwise_data, w.scale_inv,
-                         dtype, bias=b, use_fast_accum=True)
+        y = torch.empty(x.shape[0], n, dtype=dtype, device=x.device)
+        x_scales, w_scales = aligned_scale_invs(x_fp8), aligned_scale_invs(w_fp8)
+        for g, (rows, b) in enumerate(zip(y.split(sizes), bias, strict=True)):
+            fp8_gemm(
+                x_fp8.group(g).rowwise_data, x_scales[g], w_fp8.group(g).rowwise_data,
+                w_scales[g], dtype, bias=b, out=rows, use_fast_accum=True,
             )  # fmt: skip
-        y = torch.cat(parts)
     if need_wgrad:
         x_fp8.update_usage(rowwise_usage=False)  # wgrad reads the columnwise blocks only
-    save_for_backward(ctx, x_fp8 if need_wgrad else None, *(w_fp8 if need_dgrad else ()))
+    save_for_backward(ctx, x_fp8 if need_wgrad else None, w_fp8 if need_dgrad else None)
     return y
 
 
@@ -99,37 +119,38 @@ def cast_input(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def fp8_backward(ctx, dy: torch.Tensor):
-    """(dx, [dw_g], [db_g]) under FP8, the GEMMs and sums as te.Linear's per group."""
-    saved = restore_saved(ctx)
-    x_fp8, w_fp8 = saved[0], saved[1:]
+    """(dx, [dw_g], [db_g]) under FP8, the GEMMs and sums as te.Linear's per group, each GEMM
+    writing its rows of one output buffer."""
+    x_fp8, w_fp8 = restore_saved(ctx)
     plan, splits = ctx.plan, ctx.splits
     first = plan.gemms[0]
     dtype, sizes = first.dtype, splits.sizes()
     dy = cast_input(dy, dtype)
-    dy_fp8 = quantize_groups(
-        dy, splits, first.setup, "grad_output", False, (ctx.need_dgrad, ctx.need_wgrad)
-    )
+    usage = (ctx.need_dgrad, ctx.need_wgrad)
+    dy_fp8 = quantize_groups(dy, sizes, first.setup, "grad_output", False, usage)
     if first.setup.bwd_state is not None:
         _STATE.register_backward(first.setup.bwd_state, first.recipe, first.group)
+    dy_scales = aligned_scale_invs(dy_fp8)
     dx = None
-    dy_scale_invs = aligned_scale_invs(dy_fp8)
     if ctx.need_dgrad:
-        parts = []
-        for g, w in enumerate(w_fp8):
-            rows = dy_fp8.group(g).rowwise_data
-            parts.append(fp8_gemm(rows, dy_scale_invs[g], w.columnwise_data, w.scale_inv, dtype))
-        dx = torch.cat(parts)
+        w_scales = aligned_scale_invs(w_fp8)
+        dx = torch.empty(dy.shape[0], w_fp8.shape[1], dtype=dtype, device=dy.device)
+        for g, rows in enumerate(dx.split(sizes)):
+            fp8_gemm(
+                dy_fp8.group(g).rowwise_data, dy_scales[g], w_fp8.group(g).columnwise_data,
+                w_scales[g], dtype, out=rows,
+            )  # fmt: skip
     dws = [None] * ctx.num_gemms
     if ctx.need_wgrad:
-        grads = []
-        x_scale_invs = aligned_scale_invs(x_fp8)
+        x_scales = aligned_scale_invs(x_fp8)
+        n, k = dy.shape[1], x_fp8.shape[1]
+        grads = torch.empty(ctx.num_gemms, n, k, dtype=ctx.weight_dtype, device=dy.device)
         for g in range(ctx.num_gemms):
-            dyg, xg = dy_fp8.group(g), x_fp8.group(g)
-            grads.append(
-                fp8_gemm(dyg.columnwise_data, dy_scale_invs[g], xg.columnwise_data,
-                         x_scale_invs[g], ctx.weight_dtype)
+            fp8_gemm(
+                dy_fp8.group(g).columnwise_data, dy_scales[g], x_fp8.group(g).columnwise_data,
+                x_scales[g], ctx.weight_dtype, out=grads[g],
             )  # fmt: skip
-        dws = list(torch.stack(grads).unbind(0))  # one buffer, one view per weight
+        dws = list(grads.unbind(0))  # one buffer, one view per weight
     dbs = [None] * ctx.num_bias
     if ctx.num_bias and ctx.bias_grad:
         dbs = [part.sum(0).to(dtype) for part in dy.split(sizes)]

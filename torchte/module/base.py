@@ -46,6 +46,7 @@ class FP8Setup:
         "fwd_state",
         "grad_input",
         "grad_output",
+        "grouped_weight_cache",
         "input",
         "output",
         "recipe",
@@ -57,6 +58,8 @@ class FP8Setup:
         self.recipe = recipe
         # Per GEMM, [(key, Float8Storage)] of the cached FP8 weight (see fp8_weight_cached).
         self.weight_cache = [[None] for _ in range(num_gemms)]
+        # A grouped module's FP8 weights of all GEMMs as one GroupedStorage: [(key, storage)].
+        self.grouped_weight_cache = [None]
         fwd_dtype, bwd_dtype = recipe.fp8_format.fwd_dtype, recipe.fp8_format.bwd_dtype
         gemms = range(num_gemms)
         if isinstance(recipe, DelayedScaling):
@@ -307,6 +310,18 @@ def check_fp8_dims(module: str, **dims: int) -> None:
             )
 
 
+def cached_value(cache: list, key, is_first_microbatch: bool | None):
+    """The value in the one-element cache [(key, value)] if it may be reused: always when
+    is_first_microbatch is False (the weights did not change), never when True, else when
+    its key equals `key`; None otherwise."""
+    entry = cache[0]
+    if entry is not None and (
+        is_first_microbatch is False or (is_first_microbatch is None and entry[0] == key)
+    ):
+        return entry[1]
+    return None
+
+
 def fp8_weight_cached(
     cache: list,
     weight: torch.Tensor,
@@ -324,11 +339,8 @@ def fp8_weight_cached(
     generation).
     """
     key = (version, generation)
-    entry = cache[0]
-    if entry is not None and (
-        is_first_microbatch is False or (is_first_microbatch is None and entry[0] == key)
-    ):
-        storage = entry[1]
+    storage = cached_value(cache, key, is_first_microbatch)
+    if storage is not None:
         if columnwise and storage.columnwise_data is None:
             storage.update_usage(columnwise_usage=True)
         return storage

@@ -27,12 +27,13 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
+from torchte.autocast import autocast_state
 from torchte.gemm import grouped_dgrad, grouped_fprop, grouped_mm_supported, grouped_wgrad
 from torchte.quantization.model_init import model_init_settings
 
 from ._common import restore_saved, save_for_backward, stacked_view
 from ._group_splits import GroupSplits, group_splits
-from ._grouped_fp8 import fp8_backward, fp8_forward
+from ._grouped_fp8 import fp8_backward, fp8_forward, grouped_fp8_weights
 from ._linear_core import (
     GemmRecord,
     LinearPlan,
@@ -46,6 +47,8 @@ from ._linear_core import (
 from .base import TransformerEngineBaseModule, check_fp8_dims
 
 __all__ = ["GroupedLinear"]
+
+_STATE = autocast_state()
 
 
 class GroupedPlan:
@@ -159,7 +162,7 @@ def _forward(ctx, inp, splits, plan: GroupedPlan, w_fp8, num_bias, params, grads
     if plan.mode == "grouped":
         return _grouped_forward(ctx, inp, splits, first.dtype, weights, biases, needs)
     if plan.mode == "fp8":
-        return fp8_forward(ctx, inp, splits, plan, weights, biases, w_fp8, needs)
+        return fp8_forward(ctx, inp, splits, plan, biases, w_fp8, needs)
     return _per_group_forward(ctx, inp, splits, plan, (weights, biases), w_fp8, needs)
 
 
@@ -291,7 +294,16 @@ class GroupedLinear(TransformerEngineBaseModule):
 
         def run():
             w_fp8 = None
-            if first.fp8:
+            if plan.mode == "fp8":
+                setup = first.setup
+                key = (
+                    tuple(w._version for w in weights),
+                    (_STATE.step, setup.fwd_state.generation if setup.fwd_state else 0),
+                )
+                w_fp8 = grouped_fp8_weights(
+                    weights, setup, key, is_first_microbatch, inp.requires_grad
+                )
+            elif first.fp8:
                 w_fp8 = [
                     self._fp8_weight(w, gemm, is_first_microbatch, inp.requires_grad, w._version)
                     for w, gemm in zip(weights, plan.gemms, strict=True)
