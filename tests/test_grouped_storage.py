@@ -195,6 +195,19 @@ def test_group_views_share_memory_with_the_buffers():
     assert grouped.scale_inv[2] == 3.0
 
 
+@pytest.mark.parametrize("m_splits", SPLITS)
+def test_gemm_operands_are_the_group_views_with_aligned_scales(m_splits):
+    grouped, _, _ = _grouped(m_splits)
+    rows, cols, scales = grouped.gemm_operands()
+    for g, view in enumerate(grouped.groups()):
+        assert torch.equal(_u8(rows[g]), _u8(view.rowwise_data))
+        assert torch.equal(_u8(cols[g]), _u8(view.columnwise_data))
+        assert cols[g].shape == view.columnwise_data.shape
+        assert scales[g].shape == (1,) and torch.equal(scales[g], view.scale_inv)
+        assert scales[g].data_ptr() % 16 == 0
+        assert _inside(rows[g], grouped.rowwise_data) and _inside(cols[g], grouped.columnwise_data)
+
+
 def test_group_index_out_of_range():
     grouped, _, _ = _grouped((3, 4))
     with pytest.raises(IndexError, match="group 2 out of range"):

@@ -47,14 +47,6 @@ def quantize_groups(x, sizes: list[int], setup, slot: str, forward: bool, usage)
     return GroupedStorage(rowwise, columnwise, scale_inv, fp8_dtype, sizes, tuple(x.shape))
 
 
-def aligned_scale_invs(storage: GroupedStorage) -> list[torch.Tensor]:
-    """Each group's scale_inv as a (1,) tensor at a 16-byte aligned address (cuBLAS rejects FP8
-    scale pointers that are not, and scale_inv[g] of the (G,) vector is at 4 g bytes): one
-    padded copy, then views."""
-    padded = torch.nn.functional.pad(storage.scale_inv[:, None], (0, 3))
-    return [padded[g, :1] for g in range(padded.shape[0])]
-
-
 def grouped_fp8_weights(weights, setup, key, is_first_microbatch, columnwise) -> GroupedStorage:
     """The G weights (N, K) quantized together, GEMM g's weight scale each, as one
     GroupedStorage of G groups of N rows: rowwise (G * N, K) is the (G, N, K) operand of the
@@ -93,12 +85,14 @@ def fp8_forward(ctx, x, splits: GroupSplits, plan, biases, w_fp8: GroupedStorage
             y.add_(torch.stack(bias).index_select(0, splits.row_groups()))
     else:
         y = torch.empty(x.shape[0], n, dtype=dtype, device=x.device)
-        x_scales, w_scales = aligned_scale_invs(x_fp8), aligned_scale_invs(w_fp8)
-        for g, (rows, b) in enumerate(zip(y.split(sizes), bias, strict=True)):
-            fp8_gemm(
-                x_fp8.group(g).rowwise_data, x_scales[g], w_fp8.group(g).rowwise_data,
-                w_scales[g], dtype, bias=b, out=rows, use_fast_accum=True,
-            )  # fmt: skip
+        x_rows, _, x_scales = x_fp8.gemm_operands()
+        w_rows, _, w_scales = w_fp8.gemm_operands()
+        for g, (out, b) in enumerate(zip(y.split(sizes), bias, strict=True)):
+            if sizes[g]:
+                fp8_gemm(
+                    x_rows[g], x_scales[g], w_rows[g], w_scales[g], dtype, bias=b, out=out,
+                    use_fast_accum=True,
+                )  # fmt: skip
     if need_wgrad:
         x_fp8.update_usage(rowwise_usage=False)  # wgrad reads the columnwise blocks only
     save_for_backward(ctx, x_fp8 if need_wgrad else None, w_fp8 if need_dgrad else None)
@@ -130,28 +124,32 @@ def fp8_backward(ctx, dy: torch.Tensor):
     dy_fp8 = quantize_groups(dy, sizes, first.setup, "grad_output", False, usage)
     if first.setup.bwd_state is not None:
         _STATE.register_backward(first.setup.bwd_state, first.recipe, first.group)
-    dy_scales = aligned_scale_invs(dy_fp8)
+    dy_rows, dy_cols, dy_scales = dy_fp8.gemm_operands()
     dx = None
     if ctx.need_dgrad:
-        w_scales = aligned_scale_invs(w_fp8)
+        _, w_cols, w_scales = w_fp8.gemm_operands()
         dx = torch.empty(dy.shape[0], w_fp8.shape[1], dtype=dtype, device=dy.device)
-        for g, rows in enumerate(dx.split(sizes)):
-            fp8_gemm(
-                dy_fp8.group(g).rowwise_data, dy_scales[g], w_fp8.group(g).columnwise_data,
-                w_scales[g], dtype, out=rows,
-            )  # fmt: skip
+        for g, out in enumerate(dx.split(sizes)):
+            if sizes[g]:
+                fp8_gemm(dy_rows[g], dy_scales[g], w_cols[g], w_scales[g], dtype, out=out)
     dws = [None] * ctx.num_gemms
     if ctx.need_wgrad:
-        x_scales = aligned_scale_invs(x_fp8)
+        _, x_cols, x_scales = x_fp8.gemm_operands()
         n, k = dy.shape[1], x_fp8.shape[1]
-        grads = torch.empty(ctx.num_gemms, n, k, dtype=ctx.weight_dtype, device=dy.device)
+        empty = torch.zeros if 0 in sizes else torch.empty  # a group without rows: zero wgrad
+        grads = empty(ctx.num_gemms, n, k, dtype=ctx.weight_dtype, device=dy.device)
         for g in range(ctx.num_gemms):
-            fp8_gemm(
-                dy_fp8.group(g).columnwise_data, dy_scales[g], x_fp8.group(g).columnwise_data,
-                x_scales[g], ctx.weight_dtype, out=grads[g],
-            )  # fmt: skip
+            if sizes[g]:
+                fp8_gemm(
+                    dy_cols[g], dy_scales[g], x_cols[g], x_scales[g], ctx.weight_dtype,
+                    out=grads[g],
+                )  # fmt: skip
         dws = list(grads.unbind(0))  # one buffer, one view per weight
     dbs = [None] * ctx.num_bias
     if ctx.num_bias and ctx.bias_grad:
-        dbs = [part.sum(0).to(dtype) for part in dy.split(sizes)]
+        sums = torch.zeros(ctx.num_bias, dy.shape[1], dtype=dtype, device=dy.device)
+        for g, part in enumerate(dy.split(sizes)):
+            if sizes[g]:
+                torch.sum(part, 0, out=sums[g])
+        dbs = list(sums.unbind(0))
     return dx, dws, dbs

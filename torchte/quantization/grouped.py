@@ -12,6 +12,7 @@ Grouped kernels produce this layout directly; `group(g)` takes views of it, neve
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from itertools import accumulate
 from typing import Any
@@ -200,6 +201,23 @@ class GroupedStorage(TwoUsageStorage):
     def groups(self) -> list[Float8Storage]:
         """Every group, as group(g) gives it."""
         return [self.group(g) for g in range(self.num_groups)]
+
+    def gemm_operands(self) -> tuple[list, list, list[torch.Tensor]]:
+        """What per-group FP8 GEMMs take, in few calls (the hot path): each group's rowwise
+        rows (m_g, K) and columnwise block (K, Mp_g) as views (None for a dropped usage), and
+        its scale_inv as a (1,) tensor at a 16-byte aligned address, which cuBLAS requires of
+        FP8 scale pointers (scale_inv[g] itself sits at 4 g bytes): one padded copy."""
+        num_groups, k = self.num_groups, self.shape[1]
+        rows = [None] * num_groups
+        if self.rowwise_data is not None:
+            rows = self.rowwise_data.split(self._m_splits)
+        cols = [None] * num_groups
+        if self.columnwise_data is not None:
+            widths = [end - start for start, end in itertools.pairwise(self._col_offsets)]
+            blocks = self.columnwise_data.split([k * w for w in widths])
+            cols = [block.view(k, w) for block, w in zip(blocks, widths, strict=True)]
+        padded = torch.nn.functional.pad(self.scale_inv[:, None], (0, 3))
+        return rows, cols, padded[:, :1].unbind(0)
 
     def _rowwise_from_columnwise(self) -> torch.Tensor:
         """(T, K) rowwise data rebuilt from the columnwise blocks: an exact byte transpose."""
