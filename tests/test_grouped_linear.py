@@ -225,8 +225,7 @@ def test_grouped_path_matches_stack(monkeypatch, bias):
     monkeypatch.setattr(grouped_module, "grouped_mm_supported", lambda *args: True)
     splits = [5, 0, 11, 3]
     grouped, stack = make_pair(4, torch.bfloat16, bias=bias)
-    plan = grouped._plan(torch.bfloat16, None, False, False)
-    assert plan.grouped
+    assert grouped._plan(torch.bfloat16, None, False, False).mode == "grouped"
     a, b = run_both(grouped, stack, splits, None, torch.bfloat16, steps=1)
     (ya, dxa, dwa, dba), (yb, dxb, dwb, dbb) = a[0], b[0]
     # y rounds x W^T before adding the bias (te.Linear rounds once): differences follow the

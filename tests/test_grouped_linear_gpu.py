@@ -17,7 +17,7 @@ SPLITS = [37, 0, 200, 3, 16, 1, 0, 99]
 
 def test_bf16_takes_the_grouped_path_and_matches_the_stack():
     grouped, stack = make_pair(len(SPLITS), torch.bfloat16, device="cuda")
-    assert grouped._plan(torch.bfloat16, None, False, False).grouped
+    assert grouped._plan(torch.bfloat16, None, False, False).mode == "grouped"
     a, b = run_both(grouped, stack, SPLITS, None, torch.bfloat16, steps=2)
     for (ya, dxa, dwa, dba), (yb, dxb, dwb, dbb) in zip(a, b, strict=True):
         for ta, tb in zip([ya, dxa, *dwa, *dba], [yb, dxb, *dwb, *dbb], strict=True):
@@ -59,6 +59,6 @@ def test_fp8_equals_stack_of_linear(recipe_name):
 
 def test_fp32_runs_the_per_group_path():
     grouped, stack = make_pair(3, torch.float32, device="cuda")
-    assert not grouped._plan(torch.float32, None, False, False).grouped
+    assert grouped._plan(torch.float32, None, False, False).mode == "per_group"
     a, b = run_both(grouped, stack, [5, 0, 9], None, torch.float32, steps=1)
     assert_identical(a, b, "fp32")

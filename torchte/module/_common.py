@@ -17,6 +17,7 @@ __all__ = [
     "restore_saved",
     "save_for_backward",
     "split_parameter_names",
+    "stack_parameters",
     "stacked_view",
 ]
 
@@ -227,3 +228,10 @@ def stacked_view(parts: Sequence[torch.Tensor]) -> torch.Tensor | None:
         )
     except RuntimeError:
         return None
+
+
+def stack_parameters(parts: Sequence[torch.Tensor]) -> torch.Tensor:
+    """(len(parts), *shape): stacked_view where the parts are consecutive blocks of memory (as
+    a grouped module's parameters are made), else a stacked copy."""
+    stacked = stacked_view(parts)
+    return torch.stack(list(parts)) if stacked is None else stacked

@@ -18,7 +18,7 @@ from torchte.kernels import grouped_cast
 from torchte.quantization.grouped import GroupedStorage
 from torchte.recipe import Float8CurrentScaling
 
-from ._common import restore_saved, save_for_backward, stacked_view
+from ._common import restore_saved, save_for_backward, stack_parameters
 from ._group_splits import GroupSplits
 from .base import cached_value
 
@@ -55,9 +55,7 @@ def grouped_fp8_weights(weights, setup, key, is_first_microbatch, columnwise) ->
     cache = setup.grouped_weight_cache
     storage = cached_value(cache, key, is_first_microbatch)
     if storage is None:
-        stacked = stacked_view(weights)
-        if stacked is None:
-            stacked = torch.stack(list(weights))
+        stacked = stack_parameters(weights)
         sizes = [stacked.shape[1]] * stacked.shape[0]
         with torch.no_grad():
             storage = quantize_groups(

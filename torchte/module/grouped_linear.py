@@ -22,7 +22,7 @@ Outside the grouped fprop GEMMs, results equal a stack of te.Linear layers bit f
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -31,7 +31,7 @@ from torchte.autocast import autocast_state
 from torchte.gemm import grouped_dgrad, grouped_fprop, grouped_mm_supported, grouped_wgrad
 from torchte.quantization.model_init import model_init_settings
 
-from ._common import restore_saved, save_for_backward, stacked_view
+from ._common import restore_saved, save_for_backward, stack_parameters
 from ._group_splits import GroupSplits, group_splits
 from ._grouped_fp8 import fp8_backward, fp8_forward, grouped_fp8_weights
 from ._linear_core import (
@@ -60,27 +60,14 @@ class GroupedPlan:
     def __init__(self, gemms: list[LinearPlan], mode: str) -> None:
         self.gemms, self.mode = gemms, mode
 
-    @property
-    def grouped(self) -> bool:
-        return self.mode == "grouped"
-
-
-def _stack(params: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-    """(G, *shape) in dtype: a view of the parameters' common buffer where they are adjacent in
-    it (the module makes them so), else a copy."""
-    stacked = stacked_view(params)
-    if stacked is None:
-        stacked = torch.stack(list(params))
-    return cast_to(stacked, dtype)
-
 
 def _grouped_forward(ctx, x, splits: GroupSplits, dtype, weights, biases, needs):
     need_dgrad, need_wgrad = needs
     x = cast_to(x, dtype)
-    w = _stack(weights, dtype)
+    w = cast_to(stack_parameters(weights), dtype)
     y = grouped_fprop(x, w, splits.offsets())
     if biases:
-        y.add_(_stack(biases, dtype).index_select(0, splits.row_groups()))
+        y.add_(cast_to(stack_parameters(biases), dtype).index_select(0, splits.row_groups()))
     ctx.save_for_backward(x if need_wgrad else None, w if need_dgrad else None)
     return y
 
