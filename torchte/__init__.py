@@ -3,7 +3,7 @@
 Use it as Transformer Engine's `transformer_engine.pytorch`: `import torchte as te`.
 """
 
-from . import recipe
+from . import offload, recipe
 from ._device import is_fp8_available
 from .autocast import autocast, fp8_autocast
 from .module.grouped_linear import GroupedLinear
@@ -11,6 +11,7 @@ from .module.layernorm_linear import LayerNormLinear
 from .module.layernorm_mlp import LayerNormMLP
 from .module.linear import Linear
 from .module.norm import LayerNorm, RMSNorm
+from .offload import get_cpu_offload_context
 from .quantization.float8_tensor import Float8Tensor
 from .quantization.model_init import fp8_model_init, quantized_model_init
 
@@ -25,7 +26,9 @@ __all__ = [
     "autocast",
     "fp8_autocast",
     "fp8_model_init",
+    "get_cpu_offload_context",
     "is_fp8_available",
+    "offload",
     "quantized_model_init",
     "recipe",
 ]
