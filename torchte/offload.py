@@ -11,8 +11,8 @@ Inside `ctx`, torch's saved_tensors_hooks see every tensor a layer saves for bac
 values too: torchte's Functions save a Storage's data tensors one by one). The first
 `num_layers` layers of each step offload what they save, unless it is a parameter, marked with
 mark_not_offload, smaller than `min_offload_bytes`, or not on a GPU. `sync(x)` ends a layer: in
-backward it starts bringing that layer's tensors back and prefetches the layer before it, so
-the copies of layer i - 1 overlap the backward of layer i.
+backward it starts bringing that layer's tensors back and prefetches the `prefetch_layers`
+layers before it, so their copies overlap the backward of this one.
 
 Streams and memory: copies run on two side streams (device-to-host and host-to-device), ordered
 against the compute stream by events. A tensor being copied out is recorded on the copy
@@ -152,8 +152,10 @@ class OffloadHandler:
         model_layers: int,
         min_offload_bytes: int = MIN_OFFLOAD_BYTES,
         copies: CudaCopies | None = None,
+        prefetch_layers: int = 1,
     ) -> None:
         self.num_layers, self.model_layers = num_layers, model_layers
+        self.prefetch_layers = prefetch_layers
         self.min_offload_bytes = min_offload_bytes
         self.copies = CudaCopies() if copies is None else copies
         self.layer = -1  # the layer running forward (-1: none yet)
@@ -288,9 +290,8 @@ class _LayerSync(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         handler: OffloadHandler = ctx.handler
-        handler.start_reload(ctx.layer)
-        if ctx.layer > 0:
-            handler.start_reload(ctx.layer - 1)
+        for layer in range(ctx.layer, max(ctx.layer - handler.prefetch_layers, 0) - 1, -1):
+            handler.start_reload(layer)
         return grad, None
 
 
@@ -304,13 +305,15 @@ def get_cpu_offload_context(
     manual_synchronization: bool = False,
     min_offload_bytes: int = MIN_OFFLOAD_BYTES,
     copies: CudaCopies | None = None,
+    prefetch_layers: int = 1,
 ):
     """(context, sync) as in Transformer Engine; with manual_synchronization also the
     OffloadHandler, whose begin_layer/start_reload a scheduler calls itself.
 
     num_layers: how many of the model_layers layers (the first ones of each step) offload;
     min_offload_bytes: smaller saved tensors stay; copies: how tensors move (CudaCopies, or
-    SynchronousCopies to run the bookkeeping on any device).
+    SynchronousCopies to run the bookkeeping on any device); prefetch_layers: how many layers
+    before the one starting backward are brought back already (more overlap, more memory).
     """
     if offload_weights:
         raise NotImplementedError("offload_weights is not implemented: parameters stay put")
@@ -321,7 +324,9 @@ def get_cpu_offload_context(
         )
     handler = None
     if enabled and offload_activations:
-        handler = OffloadHandler(num_layers, model_layers, min_offload_bytes, copies)
+        handler = OffloadHandler(
+            num_layers, model_layers, min_offload_bytes, copies, prefetch_layers
+        )
 
     def sync(x: torch.Tensor) -> torch.Tensor:
         if handler is None or not torch.is_grad_enabled():
