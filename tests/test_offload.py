@@ -171,6 +171,31 @@ def test_host_buffers_are_reused_across_steps():
     assert pooled > 0 and context.handler.pooled_buffers() == pooled
 
 
+@pytest.mark.parametrize("manual", [False, True])
+def test_manual_mode_reloads_only_when_asked(manual):
+    context, sync, handler = te.get_cpu_offload_context(
+        enabled=True, num_layers=2, model_layers=2, min_offload_bytes=0,
+        copies=SynchronousCopies(), manual_synchronization=True,
+    )  # fmt: skip
+    handler.manual = manual  # False: what sync does without manual_synchronization
+    layers = make_layers("linear", 2)
+    x = torch.randn(16, H, dtype=torch.bfloat16, requires_grad=True)
+    first = sync(_in_context(context, layers[0], x))
+    last = _in_context(context, layers[1], first)
+    seen = []  # layer 0's entries reloaded, as seen right after the last sync's backward
+    last.register_hook(lambda grad: seen.append([e.reloaded is not None for e in handler.saved[0]]))
+    handler.start_reload(1)  # what a scheduler does before backward reaches layer 1
+    assert all(e.reloaded is not None for e in handler.saved[1])
+    sync(last).float().sum().backward()
+    assert seen and seen[0] and all(seen[0]) != manual  # automatic mode prefetched layer 0
+    assert not any(handler.saved.values()) and x.grad is not None
+
+
+def _in_context(context, layer, x):
+    with context:
+        return layer(x)
+
+
 def test_bad_arguments():
     with pytest.raises(NotImplementedError, match="offload_weights"):
         te.get_cpu_offload_context(enabled=True, offload_weights=True)

@@ -156,6 +156,7 @@ class OffloadHandler:
     ) -> None:
         self.num_layers, self.model_layers = num_layers, model_layers
         self.prefetch_layers = prefetch_layers
+        self.manual = False  # True: only start_reload calls (and unpack on demand) reload
         self.min_offload_bytes = min_offload_bytes
         self.copies = CudaCopies() if copies is None else copies
         self.layer = -1  # the layer running forward (-1: none yet)
@@ -290,8 +291,9 @@ class _LayerSync(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         handler: OffloadHandler = ctx.handler
-        for layer in range(ctx.layer, max(ctx.layer - handler.prefetch_layers, 0) - 1, -1):
-            handler.start_reload(layer)
+        if not handler.manual:
+            for layer in range(ctx.layer, max(ctx.layer - handler.prefetch_layers, 0) - 1, -1):
+                handler.start_reload(layer)
         return grad, None
 
 
@@ -307,8 +309,10 @@ def get_cpu_offload_context(
     copies: CudaCopies | None = None,
     prefetch_layers: int = 1,
 ):
-    """(context, sync) as in Transformer Engine; with manual_synchronization also the
-    OffloadHandler, whose begin_layer/start_reload a scheduler calls itself.
+    """(context, sync) as in Transformer Engine. With manual_synchronization, also the
+    OffloadHandler, and sync's backward prefetches nothing: a scheduler calls
+    handler.start_reload(layer) when it wants a layer's tensors on their way back (a tensor
+    not yet reloaded when backward needs it is copied back then).
 
     num_layers: how many of the model_layers layers (the first ones of each step) offload;
     min_offload_bytes: smaller saved tensors stay; copies: how tensors move (CudaCopies, or
@@ -335,5 +339,7 @@ def get_cpu_offload_context(
 
     context = _LayerContext(handler)
     if manual_synchronization:
+        if handler is not None:
+            handler.manual = True
         return context, sync, handler
     return context, sync
