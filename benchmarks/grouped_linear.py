@@ -11,15 +11,13 @@ medians). Never asserts.
 from __future__ import annotations
 
 import argparse
-import cProfile
-import io
 import json
-import pstats
 import statistics
 import sys
 
 import torch
 from linear import device_s, environment, host_round_us
+from timing import cprofile_top
 from torch import nn
 
 import torchte as te
@@ -111,22 +109,6 @@ def single_linear_step(tokens: int, k: int, n: int):
     return step
 
 
-def profile(step, steps: int = 300) -> str:
-    """The top entries by own time of cProfile over `steps` calls of step."""
-    for _ in range(30):
-        step()
-    torch.cuda.synchronize()
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(steps):
-        step()
-    prof.disable()
-    torch.cuda.synchronize()
-    out = io.StringIO()
-    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(25)
-    return out.getvalue()
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", default=None)
@@ -137,7 +119,7 @@ def main() -> None:
     if args.profile:
         for name in ("te.GroupedLinear bf16", "te.GroupedLinear fp8 delayed"):
             print(f"=== cProfile, {name}, 300 forward+backward steps at 128 tokens (tottime)")
-            print(profile(make_step(name, make_module(name, 4096, 4096), 128, 4096, 4096)))
+            print(cprofile_top(make_step(name, make_module(name, 4096, 4096), 128, 4096, 4096)))
         return
     env = environment(
         argparse.Namespace(device="cuda", quick=False, host_shape=None, gemm_shape=None)

@@ -9,15 +9,13 @@ inside; the figure is the median over rounds of microseconds per call. Nothing h
 from __future__ import annotations
 
 import argparse
-import cProfile
-import io
 import json
-import pstats
 import statistics
 import time
 
 import torch
 import torch.nn.functional as F
+from timing import cprofile_top
 
 import torchte as te
 from torchte import recipe
@@ -220,18 +218,7 @@ def profile_step(tokens: int, features: int, fp8_recipe, steps: int = 300, mlp=F
             y = layer(x)
         y.backward(dy)
 
-    for _ in range(30):
-        step()
-    torch.cuda.synchronize()
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(steps):
-        step()
-    prof.disable()
-    torch.cuda.synchronize()
-    out = io.StringIO()
-    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(22)
-    return out.getvalue()
+    return cprofile_top(step, steps, rows=22)
 
 
 def main() -> None:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import cProfile
+import io
+import pstats
 import statistics
 import time
 
@@ -44,3 +47,20 @@ def host_us(fn, calls: int = 2000, warmup: int = 50) -> float:
 def fmt(value, spec: str) -> str:
     """value formatted by spec, or '-' for a missing figure."""
     return "-" if value is None else format(value, spec)
+
+
+def cprofile_top(step, steps: int = 300, warmup: int = 30, rows: int = 25) -> str:
+    """The top `rows` entries by own time of cProfile over `steps` calls of step (after
+    `warmup` calls; the GPU synchronized at both ends)."""
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        step()
+    prof.disable()
+    torch.cuda.synchronize()
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(rows)
+    return out.getvalue()

@@ -325,7 +325,7 @@ class LinearCore(TransformerEngineBaseModule):
     # -- per-call ---------------------------------------------------------------------------------
 
     def _build_plan(self, key: tuple) -> LinearPlan:
-        fp8, calibrating, recipe, group, dtype, is_first_microbatch, fp8_output, fp8_grad = key
+        fp8, fp8_output, fp8_grad = key[0], key[6], key[7]
         if (fp8_output or fp8_grad) and not fp8:
             raise ValueError("fp8_output and fp8_grad need FP8: run the layer under te.autocast")
         if fp8:
@@ -334,21 +334,7 @@ class LinearCore(TransformerEngineBaseModule):
                 in_features=self.in_features,
                 out_features=self.out_features,
             )
-        main_grad = None
-        if self.fuse_wgrad_accumulation:
-            main_grad = MainGradTarget([getattr(self, n) for n in self.weight_names])
-        return LinearPlan(
-            calibrating=calibrating,
-            dtype=dtype,
-            fp8=fp8,
-            fp8_grad=fp8_grad,
-            fp8_output=fp8_output,
-            group=group,
-            is_first_microbatch=is_first_microbatch,
-            main_grad=main_grad,
-            recipe=recipe,
-            setup=self._fp8_setup(recipe) if recipe is not None else None,
-        )
+        return gemm_plan(self, key, [getattr(self, n) for n in self.weight_names])
 
     def _full(self, names: list[str]) -> torch.Tensor:
         params = self._parameters
@@ -381,21 +367,19 @@ class LinearCore(TransformerEngineBaseModule):
         )
 
 
-def gemm_plan(module, gemm: int, key: tuple, weight_name: str) -> LinearPlan:
-    """The plan of GEMM `gemm` of a module with several (no FP8 output or gradient) for the
-    plan key (fp8, calibrating, recipe, group, dtype, is_first_microbatch, ...); main_grad
-    reached through the parameter `weight_name` when the module fuses wgrad accumulation."""
-    fp8, calibrating, recipe, group, dtype, is_first_microbatch, _, _ = key
-    main_grad = None
-    if module.fuse_wgrad_accumulation:
-        main_grad = MainGradTarget([module._parameters[weight_name]])
+def gemm_plan(module, key: tuple, weights: list, gemm: int = 0) -> LinearPlan:
+    """The plan of GEMM `gemm` of `module` for the plan key (fp8, calibrating, recipe, group,
+    dtype, is_first_microbatch, fp8_output, fp8_grad); main_grad reached through the weight
+    parameters `weights` when the module fuses wgrad accumulation."""
+    fp8, calibrating, recipe, group, dtype, is_first_microbatch, fp8_output, fp8_grad = key
+    main_grad = MainGradTarget(weights) if module.fuse_wgrad_accumulation else None
     return LinearPlan(
         gemm,
         calibrating=calibrating,
         dtype=dtype,
         fp8=fp8,
-        fp8_grad=False,
-        fp8_output=False,
+        fp8_grad=fp8_grad,
+        fp8_output=fp8_output,
         group=group,
         is_first_microbatch=is_first_microbatch,
         main_grad=main_grad,

@@ -257,7 +257,8 @@ class GroupedLinear(TransformerEngineBaseModule):
             check_fp8_dims(
                 "te.GroupedLinear", in_features=self.in_features, out_features=self.out_features
             )
-        gemms = [gemm_plan(self, g, key, f"weight{g}") for g in range(self.num_gemms)]
+        p = self._parameters
+        gemms = [gemm_plan(self, key, [p[f"weight{g}"]], g) for g in range(self.num_gemms)]
         mode = "per_group"
         if all(gemm.fast for gemm in gemms):
             if dtype == torch.bfloat16 and grouped_mm_supported(self.device, dtype, True):

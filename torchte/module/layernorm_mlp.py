@@ -294,7 +294,10 @@ class LayerNormMLP(TransformerEngineBaseModule):
                 hidden_size=self.hidden_size,
                 ffn_hidden_size=self.ffn_hidden_size,
             )
-        return MLPPlan(gemm_plan(self, 0, key, "fc1_weight"), gemm_plan(self, 1, key, "fc2_weight"))
+        p = self._parameters
+        return MLPPlan(
+            gemm_plan(self, key, [p["fc1_weight"]], 0), gemm_plan(self, key, [p["fc2_weight"]], 1)
+        )
 
     def forward(self, inp: torch.Tensor, is_first_microbatch: bool | None = None):
         """inp (..., hidden_size) -> y (..., hidden_size) [, fc2 bias] [, norm output]."""
