@@ -147,7 +147,8 @@ def test_exception_mid_forward_leaves_nothing_pending():
         enabled=True, num_layers=2, model_layers=2, min_offload_bytes=0, copies=copies
     )
     layer = te.Linear(H, H, params_dtype=torch.bfloat16)
-    x = torch.randn(16, H, dtype=torch.bfloat16, requires_grad=True)
+    leaf = torch.randn(16, H, dtype=torch.bfloat16, requires_grad=True)
+    x = leaf * 1  # an activation (a leaf that requires grad is its owner's: never offloaded)
     with pytest.raises(RuntimeError, match="boom"), context:
         layer(x)
         raise RuntimeError("boom")
@@ -156,6 +157,7 @@ def test_exception_mid_forward_leaves_nothing_pending():
     # The next step starts clean and reuses the buffers.
     h = sync(layer(x))
     h.float().sum().backward()
+    assert leaf.grad is not None
 
 
 def test_host_buffers_are_reused_across_steps():
@@ -179,8 +181,8 @@ def test_manual_mode_reloads_only_when_asked(manual):
     )  # fmt: skip
     handler.manual = manual  # False: what sync does without manual_synchronization
     layers = make_layers("linear", 2)
-    x = torch.randn(16, H, dtype=torch.bfloat16, requires_grad=True)
-    first = sync(_in_context(context, layers[0], x))
+    leaf = torch.randn(16, H, dtype=torch.bfloat16, requires_grad=True)
+    first = sync(_in_context(context, layers[0], leaf * 1))
     last = _in_context(context, layers[1], first)
     seen = []  # layer 0's entries reloaded, as seen right after the last sync's backward
     last.register_hook(lambda grad: seen.append([e.reloaded is not None for e in handler.saved[0]]))
@@ -188,7 +190,7 @@ def test_manual_mode_reloads_only_when_asked(manual):
     assert all(e.reloaded is not None for e in handler.saved[1])
     sync(last).float().sum().backward()
     assert seen and seen[0] and all(seen[0]) != manual  # automatic mode prefetched layer 0
-    assert not any(handler.saved.values()) and x.grad is not None
+    assert not any(handler.saved.values()) and leaf.grad is not None
 
 
 def _in_context(context, layer, x):
@@ -205,3 +207,32 @@ def test_bad_arguments():
         enabled=True, num_layers=1, model_layers=2, manual_synchronization=True
     )
     assert handler is context.handler and isinstance(handler, OffloadHandler)
+
+
+@pytest.mark.parametrize("recipe_name", ["delayed", "current"])
+def test_weights_and_their_fp8_copies_stay(recipe_name):
+    """Parameters, the FP8 weight caches and the grouped weight view are saved for backward
+    but never offloaded: they stay alive anyway, so copying them would free nothing."""
+    copies = Counting()
+    context, sync = te.get_cpu_offload_context(
+        enabled=True, num_layers=3, model_layers=3, min_offload_bytes=0, copies=copies
+    )
+    layers = make_layers("linear", 1) + make_layers("grouped", 1) + make_layers("mlp", 1)
+    x = torch.randn(16, H, dtype=torch.bfloat16)
+    shapes = {tuple(p.shape) for layer in layers for p in layer.parameters()}
+    shapes.add((3, H, H))  # the grouped layer's stacked weights
+    for fp8 in (None, RECIPES[recipe_name]):
+        moved_before = len(copies.moved)
+        shapes_moved = []
+        original = copies.to_host
+
+        def spy(tensor, host, original=original, shapes_moved=shapes_moved):
+            shapes_moved.append(tuple(tensor.shape))
+            return original(tensor, host)
+
+        copies.to_host = spy
+        train_step(layers, x, fp8, context, sync)
+        copies.to_host = original
+        assert len(copies.moved) > moved_before
+        weights_moved = [s for s in shapes_moved if s in shapes and s != (16, H)]
+        assert not weights_moved, weights_moved

@@ -9,8 +9,9 @@ and come back for backward, overlapped with compute.
 
 Inside `ctx`, torch's saved_tensors_hooks see every tensor a layer saves for backward (FP8
 values too: torchte's Functions save a Storage's data tensors one by one). The first
-`num_layers` layers of each step offload what they save, unless it is a parameter, marked with
-mark_not_offload, smaller than `min_offload_bytes`, or not on a GPU. `sync(x)` ends a layer: in
+`num_layers` layers of each step offload what they save, unless it is a parameter (or another
+leaf that requires grad, or a view of one), marked with mark_not_offload, smaller than
+`min_offload_bytes`, or not on a GPU. `sync(x)` ends a layer: in
 backward it starts bringing that layer's tensors back and prefetches the `prefetch_layers`
 layers before it, so their copies overlap the backward of this one.
 
@@ -183,9 +184,14 @@ class OffloadHandler:
             self._release(entry)
 
     def offloads(self, tensor: torch.Tensor) -> bool:
+        """Whether a saved tensor goes to host memory: not a parameter or another leaf that
+        requires grad (held by its owner anyway: moving it would free nothing), nor a view of
+        one, nor a tensor subclass, nor marked, nor small, and on a device `copies` handles."""
+        base = tensor._base if tensor._base is not None else tensor
         return (
             0 <= self.layer < self.num_layers
-            and type(tensor) is torch.Tensor  # not a Parameter, not a tensor subclass
+            and type(tensor) is torch.Tensor
+            and not (base.requires_grad and base.is_leaf)
             and not getattr(tensor, _NO_OFFLOAD, False)
             and tensor.numel() * tensor.element_size() >= self.min_offload_bytes
             and self.copies.handles(tensor)

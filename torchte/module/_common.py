@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 import torch
 
+from torchte.offload import mark_not_offload
 from torchte.quantization.base import QuantizedStorage
 from torchte.quantization.float8 import Float8Storage
 
@@ -232,6 +233,10 @@ def stacked_view(parts: Sequence[torch.Tensor]) -> torch.Tensor | None:
 
 def stack_parameters(parts: Sequence[torch.Tensor]) -> torch.Tensor:
     """(len(parts), *shape): stacked_view where the parts are consecutive blocks of memory (as
-    a grouped module's parameters are made), else a stacked copy."""
+    a grouped module's parameters are made; marked not to be offloaded, as the parameters it
+    shows are not), else a stacked copy."""
     stacked = stacked_view(parts)
-    return torch.stack(list(parts)) if stacked is None else stacked
+    if stacked is None:
+        return torch.stack(list(parts))
+    mark_not_offload(stacked)
+    return stacked

@@ -15,6 +15,7 @@ import torch
 from torchte.autocast import autocast_state
 from torchte.gemm import fp8_gemm, scaled_grouped_fprop, scaled_grouped_mm_supported
 from torchte.kernels import grouped_cast
+from torchte.offload import mark_not_offload
 from torchte.quantization.grouped import GroupedStorage
 from torchte.recipe import Float8CurrentScaling
 
@@ -62,9 +63,11 @@ def grouped_fp8_weights(weights, setup, key, is_first_microbatch, columnwise) ->
                 stacked.reshape(-1, stacked.shape[2]), sizes, setup, "weight", True,
                 (True, columnwise),
             )  # fmt: skip
+        mark_not_offload(storage)  # kept by the cache: offloading it would free nothing
         cache[0] = (key, storage)
     elif columnwise and storage.columnwise_data is None:
         storage.update_usage(columnwise_usage=True)
+        mark_not_offload(storage)
     return storage
 
 

@@ -22,6 +22,7 @@ from torchte import _nvtx
 from torchte._device import default_device, fp8_support
 from torchte.autocast import autocast_state
 from torchte.kernels.cast_transpose import compute_scale_reference
+from torchte.offload import mark_not_offload
 from torchte.quantization.delayed import DelayedScalingState
 from torchte.quantization.float8 import Float8CurrentScalingQuantizer, Float8Storage
 from torchte.quantization.float8_tensor import Float8Tensor
@@ -257,6 +258,7 @@ class TransformerEngineBaseModule(nn.Module):
             storage: Float8Storage = weight._storage
             if need_columnwise and storage.columnwise_data is None:
                 storage.update_usage(columnwise_usage=True)
+                mark_not_offload(storage)  # a parameter's data: saving it moves nothing
             return storage
         setup = plan.setup
         generation = (_STATE.step, setup.fwd_state.generation if setup.fwd_state else 0)
@@ -343,9 +345,11 @@ def fp8_weight_cached(
     if storage is not None:
         if columnwise and storage.columnwise_data is None:
             storage.update_usage(columnwise_usage=True)
+            mark_not_offload(storage)
         return storage
     with torch.no_grad():
         storage = quantizer.quantize(weight, rowwise=True, columnwise=columnwise)
+    mark_not_offload(storage)  # kept by the cache: offloading it would free nothing
     cache[0] = (key, storage)
     return storage
 

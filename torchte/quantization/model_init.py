@@ -18,6 +18,7 @@ from types import MethodType
 
 import torch
 
+from torchte.offload import mark_not_offload
 from torchte.recipe import DelayedScaling, Recipe
 
 from .base import Quantizer
@@ -121,6 +122,8 @@ def make_fp8_parameter(
                 f"{type(value).__name__}, which is neither a Float8Storage nor a tensor"
             )
     param = torch.nn.Parameter(value, requires_grad=requires_grad)
+    # A parameter's data: saving it for backward moves nothing, so it is never offloaded.
+    mark_not_offload(getattr(value, "_storage", None))
     if preserve_high_precision_init_val:
         attach_high_precision_init_val(param, weight_hp.to(device="cpu", copy=True))
     return param
