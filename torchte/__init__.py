@@ -6,6 +6,7 @@ Use it as Transformer Engine's `transformer_engine.pytorch`: `import torchte as 
 from . import offload, recipe
 from ._device import is_fp8_available
 from .autocast import autocast, fp8_autocast
+from .graphs import make_graphed_callables
 from .module.grouped_linear import GroupedLinear
 from .module.layernorm_linear import LayerNormLinear
 from .module.layernorm_mlp import LayerNormMLP
@@ -28,6 +29,7 @@ __all__ = [
     "fp8_model_init",
     "get_cpu_offload_context",
     "is_fp8_available",
+    "make_graphed_callables",
     "offload",
     "quantized_model_init",
     "recipe",

@@ -314,11 +314,14 @@ def check_fp8_dims(module: str, **dims: int) -> None:
 
 def cached_value(cache: list, key, is_first_microbatch: bool | None):
     """The value in the one-element cache [(key, value)] if it may be reused: always when
-    is_first_microbatch is False (the weights did not change), never when True, else when
-    its key equals `key`; None otherwise."""
+    is_first_microbatch is False (the weights did not change), never when True or during a
+    CUDA-graph capture (the graph must hold the quantization), else when its key equals `key`;
+    None otherwise."""
     entry = cache[0]
-    if entry is not None and (
-        is_first_microbatch is False or (is_first_microbatch is None and entry[0] == key)
+    if (
+        entry is not None
+        and not _STATE.capturing
+        and (is_first_microbatch is False or (is_first_microbatch is None and entry[0] == key))
     ):
         return entry[1]
     return None

@@ -1,0 +1,68 @@
+"""te.make_graphed_callables: arguments, the CPU behaviour (eager under the given autocast
+arguments), and the capture-time rule that FP8 weights are requantized at every call."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import torchte as te
+from torchte.autocast import autocast_state
+from torchte.module.base import cached_value
+from torchte.recipe import DelayedScaling
+
+pytestmark = pytest.mark.usefixtures("cpu_default_device")
+
+
+def twins(seed: int = 0):
+    layers = []
+    for _ in range(2):
+        torch.manual_seed(seed)
+        layers.append(te.Linear(32, 32, params_dtype=torch.bfloat16))
+    return layers
+
+
+def test_on_the_cpu_modules_run_eagerly_under_the_autocast_arguments():
+    graphed, eager = twins()
+    x = torch.randn(16, 32, dtype=torch.bfloat16)
+    fp8 = DelayedScaling(amax_history_len=4)
+    result = te.make_graphed_callables(graphed, (x,), fp8_enabled=True, fp8_recipe=fp8)
+    assert result is graphed
+    for step in range(3):
+        xs = torch.randn(
+            16, 32, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(step)
+        )
+        ya = graphed(xs.clone().requires_grad_())
+        with te.autocast(recipe=fp8):
+            yb = eager(xs.clone().requires_grad_())
+        assert torch.equal(ya, yb), step
+        ya.float().sum().backward()
+        yb.float().sum().backward()
+        assert torch.equal(graphed.weight.grad, eager.weight.grad), step
+    with te.autocast(enabled=False):
+        plain = eager(x)
+    assert not torch.equal(graphed(x), plain)  # FP8 really ran
+
+
+def test_bad_arguments():
+    layer = te.Linear(32, 32)
+    x = torch.randn(4, 32)
+    with pytest.raises(NotImplementedError, match="sample_kwargs"):
+        te.make_graphed_callables(layer, (x,), sample_kwargs={"a": 1})
+    with pytest.raises(TypeError, match=r"nn\.Modules"):
+        te.make_graphed_callables((lambda t: t,), ((x,),))
+    with pytest.raises(ValueError, match="one tuple"):
+        te.make_graphed_callables((layer, layer), ((x,),))
+
+
+def test_weights_are_requantized_while_capturing():
+    state = autocast_state()
+    cache = [(("key",), "cached")]
+    assert cached_value(cache, ("key",), None) == "cached"
+    assert cached_value(cache, ("other",), False) == "cached"
+    state.capturing = True
+    try:
+        assert cached_value(cache, ("key",), None) is None
+        assert cached_value(cache, ("key",), False) is None
+    finally:
+        state.capturing = False
