@@ -38,9 +38,9 @@ def split_tokens(tokens: int) -> list[int]:
 class LinearLoop(nn.Module):
     """One nn.Linear per expert, called on its slice: the plain-PyTorch MoE layer."""
 
-    def __init__(self, k: int, n: int) -> None:
+    def __init__(self, k: int, n: int, device: str = "cuda") -> None:
         super().__init__()
-        kw = {"dtype": torch.bfloat16, "device": "cuda"}
+        kw = {"dtype": torch.bfloat16, "device": device}
         self.experts = nn.ModuleList(nn.Linear(k, n, **kw) for _ in range(EXPERTS))
 
     def forward(self, x, splits):

@@ -27,9 +27,9 @@ from torchte import recipe
 class TorchMLP(nn.Module):
     """The plain-PyTorch composition: LayerNorm -> Linear -> GELU / SwiGLU -> Linear."""
 
-    def __init__(self, hidden: int, ffn: int, activation: str) -> None:
+    def __init__(self, hidden: int, ffn: int, activation: str, device: str = "cuda") -> None:
         super().__init__()
-        kw = {"dtype": torch.bfloat16, "device": "cuda"}
+        kw = {"dtype": torch.bfloat16, "device": device}
         gated = activation == "swiglu"
         self.activation = activation
         self.norm = nn.LayerNorm(hidden, **kw)
