@@ -17,7 +17,7 @@ import sys
 
 import torch
 from linear import device_s, environment, host_round_us
-from timing import cprofile_top
+from timing import cprofile_top, fwd_bwd_step
 from torch import nn
 
 import torchte as te
@@ -84,17 +84,7 @@ def make_step(name: str, module: nn.Module, tokens: int, k: int, n: int):
     dy = torch.randn(tokens, n, device="cuda", dtype=torch.bfloat16)
     make_recipe = CONFIGS.get(name)
     fp8_recipe = make_recipe() if make_recipe else None
-    params = list(module.parameters())
-
-    def step():
-        for p in params:
-            p.grad = None
-        x.grad = None
-        with te.autocast(enabled=fp8_recipe is not None, recipe=fp8_recipe):
-            y = module(x, splits)
-        y.backward(dy)
-
-    return step
+    return fwd_bwd_step(module, x, dy, fp8_recipe, (splits,))
 
 
 def single_linear_step(tokens: int, k: int, n: int):

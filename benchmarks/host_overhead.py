@@ -22,6 +22,7 @@ import torch
 from grouped_linear import LinearLoop, split_tokens
 from layernorm_mlp import TorchMLP
 from linear import environment, host_round_us
+from timing import fwd_bwd_step
 from torch import nn
 
 import torchte as te
@@ -57,18 +58,7 @@ def make_pair(kind: str, device: str):
 def make_step(module, tokens: int, extra: tuple, fp8, backward: bool, device: str):
     x = torch.randn(tokens, H, device=device, dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn(tokens, H, device=device, dtype=torch.bfloat16)
-    params = list(module.parameters())
-
-    def step():
-        with te.autocast(enabled=fp8 is not None, recipe=fp8):
-            y = module(x, *extra)
-        if backward:
-            for p in params:
-                p.grad = None
-            x.grad = None
-            y.backward(dy)
-
-    return step
+    return fwd_bwd_step(module, x, dy, fp8, extra, backward)
 
 
 def launches(step, device: str) -> int | None:

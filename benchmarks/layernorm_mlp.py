@@ -18,6 +18,7 @@ import sys
 import torch
 import torch.nn.functional as F
 from linear import device_s, environment, host_round_us
+from timing import fwd_bwd_step
 from torch import nn
 
 import torchte as te
@@ -65,17 +66,7 @@ def make_step(name: str, activation: str, tokens: int, hidden: int, ffn: int):
     fp8_recipe = make_recipe() if make_recipe else None
     x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
-    params = list(module.parameters())
-
-    def step():
-        for p in params:
-            p.grad = None
-        x.grad = None
-        with te.autocast(enabled=fp8_recipe is not None, recipe=fp8_recipe):
-            y = module(x)
-        y.backward(dy)
-
-    return step
+    return fwd_bwd_step(module, x, dy, fp8_recipe)
 
 
 def main() -> None:

@@ -64,3 +64,23 @@ def cprofile_top(step, steps: int = 300, warmup: int = 30, rows: int = 25) -> st
     out = io.StringIO()
     pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(rows)
     return out.getvalue()
+
+
+def fwd_bwd_step(module, x, dy, fp8_recipe, extra: tuple = (), backward: bool = True):
+    """A closure running module(x, *extra) under te.autocast (FP8 when fp8_recipe is given),
+    then, if `backward`, its backward from dy with fresh gradients (as after
+    zero_grad(set_to_none=True))."""
+    import torchte as te
+
+    params = list(module.parameters())
+
+    def step():
+        with te.autocast(enabled=fp8_recipe is not None, recipe=fp8_recipe):
+            y = module(x, *extra)
+        if backward:
+            for p in params:
+                p.grad = None
+            x.grad = None
+            y.backward(dy)
+
+    return step
