@@ -133,17 +133,29 @@ def _per_group_backward(ctx, dy: torch.Tensor):
     return dx, dws, dbs[: ctx.num_bias]
 
 
-def _forward(ctx, inp, splits, plan: GroupedPlan, w_fp8, num_bias, params, grads):
+class GroupedCall:
+    """The one non-tensor argument of the Function: the plan, this call's splits, the FP8
+    weights (a GroupedStorage, a list per GEMM, or None) and how many biases follow the
+    weights among the tensor arguments."""
+
+    __slots__ = ("num_bias", "plan", "splits", "w_fp8")
+
+    def __init__(self, plan: GroupedPlan, splits: GroupSplits, w_fp8, num_bias: int) -> None:
+        self.plan, self.splits, self.w_fp8, self.num_bias = plan, splits, w_fp8, num_bias
+
+
+def _forward(ctx, inp, call: GroupedCall, params, grads):
     """y (T, N); what backward needs goes on ctx. grads: needs_input_grad of the Function's
-    inputs (inp, splits, plan, w_fp8, num_bias, *weights, *biases)."""
+    inputs (inp, call, *weights, *biases)."""
+    plan, splits, w_fp8 = call.plan, call.splits, call.w_fp8
     num_gemms = len(plan.gemms)
     weights, biases = params[:num_gemms], params[num_gemms:]
     first = plan.gemms[0]
     need_dgrad = grads[0]
-    need_wgrad = any(grads[5 : 5 + num_gemms]) or first.main_grad is not None
-    ctx.splits, ctx.plan, ctx.num_gemms, ctx.num_bias = splits, plan, num_gemms, num_bias
+    need_wgrad = any(grads[2 : 2 + num_gemms]) or first.main_grad is not None
+    ctx.splits, ctx.plan, ctx.num_gemms, ctx.num_bias = splits, plan, num_gemms, call.num_bias
     ctx.need_dgrad, ctx.need_wgrad = need_dgrad, need_wgrad
-    ctx.bias_grad = any(grads[5 + num_gemms :])
+    ctx.bias_grad = any(grads[2 + num_gemms :])
     ctx.weight_dtype = weights[0].dtype
     needs = (need_dgrad, need_wgrad)
     if plan.mode == "grouped":
@@ -161,11 +173,12 @@ class _NoGradContext:
 
 
 class _GroupedLinearFunction(torch.autograd.Function):
-    """inp (T, K), then the G weights and the G biases (if any) -> y (T, N)."""
+    """inp (T, K), the call's context, then the G weights and the G biases (if any)
+    -> y (T, N)."""
 
     @staticmethod
-    def forward(ctx, inp, splits, plan: GroupedPlan, w_fp8, num_bias, *params):
-        return _forward(ctx, inp, splits, plan, w_fp8, num_bias, params, ctx.needs_input_grad)
+    def forward(ctx, inp, call: GroupedCall, *params):
+        return _forward(ctx, inp, call, params, ctx.needs_input_grad)
 
     @staticmethod
     def backward(ctx, dy):
@@ -175,7 +188,7 @@ class _GroupedLinearFunction(torch.autograd.Function):
             dx, dws, dbs = fp8_backward(ctx, dy)
         else:
             dx, dws, dbs = _per_group_backward(ctx, dy)
-        return dx, None, None, None, None, *dws, *dbs
+        return dx, None, *dws, *dbs
 
 
 class GroupedLinear(TransformerEngineBaseModule):
@@ -296,10 +309,11 @@ class GroupedLinear(TransformerEngineBaseModule):
                     self._fp8_weight(w, gemm, is_first_microbatch, inp.requires_grad, w._version)
                     for w, gemm in zip(weights, plan.gemms, strict=True)
                 ]
-            args = (x, splits, plan, w_fp8, len(biases), *weights, *biases)
+            call = GroupedCall(plan, splits, w_fp8, len(biases))
+            params = (*weights, *biases)
             if torch.is_grad_enabled():
-                return _GroupedLinearFunction.apply(*args)
-            return _forward(_NoGradContext(), *args[:5], args[5:], (False,) * len(args))
+                return _GroupedLinearFunction.apply(x, call, *params)
+            return _forward(_NoGradContext(), x, call, params, (False,) * (len(params) + 2))
 
         y = self._guarded_forward(first.setup, first.recipe, first.group, run)
         y = y.view(*inp.shape[:-1], self.out_features)
