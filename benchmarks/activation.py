@@ -17,12 +17,10 @@ table). Target: >= 80% of copy bandwidth. Never asserts.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 
 import torch
 import torch.nn.functional as F
-from timing import fmt, gpu_ms, host_us
+from timing import fmt, gpu_ms, host_us, print_bandwidth, write_kernel_json
 
 from torchte.kernels import activation as act
 
@@ -185,16 +183,8 @@ def print_results(args, main_rows: list[dict], sweep: list[dict], host: list[dic
             f"{fmt(row.get('torch ref'), '10.1f')}"
         )
 
-    print(f"\nbandwidth at {args.rows}x{args.cols} bf16 on {torch.cuda.get_device_name()}")
-    print(f"  {'op':12s} {'impl':12s} {'ms':>8s} {'GB/s':>8s} {'of copy':>8s}")
-    for row in main_rows:
-        if "error" in row:
-            print(f"  {row['op']:12s} {row['impl']:12s} {row['error']}")
-            continue
-        print(
-            f"  {row['op']:12s} {row['impl']:12s} {row['ms']:8.4f} {row['GB/s']:8.1f} "
-            f"{row['frac']:8.3f}"
-        )
+    title = f"\nbandwidth at {args.rows}x{args.cols} bf16 on {torch.cuda.get_device_name()}"
+    print_bandwidth(title, main_rows, 12, 12)
 
 
 def main() -> None:
@@ -211,23 +201,11 @@ def main() -> None:
     host = host_overhead(16, args.host_cols)
     print_results(args, main_rows, sweep, host)
     if args.json:
-        import triton
-
-        result = {
-            "device": torch.cuda.get_device_name(),
-            "torch": torch.__version__,
-            "triton": triton.__version__,
-            "date": datetime.date.today().isoformat(),
-            "shape": [args.rows, args.cols],
-            "host_shape": [16, args.host_cols],
-            "forward_config": act.FORWARD_CONFIG,
-            "backward_config": act.BACKWARD_CONFIG,
-            "bandwidth": main_rows,
-            "sweep": sweep,
-            "host_us": host,
-        }
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+        write_kernel_json(
+            args.json, args.rows, args.cols, host_shape=[16, args.host_cols],
+            forward_config=act.FORWARD_CONFIG, backward_config=act.BACKWARD_CONFIG,
+            bandwidth=main_rows, sweep=sweep, host_us=host,
+        )  # fmt: skip
 
 
 if __name__ == "__main__":

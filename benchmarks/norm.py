@@ -19,13 +19,11 @@ Also sweeps the kernels' block configurations (printed before the main table). N
 from __future__ import annotations
 
 import argparse
-import datetime
 import functools
-import json
 
 import torch
 import torch.nn.functional as F
-from timing import fmt, gpu_ms, host_us
+from timing import fmt, gpu_ms, host_us, print_bandwidth, write_kernel_json
 from torch import nn
 
 from torchte.kernels import norm
@@ -220,31 +218,12 @@ def main() -> None:
         ratio = ref / te if te and ref else None
         print(f"  {row['op']:20s} {fmt(te, '9.1f')} {fmt(ref, '9.1f')} {fmt(ratio, '9.2f')}")
 
-    print(f"\nbandwidth at {args.rows}x{args.cols} bf16 on {torch.cuda.get_device_name()}")
-    print(f"  {'op':14s} {'impl':8s} {'ms':>8s} {'GB/s':>8s} {'of copy':>8s}")
-    for row in main_rows:
-        if "error" in row:
-            print(f"  {row['op']:14s} {row['impl']:8s} {row['error']}")
-            continue
-        print(
-            f"  {row['op']:14s} {row['impl']:8s} {row['ms']:8.4f} {row['GB/s']:8.1f} "
-            f"{row['frac']:8.3f}"
-        )
+    title = f"\nbandwidth at {args.rows}x{args.cols} bf16 on {torch.cuda.get_device_name()}"
+    print_bandwidth(title, main_rows, 14, 8)
     if args.json:
-        import triton
-
-        result = {
-            "device": torch.cuda.get_device_name(),
-            "torch": torch.__version__,
-            "triton": triton.__version__,
-            "date": datetime.date.today().isoformat(),
-            "shape": [args.rows, args.cols],
-            "bandwidth": main_rows,
-            "sweep": sweep_rows,
-            "host_us": host,
-        }
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2, default=str)
+        write_kernel_json(
+            args.json, args.rows, args.cols, bandwidth=main_rows, sweep=sweep_rows, host_us=host
+        )
 
 
 if __name__ == "__main__":

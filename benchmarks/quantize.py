@@ -15,11 +15,9 @@ Also sweeps the cast tile and the amax block (printed before the main table). Ne
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 
 import torch
-from timing import fmt, gpu_ms, host_us
+from timing import fmt, gpu_ms, host_us, print_bandwidth, write_kernel_json
 
 from torchte.kernels import cast_transpose as ct
 from torchte.kernels import scaling
@@ -173,31 +171,14 @@ def main() -> None:
         ratio = ref / te if te and ref else None
         print(f"  {row['op']:24s} {fmt(te, '9.1f')} {fmt(ref, '10.1f')} {fmt(ratio, '6.2f')}")
 
-    print(f"\nbandwidth at {args.rows}x{args.cols} bf16 -> e4m3 on {torch.cuda.get_device_name()}")
-    print(f"  {'op':18s} {'impl':10s} {'ms':>8s} {'GB/s':>8s} {'of copy':>8s}")
-    for row in main_rows:
-        if "error" in row:
-            print(f"  {row['op']:18s} {row['impl']:10s} {row['error']}")
-            continue
-        print(
-            f"  {row['op']:18s} {row['impl']:10s} {row['ms']:8.4f} {row['GB/s']:8.1f} "
-            f"{row['frac']:8.3f}"
-        )
+    device = torch.cuda.get_device_name()
+    print_bandwidth(
+        f"\nbandwidth at {args.rows}x{args.cols} bf16 -> e4m3 on {device}", main_rows, 18, 10
+    )
     if args.json:
-        import triton
-
-        result = {
-            "device": torch.cuda.get_device_name(),
-            "torch": torch.__version__,
-            "triton": triton.__version__,
-            "date": datetime.date.today().isoformat(),
-            "shape": [args.rows, args.cols],
-            "bandwidth": main_rows,
-            "sweep": sweep,
-            "host_us": host,
-        }
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+        write_kernel_json(
+            args.json, args.rows, args.cols, bandwidth=main_rows, sweep=sweep, host_us=host
+        )
 
 
 if __name__ == "__main__":

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import cProfile
+import datetime
 import io
+import json
 import pstats
 import statistics
 import time
@@ -84,3 +86,32 @@ def fwd_bwd_step(module, x, dy, fp8_recipe, extra: tuple = (), backward: bool = 
             y.backward(dy)
 
     return step
+
+
+def print_bandwidth(title: str, rows: list[dict], op_width: int, impl_width: int) -> None:
+    """The kernel benchmarks' bandwidth table: per (op, impl), ms, GB/s and the fraction of a
+    device-to-device copy (or the error a row recorded)."""
+    print(title)
+    print(f"  {'op':{op_width}s} {'impl':{impl_width}s} {'ms':>8s} {'GB/s':>8s} {'of copy':>8s}")
+    for row in rows:
+        head = f"  {row['op']:{op_width}s} {row['impl']:{impl_width}s}"
+        if "error" in row:
+            print(f"{head} {row['error']}")
+            continue
+        print(f"{head} {row['ms']:8.4f} {row['GB/s']:8.1f} {row['frac']:8.3f}")
+
+
+def write_kernel_json(path: str, rows: int, cols: int, **fields) -> None:
+    """The kernel benchmarks' JSON: device, versions, date and shape, then `fields`."""
+    import triton
+
+    result = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "date": datetime.date.today().isoformat(),
+        "shape": [rows, cols],
+        **fields,
+    }
+    with open(path, "w") as f:
+        json.dump(result, f, indent=2, default=str)
