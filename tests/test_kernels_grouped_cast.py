@@ -240,7 +240,7 @@ def _delayed_args(m_splits, tokens=6, groups=None, **override):
         (_delayed_args([2, 4], groups=3), "scale has 3 elements but len\\(m_splits\\) = 2"),
         (_delayed_args([2, 4], amax=torch.zeros(1)), "amax has 1 elements"),
         (_delayed_args([2, 4], scale_inv=torch.empty(4)), "scale_inv has 4 elements"),
-        (_delayed_args([2, 5]), "m_splits sums to 7 but x has 6 rows"),
+        (_delayed_args([2, 5]), "m_splits sum to 7, not to the token count 6"),
         (_delayed_args([8, -2]), "m_splits must be non-negative"),
         (_delayed_args([2, 4], x=torch.zeros(6)), "x must be 2-D"),
         (_delayed_args([2, 4], row_offsets=torch.tensor([0, 2])), "row_offsets must be int32"),
@@ -267,7 +267,7 @@ def test_validation_errors_current():
             fn(**dict(current, scale_inv=torch.empty(1)))
         with pytest.raises(ValueError, match="amax has 3 elements"):
             fn(**current, amax=torch.zeros(3))
-        with pytest.raises(ValueError, match="m_splits sums to 5"):
+        with pytest.raises(ValueError, match="m_splits sum to 5, not to the token count"):
             fn(**dict(current, m_splits=[1, 4]))
 
 

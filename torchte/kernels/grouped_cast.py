@@ -31,7 +31,7 @@ import functools
 
 import torch
 
-from torchte.quantization.base import round_up
+from torchte.quantization.base import check_splits, round_up
 
 from ._triton import FastLaunch, int_key, triton_available
 from .cast_transpose import (
@@ -253,13 +253,7 @@ def _check_groups(x, m_splits, row_offsets, col_offsets, fp8_dtype, **per_group)
                 f"{name} has {tensor.numel()} elements but len(m_splits) = {groups}; "
                 "they must match (one per group)"
             )
-    if groups and min(m_splits) < 0:
-        raise ValueError(f"m_splits must be non-negative, got {list(m_splits)}")
-    if sum(m_splits) != x.shape[0]:
-        raise ValueError(
-            f"m_splits sums to {sum(m_splits)} but x has {x.shape[0]} rows (tokens); "
-            "they must match"
-        )
+    check_splits(m_splits, x.shape[0])
     offsets = {"row_offsets": row_offsets, "col_offsets": col_offsets}
     for name, tensor in offsets.items():
         if tensor.dtype != torch.int32 or tensor.numel() != groups + 1:

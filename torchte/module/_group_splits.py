@@ -12,6 +12,8 @@ from collections.abc import Sequence
 
 import torch
 
+from torchte.quantization.base import check_splits
+
 __all__ = ["GroupSplits", "group_splits"]
 
 
@@ -89,12 +91,7 @@ def check_sizes(sizes: Sequence[int], num_groups: int, total: int) -> None:
     """Raise ValueError unless sizes are num_groups non-negative ints summing to total."""
     if len(sizes) != num_groups:
         raise ValueError(f"m_splits has {len(sizes)} entries, but the layer has {num_groups} GEMMs")
-    if any(s < 0 for s in sizes):
-        raise ValueError(f"m_splits must not be negative, got {list(sizes)}")
-    if sum(sizes) != total:
-        raise ValueError(
-            f"m_splits sum to {sum(sizes)}, but the input has {total} tokens (rows): {list(sizes)}"
-        )
+    check_splits(sizes, total)
 
 
 def group_splits(m_splits, num_groups: int, total: int, device: torch.device) -> GroupSplits:

@@ -22,7 +22,7 @@ from torch.utils._pytree import tree_map_only
 
 from torchte.kernels.cast_transpose import COLUMNWISE_ALIGN
 
-from .base import TwoUsageStorage, round_up
+from .base import TwoUsageStorage, check_splits, round_up
 from .float8 import Float8Storage
 from .float8_tensor import Float8Tensor, _Dequantize, _written_args
 
@@ -63,13 +63,9 @@ class GroupedStorage(TwoUsageStorage):
         self.shape = tuple(int(s) for s in shape)
         if len(self.shape) != 2:
             raise ValueError(f"GroupedStorage: shape must be (T, K), got {self.shape}")
-        if not self._m_splits or min(self._m_splits) < 0:
-            raise ValueError(f"GroupedStorage: m_splits must be >= 1 ints >= 0: {self._m_splits}")
-        if sum(self._m_splits) != self.shape[0]:
-            raise ValueError(
-                f"GroupedStorage: m_splits {self._m_splits} sum to {sum(self._m_splits)}, "
-                f"not to the token count T={self.shape[0]}"
-            )
+        if not self._m_splits:
+            raise ValueError("GroupedStorage: m_splits must name at least one group")
+        check_splits(self._m_splits, self.shape[0])
         if fp8_dtype not in _FP8_DTYPES:
             raise ValueError(f"GroupedStorage: fp8_dtype must be one of {_FP8_DTYPES}")
         self._row_offsets = (0, *accumulate(self._m_splits))
