@@ -21,6 +21,7 @@ from torchte.recipe import Float8CurrentScaling
 
 from ._common import restore_saved, save_for_backward, stack_parameters
 from ._group_splits import GroupSplits
+from ._linear_core import cast_to
 from .base import cached_value
 
 _STATE = autocast_state()
@@ -76,10 +77,10 @@ def fp8_forward(ctx, x, splits: GroupSplits, plan, biases, w_fp8: GroupedStorage
     need_dgrad, need_wgrad = needs
     first = plan.gemms[0]
     dtype, sizes = first.dtype, splits.sizes()
-    x = cast_input(x, dtype)
+    x = cast_to(x, dtype).contiguous()
     x_fp8 = quantize_groups(x, sizes, first.setup, "input", True, (True, need_wgrad))
     num_groups, n = len(sizes), w_fp8.m_splits[0]
-    bias = [b.to(dtype) for b in biases] if biases else [None] * num_groups
+    bias = [cast_to(b, dtype) for b in biases] if biases else [None] * num_groups
     if one_fprop_gemm(x.device, x_fp8.fp8_dtype, w_fp8.fp8_dtype, sizes):
         y = scaled_grouped_fprop(x_fp8, w_fp8, splits, dtype)
         if biases:
@@ -108,11 +109,6 @@ def one_fprop_gemm(device, a_dtype, b_dtype, sizes: list[int]) -> bool:
     return aligned and scaled_grouped_mm_supported(device, a_dtype, b_dtype, False)
 
 
-def cast_input(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    x = x if x.dtype == dtype else x.to(dtype)
-    return x if x.is_contiguous() else x.contiguous()
-
-
 def fp8_backward(ctx, dy: torch.Tensor):
     """(dx, [dw_g], [db_g]) under FP8, the GEMMs and sums as te.Linear's per group, each GEMM
     writing its rows of one output buffer."""
@@ -120,7 +116,7 @@ def fp8_backward(ctx, dy: torch.Tensor):
     plan, splits = ctx.plan, ctx.splits
     first = plan.gemms[0]
     dtype, sizes = first.dtype, splits.sizes()
-    dy = cast_input(dy, dtype)
+    dy = cast_to(dy, dtype).contiguous()
     usage = (ctx.need_dgrad, ctx.need_wgrad)
     dy_fp8 = quantize_groups(dy, sizes, first.setup, "grad_output", False, usage)
     if first.setup.bwd_state is not None:
