@@ -7,8 +7,10 @@ Host microseconds per forward and per forward+backward at 16 tokens (GroupedLine
 (1024, ffn 4096, GELU) and te.GroupedLinear (8 x 1024 -> 1024) in bf16 and under each FP8
 recipe, each beside its torch composition in the same run (configs interleaved round by round,
 medians of rounds), with the kernel launches of one call (torch profiler, on a GPU); plus a
-graphed FP8 te.Linear (te.make_graphed_callables) against nn.Linear run eagerly. `--device cpu`
-runs the same on the CPU (FP8 emulated; no launch counts): a smoke run. Never asserts.
+graphed FP8 te.Linear (te.make_graphed_callables, and the whole step captured with
+torch.cuda.graph) against nn.Linear run eagerly. `--profile CONFIG` prints cProfile's top
+functions for a config. `--device cpu` runs the same on the CPU (FP8 emulated; no launch
+counts, no graphs): a smoke run. Never asserts.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import torch
 from grouped_linear import LinearLoop, split_tokens
 from layernorm_mlp import TorchMLP
 from linear import environment, host_round_us
-from timing import fwd_bwd_step
+from timing import cprofile_top, fwd_bwd_step
 from torch import nn
 
 import torchte as te
@@ -73,21 +75,31 @@ def launches(step, device: str) -> int | None:
     return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
 
 
-def graphed_linear_step(device: str):
-    """A graphed FP8 te.Linear forward+backward (None off the GPU: nothing to capture)."""
+def graphed_linear_steps(device: str) -> dict:
+    """A graphed FP8 te.Linear forward+backward two ways: te.make_graphed_callables (the layer
+    stays an autograd node) and the whole step captured by torch.cuda.graph (one replay).
+    Empty off the GPU: nothing to capture."""
     if device != "cuda":
-        return None
+        return {}
+    fp8 = recipe.DelayedScaling()
     layer = te.Linear(H, H, params_dtype=torch.bfloat16, device=device)
     x = torch.randn(16, H, device=device, dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn(16, H, device=device, dtype=torch.bfloat16)
-    layer = te.make_graphed_callables(
-        layer, (x,), fp8_enabled=True, fp8_recipe=recipe.DelayedScaling()
-    )
-
-    def step():
-        layer(x).backward(dy)
-
-    return step
+    layer = te.make_graphed_callables(layer, (x,), fp8_enabled=True, fp8_recipe=fp8)
+    steps = {"Linear te graphed delayed fwd+bwd": fwd_bwd_step(layer, x, dy, None)}
+    whole = te.Linear(H, H, params_dtype=torch.bfloat16, device=device)
+    step = fwd_bwd_step(whole, x, dy, fp8)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    steps["Linear te step-graph delayed fwd+bwd"] = graph.replay
+    return steps
 
 
 def main() -> None:
@@ -96,6 +108,11 @@ def main() -> None:
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--calls", type=int, default=100)
+    parser.add_argument(
+        "--profile", action="append", default=[], metavar="CONFIG",
+        help="print cProfile's top functions for this config (e.g. 'Linear te delayed fwd+bwd')",
+    )  # fmt: skip
+    parser.add_argument("--profile-rows", type=int, default=18)
     args = parser.parse_args()
     device = args.device
     if device == "cuda" and not torch.cuda.is_available():
@@ -110,9 +127,7 @@ def main() -> None:
                 fp8 = make_recipe() if make_recipe else None
                 name = f"{kind} te {rname} {phase}"
                 steps[name] = make_step(te_module, tokens, extra, fp8, backward, device)
-    graphed = graphed_linear_step(device)
-    if graphed is not None:
-        steps["Linear te graphed delayed fwd+bwd"] = graphed
+    steps.update(graphed_linear_steps(device))
     for name, step in steps.items():
         for _ in range(20):
             step()
@@ -135,6 +150,8 @@ def main() -> None:
         ratio = f"{us / base:.2f}x" if base else "-"
         count = "-" if counts[name] is None else str(counts[name])
         print(f"{name:44s} {us:9.1f} {ratio:>9s} {count:>9s}")
+    for name in args.profile:
+        print(f"\n== cProfile: {name}\n{cprofile_top(steps[name], rows=args.profile_rows)}")
 
 
 if __name__ == "__main__":

@@ -51,18 +51,23 @@ def fmt(value, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def cprofile_top(step, steps: int = 300, warmup: int = 30, rows: int = 25) -> str:
     """The top `rows` entries by own time of cProfile over `steps` calls of step (after
     `warmup` calls; the GPU synchronized at both ends)."""
     for _ in range(warmup):
         step()
-    torch.cuda.synchronize()
+    _sync()
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(steps):
         step()
     prof.disable()
-    torch.cuda.synchronize()
+    _sync()
     out = io.StringIO()
     pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(rows)
     return out.getvalue()

@@ -7,7 +7,6 @@ import pytest
 import torch
 
 import torchte as te
-from torchte.autocast import autocast_state
 from torchte.module.base import cached_value
 from torchte.recipe import DelayedScaling
 
@@ -53,16 +52,18 @@ def test_bad_arguments():
         te.make_graphed_callables((lambda t: t,), ((x,),))
     with pytest.raises(ValueError, match="one tuple"):
         te.make_graphed_callables((layer, layer), ((x,),))
+    with pytest.raises(TypeError, match="only tensors"):
+        te.make_graphed_callables(layer, (x, 3))
+    with pytest.raises(ValueError, match="num_warmup_iters"):
+        te.make_graphed_callables(layer, (x,), num_warmup_iters=0)
+    assert "forward" not in layer.__dict__  # nothing was changed by the refused calls
 
 
 def test_weights_are_requantized_while_capturing():
-    state = autocast_state()
     cache = [(("key",), "cached")]
-    assert cached_value(cache, ("key",), None) == "cached"
-    assert cached_value(cache, ("other",), False) == "cached"
-    state.capturing = True
-    try:
-        assert cached_value(cache, ("key",), None) is None
-        assert cached_value(cache, ("key",), False) is None
-    finally:
-        state.capturing = False
+    assert cached_value(cache, ("key",), None, False) == "cached"
+    assert cached_value(cache, ("other",), False, False) == "cached"
+    assert cached_value(cache, ("other",), None, False) is None
+    assert cached_value(cache, ("key",), True, False) is None
+    assert cached_value(cache, ("key",), None, True) is None
+    assert cached_value(cache, ("key",), False, True) is None

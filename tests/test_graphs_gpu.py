@@ -51,3 +51,152 @@ def test_graphed_training_equals_eager(kind, recipe_name):
         opt_g.step()
         opt_e.zero_grad(set_to_none=False)
         opt_g.zero_grad(set_to_none=False)
+
+
+def test_gradients_accumulate_over_microbatches():
+    """Two backwards without zeroing: .grad is the sum (a .grad kept as the graph's static
+    buffer would be overwritten by the second replay)."""
+    fp8 = RECIPES["delayed"]
+    eager, graphed = make("linear"), make("linear")
+    sample = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)
+    graphed = te.make_graphed_callables(graphed, (sample,), fp8_enabled=True, fp8_recipe=fp8)
+    for micro in range(2):
+        x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        with te.autocast(recipe=fp8):
+            eager(x).float().square().mean().backward()
+        graphed(x.detach().clone().requires_grad_()).float().square().mean().backward()
+        for pe, pg in zip(eager.parameters(), graphed.parameters(), strict=True):
+            assert torch.equal(pe.grad, pg.grad), micro
+
+
+def test_fused_wgrad_accumulation_into_main_grad():
+    eager, graphed = (
+        te.Linear(
+            256, 256, params_dtype=torch.bfloat16, device="cuda", fuse_wgrad_accumulation=True
+        )
+        for _ in range(2)
+    )
+    graphed.load_state_dict(eager.state_dict())
+    for layer in (eager, graphed):
+        layer.weight.main_grad = torch.zeros(256, 256, device="cuda")
+    sample = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)
+    graphed = te.make_graphed_callables(graphed, (sample,))
+    assert torch.count_nonzero(graphed.weight.main_grad) == 0  # the warm-up left no trace
+    for step in range(3):
+        x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)
+        eager(x).float().sum().backward()
+        graphed(x).float().sum().backward()
+        assert torch.equal(eager.weight.main_grad, graphed.weight.main_grad), step
+
+
+def test_chained_modules_share_one_pool():
+    fp8 = RECIPES["current"]
+    first, second = make("linear"), make("mlp")
+    eager = torch.nn.Sequential(make("linear"), make("mlp"))
+    sample = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    with torch.no_grad():
+        mid = first(sample).detach().requires_grad_()
+    first, second = te.make_graphed_callables(
+        (first, second), ((sample,), (mid,)), fp8_enabled=True, fp8_recipe=fp8
+    )
+    for step in range(3):
+        x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)
+        with te.autocast(recipe=fp8):
+            loss_e = eager(x).float().square().mean()
+        loss_g = second(first(x)).float().square().mean()
+        loss_e.backward()
+        loss_g.backward()
+        assert torch.equal(loss_e, loss_g), step
+        graphed_params = [*first.parameters(), *second.parameters()]
+        for pe, pg in zip(eager.parameters(), graphed_params, strict=True):
+            assert torch.equal(pe.grad, pg.grad), step
+            pe.grad = pg.grad = None
+
+
+def test_replay_checks_the_input_shape():
+    graphed = te.make_graphed_callables(
+        make("linear"), (torch.randn(64, 256, device="cuda", dtype=torch.bfloat16),)
+    )
+    with pytest.raises(ValueError, match="captured with an input of shape"):
+        graphed(torch.randn(32, 256, device="cuda", dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("recipe_name", ["delayed", "current"])
+def test_whole_step_capture_with_torch_cuda_graph(recipe_name):
+    """A training step (forward under te.autocast, backward) captured by torch.cuda.graph
+    itself: replays requantize the weights the optimizer moves and keep the scales updating."""
+    fp8 = RECIPES[recipe_name]
+    eager, graphed = make("linear"), make("linear")
+    static_x = torch.zeros(64, 256, device="cuda", dtype=torch.bfloat16)
+
+    def step(layer, x):
+        with te.autocast(recipe=fp8):
+            loss = layer(x).float().square().mean()
+        loss.backward()
+        return loss
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            step(graphed, static_x)
+    torch.cuda.current_stream().wait_stream(side)
+    graphed.load_state_dict(eager.state_dict())  # warm-up moved the scales: start as eager
+    for module in (graphed,):
+        for pair in module._delayed_states.values():
+            for state in pair:
+                state.scale.fill_(1.0)
+                state.amax_history.zero_()
+    for p in graphed.parameters():
+        p.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_loss = step(graphed, static_x)
+    opt_e = torch.optim.SGD(eager.parameters(), lr=0.1)
+    opt_g = torch.optim.SGD(graphed.parameters(), lr=0.1)
+    for n in range(5):
+        x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)
+        for p in eager.parameters():
+            p.grad = None
+        loss_e = step(eager, x)
+        static_x.copy_(x)
+        graph.replay()
+        assert torch.equal(loss_e, static_loss), n
+        for pe, pg in zip(eager.parameters(), graphed.parameters(), strict=True):
+            assert torch.equal(pe.grad, pg.grad), n
+        opt_e.step()
+        opt_g.step()
+
+
+class FailsOnce(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls == 2:
+            raise RuntimeError("second warm-up call fails")
+        return x
+
+
+def test_a_failed_warm_up_leaves_the_modules_as_they_were():
+    fp8 = RECIPES["delayed"]
+    layer = make("linear")
+    with te.autocast(recipe=fp8):  # scaling state with history
+        layer(torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)).sum().backward()
+    before = {k: v.clone() for k, v in layer.state_dict().items() if isinstance(v, torch.Tensor)}
+    extra_before = layer.get_extra_state()
+    model = torch.nn.Sequential(layer, FailsOnce())
+    sample = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    with pytest.raises(RuntimeError, match="second warm-up call fails"):
+        te.make_graphed_callables(model, (sample,), fp8_enabled=True, fp8_recipe=fp8)
+    assert "forward" not in model.__dict__
+    for key, value in layer.state_dict().items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(value, before[key]), key
+    extra_after = layer.get_extra_state()
+    assert extra_after.keys() == extra_before.keys()
+    for key, value in extra_before.items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(extra_after[key], value), key

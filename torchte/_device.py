@@ -6,7 +6,7 @@ import functools
 
 import torch
 
-__all__ = ["default_device", "fp8_support", "is_fp8_available"]
+__all__ = ["default_device", "fp8_support", "graph_capturing", "is_fp8_available"]
 
 
 def default_device(device: torch.device | str | int | None) -> torch.device:
@@ -51,3 +51,8 @@ def fp8_support(device: torch.device) -> tuple[bool, str]:
 def is_fp8_available() -> tuple[bool, str]:
     """(available, reason) for FP8 on the device modules are built on by default."""
     return fp8_support(default_device(None))
+
+
+def graph_capturing(tensor: torch.Tensor) -> bool:
+    """Whether a CUDA graph is being captured on the current stream (tensor on a GPU)."""
+    return tensor.is_cuda and torch.cuda.is_current_stream_capturing()

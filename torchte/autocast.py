@@ -34,7 +34,6 @@ class AutocastState:
     __slots__ = (
         "backward_task",
         "calibrating",
-        "capturing",
         "depth",
         "enabled",
         "group",
@@ -57,9 +56,6 @@ class AutocastState:
         # Counts outermost region exits: an FP8 weight cache made in an earlier step is stale
         # even where the weight's _version did not move (writes through .data).
         self.step = 0
-        # Set while make_graphed_callables warms up and captures: FP8 weights are quantized at
-        # every call, so the graph holds their quantization and replays requantize.
-        self.capturing = False
 
     def register_forward(self, state: DelayedScalingState, recipe, group) -> None:
         """A forward recorded amaxes into `state`: update it when the outermost region exits."""

@@ -1,20 +1,25 @@
 """te.make_graphed_callables: forward and backward of modules captured into CUDA graphs.
 
-The capture is torch.cuda.make_graphed_callables's; what it adds for torchte's layers:
-- each module runs under te.autocast(fp8_enabled, recipe, group, calibrating) during warm-up
-  and capture, so the graphs hold the FP8 work: quantizations with their amax recording, and
-  the delayed-scaling updates (launched at the autocast exit of the captured forward and at
-  the end of the captured backward), which work in place on the modules' scaling state, so
-  every replay records amaxes and moves the scales as an eager step would;
-- FP8 weights are quantized at every call while capturing (not taken from the cache), so the
-  graph requantizes the live weights at each replay (optimizer steps write them in place);
-- the delayed-scaling states and main_grad buffers are put back as they were before the
-  warm-up iterations (which run eagerly on the sample arguments);
-- the setattr guard of te modules is lifted for the one assignment of `forward` torch makes.
+Each module's forward becomes a replay of a captured forward graph inside one autograd
+Function whose backward replays a captured backward graph, with Transformer Engine's arguments:
+- each module runs under te.autocast(fp8_enabled, recipe, group, calibrating) while warming up
+  and capturing, so the graphs hold the FP8 work: the quantizations with their amax recording
+  and the delayed-scaling updates (the one at the autocast exit of the captured forward, the
+  one at the end of the captured backward). They work in place on the modules' scaling state,
+  so every replay records amaxes and moves the scales as an eager step would;
+- FP8 weights are quantized inside the graph (the weight cache is bypassed while capturing),
+  so each replay requantizes the live weights that optimizer steps write in place;
+- the warm-up iterations (eager, on the sample arguments) leave no trace: the delayed-scaling
+  states and main_grad buffers are put back as they were;
+- parameter gradients are handed to autograd as fresh tensors (one concatenation for all of a
+  module's parameters), never as the graph's static buffers: the next replay overwrites those,
+  which would corrupt a .grad that kept them (gradient accumulation). Parameters with a
+  `main_grad` (fuse_wgrad_accumulation) get the static buffer: Megatron ignores their .grad.
 
-Inputs of a replay must have the shapes of the sample arguments; fuse_wgrad_accumulation
-works when the main_grad buffers stay where they were at capture (as Megatron's do).
-On a machine without a GPU the modules are returned running eagerly under the same autocast
+A replay needs inputs of the sample arguments' shapes and dtypes; its outputs are the graph's
+static buffers, valid until the next replay of the same module. The module's training flag at
+capture is kept: a module switched to the other mode runs eagerly under the same autocast.
+On a machine without a GPU the modules are returned running eagerly under the autocast
 arguments, so code using this runs unchanged.
 """
 
@@ -25,14 +30,13 @@ import functools
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .autocast import autocast, autocast_state
+from .autocast import autocast
 from .module.base import TransformerEngineBaseModule
 from .recipe import DelayedScaling
 
 __all__ = ["make_graphed_callables"]
-
-_STATE = autocast_state()
 
 
 def make_graphed_callables(
@@ -50,9 +54,9 @@ def make_graphed_callables(
     pool=None,
     retain_graph_in_backward: bool = False,
 ):
-    """Graphed versions of `modules` (one nn.Module or a tuple of them, in the order they run),
-    with Transformer Engine's arguments. sample_args: a tuple of tensors (one module) or a tuple
-    of such tuples."""
+    """Graphed versions of `modules` (one nn.Module or a tuple of them, in the order they run:
+    forwards are captured in that order, backwards in reverse, all in one memory pool).
+    sample_args: a tuple of tensors (one module) or a tuple of such tuples."""
     if sample_kwargs or _order is not None or fp8_weight_caching or retain_graph_in_backward:
         raise NotImplementedError(
             "make_graphed_callables: sample_kwargs, _order, fp8_weight_caching and "
@@ -65,6 +69,10 @@ def make_graphed_callables(
         raise ValueError("sample_args must give one tuple of tensors per callable")
     if not all(isinstance(c, nn.Module) for c in callables):
         raise TypeError("make_graphed_callables takes nn.Modules (their parameters get grads)")
+    if not all(isinstance(t, torch.Tensor) for a in args for t in a):
+        raise TypeError("sample_args may hold only tensors")
+    if num_warmup_iters < 1:
+        raise ValueError("num_warmup_iters must be at least 1 (lazy setup must not be captured)")
     recipe = fp8_recipe if fp8_recipe is not None else DelayedScaling()
     region = functools.partial(
         autocast,
@@ -73,21 +81,183 @@ def make_graphed_callables(
         recipe=recipe,
         amax_reduction_group=fp8_group,
     )
-    for module in callables:
-        _set_attr(module, "forward", _under(region, module.forward))
-    tensors = [t for a in args for t in a if isinstance(t, torch.Tensor)]
-    if not tensors or not all(t.is_cuda for t in tensors):
-        return modules  # no GPU: eager, under the same autocast arguments
+    eager = [_under(region, module.forward) for module in callables]
+    if not all(t.is_cuda for a in args for t in a) or not any(a for a in args):
+        for module, forward in zip(callables, eager, strict=True):
+            _set_attr(module, "forward", forward)  # no GPU: eager, under the autocast arguments
+        return modules
     if fp8_enabled or fp8_calibrating:  # the scaling state exists before the warm-up
         for root in callables:
             for module in root.modules():
                 if isinstance(module, TransformerEngineBaseModule):
                     module._fp8_setup(recipe)
-    with _capturing(), _setattr_allowed(callables), _state_kept(callables):
-        graphed = torch.cuda.make_graphed_callables(
-            callables, args, num_warmup_iters, allow_unused_input, pool
+    graphs = [_Graphs(*entry) for entry in zip(callables, eager, args, strict=True)]
+    with _state_kept(callables):
+        _warm_up(graphs, num_warmup_iters, allow_unused_input)
+    pool = torch.cuda.graph_pool_handle() if pool is None else pool
+    for graph in graphs:
+        graph.capture_forward(pool)
+    for graph in reversed(graphs):
+        graph.capture_backward(pool, allow_unused_input)
+    for module, forward, graph in zip(callables, eager, graphs, strict=True):
+        _set_attr(module, "forward", graph.make_forward(module, forward))
+    return modules
+
+
+class _Graphs:
+    """One module's captured forward and backward, and the static tensors they read and write."""
+
+    def __init__(self, module: nn.Module, forward, sample_args: tuple) -> None:
+        self.forward = forward
+        self.training = module.training
+        self.inputs = tuple(sample_args)  # the static inputs a replay copies into
+        self.params = tuple(p for p in module.parameters() if p.requires_grad)
+        self.fwd_graph = torch.cuda.CUDAGraph()
+        self.bwd_graph = torch.cuda.CUDAGraph()
+        self.outputs: tuple = ()
+        self.spec = None
+        self.differentiable: tuple = ()
+        self.grad_outputs: tuple = ()
+        self.input_grads: tuple = ()
+        self.param_grads: tuple = ()
+        self.cloned: tuple = ()  # indices into params whose grads are cloned
+        self.numels: tuple = ()
+
+    def differentiable_inputs(self) -> list[torch.Tensor]:
+        return [t for t in (*self.inputs, *self.params) if t.requires_grad]
+
+    def run_eager(self, allow_unused: bool) -> None:
+        outputs, _ = tree_flatten(self.forward(*self.inputs))
+        outputs = [o for o in outputs if isinstance(o, torch.Tensor) and o.requires_grad]
+        self._grads(outputs, [torch.empty_like(o) for o in outputs], allow_unused)
+
+    def _grads(self, outputs: list, grad_outputs: list, allow_unused: bool) -> list:
+        """Gradients of every input and parameter requiring grad, in order (None where none
+        came). A parameter may get none (fuse_wgrad_accumulation writes main_grad instead);
+        an input may only where allow_unused."""
+        inputs = self.differentiable_inputs()
+        if not (outputs and inputs):
+            return [None] * len(inputs)
+        grads = torch.autograd.grad(outputs, inputs, grad_outputs, allow_unused=True)
+        if not allow_unused and any(
+            g is None for g, t in zip(grads, inputs, strict=True) if not _is_param(t, self)
+        ):
+            raise RuntimeError(
+                "an input of the graphed module got no gradient (it was not used); pass "
+                "allow_unused_input=True if this is intended"
+            )
+        return list(grads)
+
+    def capture_forward(self, pool) -> None:
+        with torch.cuda.graph(self.fwd_graph, pool=pool):
+            outputs = self.forward(*self.inputs)
+        flat, self.spec = tree_flatten(outputs)
+        if not all(isinstance(o, torch.Tensor) for o in flat):
+            raise TypeError("a graphed module's outputs must be tensors (or tuples of them)")
+        self.outputs = tuple(flat)
+        self.differentiable = tuple(o.requires_grad for o in flat)
+
+    def capture_backward(self, pool, allow_unused: bool) -> None:
+        self.grad_outputs = tuple(
+            torch.empty_like(o) if d else None
+            for o, d in zip(self.outputs, self.differentiable, strict=True)
         )
-    return graphed[0] if single else graphed
+        outputs = [o for o, d in zip(self.outputs, self.differentiable, strict=True) if d]
+        given = [g for g in self.grad_outputs if g is not None]
+        with torch.cuda.graph(self.bwd_graph, pool=pool):
+            grads = iter(self._grads(outputs, given, allow_unused))
+        self.input_grads = tuple(
+            next(grads, None) if t.requires_grad else None for t in self.inputs
+        )
+        self.param_grads = tuple(next(grads, None) for _ in self.params)
+        self.cloned = tuple(
+            i for i, (p, g) in enumerate(zip(self.params, self.param_grads, strict=True))
+            if g is not None and getattr(p, "main_grad", None) is None
+        )  # fmt: skip
+        self.numels = tuple(self.param_grads[i].numel() for i in self.cloned)
+        self.outputs = tuple(o.detach() for o in self.outputs)  # the forward graph is kept
+
+    def make_forward(self, module: nn.Module, eager_forward):
+        graphs, n_inputs = self, len(self.inputs)
+        single = self.spec.is_leaf()
+
+        def forward(*args):
+            if module.training != graphs.training:
+                return eager_forward(*args)
+            if len(args) != n_inputs:
+                raise TypeError(f"the graphed module takes {n_inputs} tensors, got {len(args)}")
+            outputs = _Replay.apply(graphs, *args, *graphs.params)
+            return outputs[0] if single else tree_unflatten(list(outputs), graphs.spec)
+
+        return functools.wraps(eager_forward)(forward)
+
+    def replay_forward(self, args) -> tuple:
+        for static, given in zip(self.inputs, args, strict=False):
+            if static.data_ptr() != given.data_ptr():
+                if static.shape != given.shape or static.dtype != given.dtype:
+                    raise ValueError(
+                        f"a graphed module was captured with an input of shape "
+                        f"{tuple(static.shape)} and dtype {static.dtype}; got "
+                        f"{tuple(given.shape)} and {given.dtype}"
+                    )
+                static.copy_(given)
+        self.fwd_graph.replay()
+        return tuple(o.detach() for o in self.outputs)
+
+    def replay_backward(self, grads, leaves) -> tuple:
+        for static, grad in zip(self.grad_outputs, grads, strict=True):
+            if static is not None and grad is not None and static.data_ptr() != grad.data_ptr():
+                static.copy_(grad)
+        self.bwd_graph.replay()
+        inputs = tuple(
+            None if g is None else g.clone() if leaf else g.detach()
+            for g, leaf in zip(self.input_grads, leaves, strict=True)
+        )
+        params = list(self.param_grads)
+        if self.cloned:  # fresh tensors: autograd may keep them as .grad
+            flat = torch.cat([params[i].reshape(-1) for i in self.cloned])
+            for i, part in zip(self.cloned, flat.split(self.numels), strict=True):
+                params[i] = part.view(params[i].shape)
+        return inputs + tuple(params)
+
+
+class _Replay(torch.autograd.Function):
+    """Forward: copy the inputs into the static ones, replay the forward graph. Backward: copy
+    the output gradients in, replay the backward graph, hand out the gradients."""
+
+    @staticmethod
+    def forward(ctx, graphs: _Graphs, *args):
+        ctx.graphs = graphs
+        inputs = args[: len(graphs.inputs)]
+        ctx.leaves = tuple(t.requires_grad and t.grad_fn is None for t in inputs)
+        outputs = graphs.replay_forward(args)
+        ctx.mark_non_differentiable(
+            *(o for o, d in zip(outputs, graphs.differentiable, strict=True) if not d)
+        )
+        return outputs
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, *grads):
+        return (None, *ctx.graphs.replay_backward(grads, ctx.leaves))
+
+
+def _is_param(tensor: torch.Tensor, graphs: _Graphs) -> bool:
+    return any(tensor is p for p in graphs.params)
+
+
+def _warm_up(graphs: list[_Graphs], iterations: int, allow_unused: bool) -> None:
+    """Eager forwards and backwards on a side stream: kernels compiled, caches and workspaces
+    made before the capture."""
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(iterations):
+            for graph in graphs:
+                graph.run_eager(allow_unused)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
 
 
 def _under(region, forward):
@@ -106,31 +276,6 @@ def _set_attr(module: nn.Module, name: str, value) -> None:
         module._fast_setattr(name, value)
     else:
         setattr(module, name, value)
-
-
-@contextlib.contextmanager
-def _capturing():
-    _STATE.capturing = True
-    try:
-        yield
-    finally:
-        _STATE.capturing = False
-
-
-@contextlib.contextmanager
-def _setattr_allowed(modules):
-    """Lift te modules' setattr guard (torch assigns each module's `forward` once)."""
-    guarded = [
-        m for root in modules for m in root.modules()
-        if isinstance(m, TransformerEngineBaseModule) and m.__dict__.get("_initialized")
-    ]  # fmt: skip
-    for module in guarded:
-        module.__dict__["_initialized"] = False
-    try:
-        yield
-    finally:
-        for module in guarded:
-            module.__dict__["_initialized"] = True
 
 
 @contextlib.contextmanager

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from torchte._device import graph_capturing
 from torchte.autocast import autocast_state
 from torchte.gemm import fp8_gemm, scaled_grouped_fprop, scaled_grouped_mm_supported
 from torchte.kernels import grouped_cast
@@ -55,7 +56,7 @@ def grouped_fp8_weights(weights, setup, key, is_first_microbatch, columnwise) ->
     grouped GEMM, group g's columnwise block its (K, N) transpose for dgrad. Cached like
     te.Linear's FP8 weight (base.cached_value): requantized when a weight or the scales moved."""
     cache = setup.grouped_weight_cache
-    storage = cached_value(cache, key, is_first_microbatch)
+    storage = cached_value(cache, key, is_first_microbatch, graph_capturing(weights[0]))
     if storage is None:
         stacked = stack_parameters(weights)
         sizes = [stacked.shape[1]] * stacked.shape[0]

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from torchte import _nvtx
-from torchte._device import default_device, fp8_support
+from torchte._device import default_device, fp8_support, graph_capturing
 from torchte.autocast import autocast_state
 from torchte.kernels.cast_transpose import compute_scale_reference
 from torchte.offload import mark_not_offload
@@ -312,15 +312,15 @@ def check_fp8_dims(module: str, **dims: int) -> None:
             )
 
 
-def cached_value(cache: list, key, is_first_microbatch: bool | None):
+def cached_value(cache: list, key, is_first_microbatch: bool | None, capturing: bool):
     """The value in the one-element cache [(key, value)] if it may be reused: always when
-    is_first_microbatch is False (the weights did not change), never when True or during a
-    CUDA-graph capture (the graph must hold the quantization), else when its key equals `key`;
-    None otherwise."""
+    is_first_microbatch is False (the weights did not change), never when True or while a CUDA
+    graph is `capturing` (the graph must hold the quantization, so that each replay
+    requantizes the live weights), else when its key equals `key`; None otherwise."""
     entry = cache[0]
     if (
         entry is not None
-        and not _STATE.capturing
+        and not capturing
         and (is_first_microbatch is False or (is_first_microbatch is None and entry[0] == key))
     ):
         return entry[1]
@@ -344,7 +344,7 @@ def fp8_weight_cached(
     generation).
     """
     key = (version, generation)
-    storage = cached_value(cache, key, is_first_microbatch)
+    storage = cached_value(cache, key, is_first_microbatch, graph_capturing(weight))
     if storage is not None:
         if columnwise and storage.columnwise_data is None:
             storage.update_usage(columnwise_usage=True)
