@@ -18,6 +18,13 @@ RECIPES = {
 }
 
 
+def assert_same_step(loss_e, loss_g, eager_params, graphed_params, step: int) -> None:
+    """Bit-identical loss and gradients of an eager and a graphed step."""
+    assert torch.equal(loss_e, loss_g), step
+    for pe, pg in zip(eager_params, graphed_params, strict=True):
+        assert torch.equal(pe.grad, pg.grad), step
+
+
 def make(kind: str):
     torch.manual_seed(0)
     kw = {"params_dtype": torch.bfloat16, "device": "cuda"}
@@ -44,9 +51,7 @@ def test_graphed_training_equals_eager(kind, recipe_name):
         loss_g = graphed(x.clone().requires_grad_()).float().square().mean()
         loss_e.backward()
         loss_g.backward()
-        assert torch.equal(loss_e, loss_g), step
-        for pe, pg in zip(eager.parameters(), graphed.parameters(), strict=True):
-            assert torch.equal(pe.grad, pg.grad), step
+        assert_same_step(loss_e, loss_g, eager.parameters(), graphed.parameters(), step)
         opt_e.step()
         opt_g.step()
         opt_e.zero_grad(set_to_none=False)
@@ -106,10 +111,9 @@ def test_chained_modules_share_one_pool():
         loss_g = second(first(x)).float().square().mean()
         loss_e.backward()
         loss_g.backward()
-        assert torch.equal(loss_e, loss_g), step
         graphed_params = [*first.parameters(), *second.parameters()]
+        assert_same_step(loss_e, loss_g, eager.parameters(), graphed_params, step)
         for pe, pg in zip(eager.parameters(), graphed_params, strict=True):
-            assert torch.equal(pe.grad, pg.grad), step
             pe.grad = pg.grad = None
 
 
@@ -161,9 +165,7 @@ def test_whole_step_capture_with_torch_cuda_graph(recipe_name):
         loss_e = step(eager, x)
         static_x.copy_(x)
         graph.replay()
-        assert torch.equal(loss_e, static_loss), n
-        for pe, pg in zip(eager.parameters(), graphed.parameters(), strict=True):
-            assert torch.equal(pe.grad, pg.grad), n
+        assert_same_step(loss_e, static_loss, eager.parameters(), graphed.parameters(), n)
         opt_e.step()
         opt_g.step()
 
