@@ -302,6 +302,22 @@ def test_triton_one_launch_per_call(name):
     assert counts == [1, 1]
 
 
+@pytest.mark.parametrize(
+    "rows,col_blocks,sms",
+    [(16, 128, 132), (16384, 256, 132), (70, 1, 1), (1, 1, 132), (4096, 8, 16)],
+)
+def test_backward_row_split_covers_the_rows_once(rows, col_blocks, sms):
+    """Row blocks of whole BLOCK_M steps, none empty, covering every row; a single block
+    (dbias written by the kernel itself) where the column blocks fill the GPU or rows are few."""
+    block_m = afp8.BACKWARD_FP8_CONFIG[0]
+    per, splits = afp8.backward_row_split(rows, col_blocks, block_m, sms)
+    assert per % block_m == 0 and per * (splits - 1) < rows <= per * splits
+    steps = -(-rows // block_m)
+    assert col_blocks * splits >= min(4 * sms, col_blocks * steps)
+    if col_blocks >= 4 * sms or rows <= block_m:
+        assert splits == 1
+
+
 # ----------------------------------------------------------------------------------------------
 # The Triton kernels under Triton's CPU interpreter (where triton is installed)
 # ----------------------------------------------------------------------------------------------

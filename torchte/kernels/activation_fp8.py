@@ -32,13 +32,14 @@ from __future__ import annotations
 import torch
 
 from . import activation as act_mod
-from ._triton import FastLaunch, triton_available
+from ._triton import FastLaunch, sm_count, triton_available
 from .cast_transpose import FP8_MAX, _alloc_outputs, quantize_delayed_reference
 
 # (BLOCK_M, BLOCK_N, num_warps). BLOCK_M is a multiple of 16 (cast_transpose's columnwise
 # alignment) so the row blocks that cover M also cover the padding up to Mp. Forward: the tile
 # of cast_transpose's CAST_CONFIG, over a 2-D grid. Backward: BLOCK_N = 32 for more programs on
-# the column-block grid; BLOCK_M rows per loop step. Neither is tuned on a GPU yet.
+# the column-block grid, BLOCK_M rows per loop step, and the rows split into blocks until there
+# are about 4 programs per SM (backward_row_split).
 FORWARD_FP8_CONFIG = (32, 128, 4)
 BACKWARD_FP8_CONFIG = (64, 32, 4)
 
@@ -181,9 +182,11 @@ if triton is not None:
         scale_inv_ptr,  # (1,) fp32: 1 / scale, written by program 0
         out_ptr,  # (M, K) fp8 rowwise data, written as uint8 bytes when ROWWISE
         out_t_ptr,  # (K, Mp) fp8 columnwise data, written as int32 words when COLUMNWISE
-        dbias_ptr,  # (K,) dy's dtype: column sums of dh
+        dbias_ptr,  # (K,) dy's dtype: column sums of dh (when not SPLIT)
+        partial_ptr,  # (splits, K) fp32: each row block's column sums of dh (when SPLIT)
         M,
         N,
+        rows_per_program,  # a multiple of BLOCK_M
         limit,  # fp32; clamped_silu only
         alpha,  # fp32; clamped_silu only
         FP8_MAX: tl.constexpr,  # 448.0 (e4m3) or 57344.0 (e5m2)
@@ -191,14 +194,18 @@ if triton is not None:
         GATED: tl.constexpr,
         ROWWISE: tl.constexpr,
         COLUMNWISE: tl.constexpr,
+        SPLIT: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
     ):
-        """Program p owns columns [p BLOCK_N, (p + 1) BLOCK_N) of dh (and the same columns + N
-        when GATED) over all M rows, so it writes their full sums to dbias."""
+        """Program (p, q) owns columns [p BLOCK_N, (p + 1) BLOCK_N) of dh (and the same columns
+        + N when GATED) over rows [q rows_per_program, (q + 1) rows_per_program): with one row
+        block (not SPLIT) it writes the columns' full sums to dbias, else its partial sums to
+        row q of partial (summed afterwards in a fixed order: deterministic)."""
         pid = tl.program_id(0)
+        pid_m = tl.program_id(1)
         scale = tl.load(scale_ptr)
-        tl.store(scale_inv_ptr, tl.math.div_rn(1.0, scale), mask=pid == 0)
+        tl.store(scale_inv_ptr, tl.math.div_rn(1.0, scale), mask=(pid == 0) & (pid_m == 0))
         cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         col_in = cols < N
         k_cols = N * 2 if GATED else N
@@ -206,7 +213,8 @@ if triton is not None:
         sum1 = tl.zeros((BLOCK_M // 4, BLOCK_N), tl.float32)
         sum2 = tl.zeros((BLOCK_M // 4, BLOCK_N), tl.float32)
         # Steps of BLOCK_M rows (a multiple of 16): the last one also covers the padding to Mp.
-        for start in range(0, M, BLOCK_M):
+        row0 = pid_m * rows_per_program
+        for start in range(row0, tl.minimum(row0 + rows_per_program, M), BLOCK_M):
             group = start + 4 * tl.arange(0, BLOCK_M // 4)
             words1 = tl.zeros((BLOCK_M // 4, BLOCK_N), tl.int32)
             words2 = tl.zeros((BLOCK_M // 4, BLOCK_N), tl.int32)
@@ -235,12 +243,19 @@ if triton is not None:
                 _store_words(out_t_ptr, words1, cols, col_in, start // 4, M, BLOCK_M)
                 if GATED:
                     _store_words(out_t_ptr, words2, cols + N, col_in, start // 4, M, BLOCK_M)
-        # Rounded in fp32 first, so the cast below is exact (the interpreter's cast truncates).
-        bias_ty = dbias_ptr.dtype.element_ty
-        tl.store(dbias_ptr + cols, _round_as(tl.sum(sum1, 0), dbias_ptr).to(bias_ty), mask=col_in)
-        if GATED:
-            dbias2 = _round_as(tl.sum(sum2, 0), dbias_ptr).to(bias_ty)
-            tl.store(dbias_ptr + N + cols, dbias2, mask=col_in)
+        if SPLIT:
+            part = partial_ptr + pid_m.to(tl.int64) * k_cols
+            tl.store(part + cols, tl.sum(sum1, 0), mask=col_in)
+            if GATED:
+                tl.store(part + N + cols, tl.sum(sum2, 0), mask=col_in)
+        else:
+            # Rounded in fp32 first, so the cast is exact (the interpreter's cast truncates).
+            bias_ty = dbias_ptr.dtype.element_ty
+            dbias1 = _round_as(tl.sum(sum1, 0), dbias_ptr).to(bias_ty)
+            tl.store(dbias_ptr + cols, dbias1, mask=col_in)
+            if GATED:
+                dbias2 = _round_as(tl.sum(sum2, 0), dbias_ptr).to(bias_ty)
+                tl.store(dbias_ptr + N + cols, dbias2, mask=col_in)
         tl.atomic_max(amax_ptr.to(tl.pointer_type(tl.int32)), tl.max(bits), sem="relaxed")
 
     _launch_forward_fp8 = FastLaunch(_forward_fp8_kernel)
@@ -373,23 +388,44 @@ def _backward_fp8_triton(
     """Launch _backward_fp8_kernel on contiguous dy (M, n) and non-empty h (M, K)."""
     rows, cols = h.shape
     block_m, block_n, num_warps = config
+    col_blocks = (n + block_n - 1) // block_n
+    sms = sm_count(h.device.index) if h.is_cuda else 1  # the interpreter's tests: a few blocks
+    rows_per, splits = backward_row_split(rows, col_blocks, block_m, sms)
     data, data_t = _alloc_outputs(rows, cols, fp8_dtype, h.device, rowwise, columnwise)
-    dbias = torch.empty(cols, dtype=dy.dtype, device=h.device)
+    split = splits > 1
+    if split:
+        partial = torch.empty(splits, cols, dtype=torch.float32, device=h.device)
+        dbias = partial
+    else:
+        dbias = torch.empty(cols, dtype=dy.dtype, device=h.device)
+        partial = dbias  # never stored to
     out = scale_inv if data is None else data  # never stored to when not asked for
     out_t = scale_inv if data_t is None else data_t
     key = (
-        dy.dtype, h.dtype, fp8_dtype, act, gated, rowwise, columnwise, config,
-        rows == 1, rows & 15, rows >> 31, n == 1, n & 15, n >> 31,
+        dy.dtype, h.dtype, fp8_dtype, act, gated, rowwise, columnwise, config, split,
+        rows == 1, rows & 15, rows >> 31, n == 1, n & 15, n >> 31, rows_per & 15,
         dy.data_ptr() & 15, h.data_ptr() & 15, scale.data_ptr() & 15, amax.data_ptr() & 15,
         scale_inv.data_ptr() & 15, out.data_ptr() & 15, out_t.data_ptr() & 15,
         dbias.data_ptr() & 15,
     )  # fmt: skip
     _launch_backward_fp8(
-        key, ((n + block_n - 1) // block_n, 1, 1), num_warps, dy, h, scale, amax, scale_inv,
-        out, out_t, dbias, rows, n, float(limit), float(alpha), FP8_MAX[fp8_dtype], act, gated,
-        rowwise, columnwise, block_m, block_n,
+        key, (col_blocks, splits, 1), num_warps, dy, h, scale, amax, scale_inv, out, out_t,
+        dbias, partial, rows, n, rows_per, float(limit), float(alpha), FP8_MAX[fp8_dtype], act,
+        gated, rowwise, columnwise, split, block_m, block_n,
     )  # fmt: skip
+    if split:
+        dbias = partial.sum(0).to(dy.dtype)  # a fixed order of the row blocks' sums
     return data, data_t, dbias
+
+
+def backward_row_split(rows: int, col_blocks: int, block_m: int, sms: int) -> tuple[int, int]:
+    """(rows per program, row blocks) of _backward_fp8_kernel's grid (col_blocks, row blocks):
+    enough programs for about 4 per SM; one row block (dbias written directly, no reduction
+    launched after) when the column blocks alone fill the GPU or rows are few."""
+    steps = (rows + block_m - 1) // block_m
+    want = max(1, -(-4 * sms // col_blocks))
+    per = -(-steps // min(steps, want)) * block_m
+    return per, -(-rows // per)
 
 
 # ----------------------------------------------------------------------------------------------
