@@ -1,0 +1,151 @@
+"""What a training run is made of: the model's shape, the size presets and the run's settings.
+
+ModelConfig is what a checkpoint must match to be resumed; RunConfig holds everything else a
+run needs (steps, batch, learning rate, data, outputs). Both are frozen dataclasses that check
+their values in __post_init__ and raise ValueError with a message naming the option.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+VOCAB_SIZE = 256  # byte-level: one token per byte
+FP8_MULTIPLE = 16  # FP8 GEMMs need every dimension, token counts included, divisible by 16
+RECIPES = ("bf16", "delayed", "current")
+DEFAULT_MAX_BYTES = 64 * 2**20  # corpus cap: reading stops once this many bytes are kept
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The GPT's shape. A checkpoint resumes only into a model of the same ModelConfig."""
+
+    hidden: int
+    """Width of the residual stream."""
+    layers: int
+    """Number of transformer blocks."""
+    heads: int
+    """Attention heads; hidden must be divisible by it."""
+    ffn: int
+    """Hidden width of the MLP (of each expert's MLP with experts)."""
+    seq_len: int
+    """Tokens per sequence (also the number of learned positions)."""
+    experts: int = 0
+    """0: a dense te.LayerNormMLP per block; N >= 1: a mixture of N experts."""
+    top_k: int = 2
+    """Experts each token is routed to (with experts)."""
+    vocab: int = VOCAB_SIZE
+    """Vocabulary size: 256 bytes."""
+
+    def __post_init__(self) -> None:
+        for name in ("hidden", "layers", "heads", "ffn", "seq_len"):
+            value = getattr(self, name)
+            if value < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be positive, got {value}")
+        if self.hidden % self.heads:
+            raise ValueError(f"hidden {self.hidden} is not divisible by heads {self.heads}")
+        if self.experts < 0:
+            raise ValueError(f"--experts must be at least 1, got {self.experts}")
+        if self.experts and not 1 <= self.top_k <= self.experts:
+            raise ValueError(
+                f"--top-k must be between 1 and --experts ({self.experts}), got {self.top_k}; "
+                "lower --top-k or raise --experts"
+            )
+
+    def as_dict(self) -> dict[str, int]:
+        """The fields as a plain dict (what a checkpoint stores)."""
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class SizePreset:
+    """A model size and the training defaults that go with it."""
+
+    hidden: int
+    layers: int
+    heads: int
+    ffn: int
+    seq_len: int
+    batch_size: int
+    steps: int
+    lr: float
+
+
+SIZES: dict[str, SizePreset] = {
+    # About 0.5M parameters: the CPU default (bf16 and FP8 back to back: ~90 s on 2 cores).
+    "tiny": SizePreset(128, 2, 4, 512, 128, 16, 400, 2e-3),
+    "small": SizePreset(256, 4, 4, 1024, 256, 16, 1000, 1e-3),
+    "medium": SizePreset(512, 8, 8, 2048, 512, 16, 2000, 6e-4),
+    # About 355M parameters: the GPU default. Wide and shallow (7 blocks of width 2048, 16K
+    # tokens a step), so the GEMMs are large enough for FP8 to pay and the GPU, not the host,
+    # sets the pace; 28 blocks of width 1024 at 8K tokens leave each GEMM small.
+    "large": SizePreset(2048, 7, 16, 8192, 1024, 16, 1000, 3e-4),
+}
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Everything about a run beyond the model's shape."""
+
+    recipes: tuple[str, ...]
+    """Recipes run back to back, each from the same seed and data order."""
+    device: str
+    """"cpu" or "cuda"."""
+    steps: int
+    """Optimizer steps per recipe (the total: a resumed run continues up to it)."""
+    batch_size: int
+    """Sequences per step."""
+    lr: float
+    """Peak learning rate of AdamW (linear warmup, then cosine decay to lr / 10)."""
+    warmup: int
+    """Warmup steps."""
+    seed: int
+    """Seed of the initial weights and of the batch order."""
+    log_every: int
+    """Steps between logged rows (train loss averaged over them, tokens/s)."""
+    eval_every: int
+    """Steps between validation losses (also at step 0 and at the last step)."""
+    eval_batches: int
+    """Validation batches, the same for every recipe."""
+    data: Path | None
+    """A text file or a folder; None: the Python standard library's source files."""
+    max_bytes: int
+    """Corpus cap in bytes."""
+    out: Path
+    """Folder for the CSV and the plot."""
+    save: Path | None = None
+    """Checkpoint written at the end (and every save_every steps)."""
+    save_every: int = 0
+    """0: save at the end only."""
+    resume: Path | None = None
+    """Checkpoint to continue from."""
+    stop_at: int | None = None
+    """Stop after this step (of the schedule of `steps`), to resume later; None: run to the
+    end."""
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "batch_size", "log_every", "eval_every", "eval_batches"):
+            value = getattr(self, name)
+            if value < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be positive, got {value}")
+        if not self.lr > 0:
+            raise ValueError(f"--lr must be positive, got {self.lr}")
+        if self.warmup < 0:
+            raise ValueError(f"--warmup must be 0 or more, got {self.warmup}")
+        if self.save_every < 0:
+            raise ValueError(f"--save-every must be 0 or more, got {self.save_every}")
+        if self.stop_at is not None and self.stop_at < 1:
+            raise ValueError(f"--stop-at must be positive, got {self.stop_at}")
+        if self.max_bytes < 1:
+            raise ValueError(f"--max-bytes must be positive, got {self.max_bytes}")
+
+    @property
+    def last_step(self) -> int:
+        """The step this process trains up to."""
+        return self.steps if self.stop_at is None else min(self.steps, self.stop_at)
+
+    @property
+    def uses_fp8(self) -> bool:
+        """Whether any of the recipes runs in FP8."""
+        return any(name != "bf16" for name in self.recipes)

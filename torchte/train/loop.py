@@ -1,0 +1,272 @@
+"""One recipe's training run: model, AdamW, learning-rate schedule, evaluation, checkpoints.
+
+A run is reproducible from its seed: torch's generator is seeded before the model is built,
+batches come from the sampler's own generator, and evaluation leaves the FP8 scaling state as
+it found it, so the training losses do not depend on how often validation runs. A run resumed
+from a checkpoint continues with the same losses, bit for bit, as one never interrupted.
+
+A row is logged every `log_every` steps, every `eval_every` steps (with the validation loss),
+at step 0 (validation only) and at the last step. Its train loss is the mean over the steps
+since the previous row; its tokens/s counts training time only (not evaluation or saving).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+import torchte as te
+from torchte import recipe as te_recipe
+
+from . import checkpoint
+from .config import ModelConfig, RunConfig
+from .data import BatchSampler, Corpus, validation_batches
+from .model import GPT, restore_scaling, scaling_snapshot
+from .progress import Progress
+
+PARAMS_DTYPE = torch.bfloat16  # on the CPU too: te modules run bf16 there, FP8 emulated
+MIN_LR_FRACTION = 0.1
+GRAD_CLIP = 1.0
+WEIGHT_DECAY = 0.1
+BETAS = (0.9, 0.95)
+
+
+def make_recipe(name: str) -> te_recipe.Recipe | None:
+    """The FP8 recipe called `name`; None for bf16."""
+    if name == "delayed":
+        return te_recipe.DelayedScaling()
+    if name == "current":
+        return te_recipe.Float8CurrentScaling()
+    return None
+
+
+def learning_rate(step: int, config: RunConfig) -> float:
+    """The learning rate of step `step` (1-based): linear warmup, then cosine to lr / 10."""
+    if step <= config.warmup:
+        return config.lr * step / config.warmup
+    span = max(config.steps - config.warmup, 1)
+    progress = min((step - config.warmup) / span, 1.0)
+    cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
+    return config.lr * (MIN_LR_FRACTION + (1.0 - MIN_LR_FRACTION) * cosine)
+
+
+@dataclass
+class RunResult:
+    """What one recipe's run produced."""
+
+    recipe: str
+    rows: list[dict]
+    """Logged rows: recipe, step, train_loss, val_loss, tokens_per_s, elapsed_s (None where
+    not measured)."""
+    steps: int
+    """The step the run stopped at."""
+    tokens_per_s: float
+    """Training throughput of this process's steps (the first one, which compiles, left out
+    when there are others; nan without steps)."""
+
+
+class Throughput:
+    """Training tokens per second: the wall time between steps, with evaluation and saving
+    left out (restart() after them)."""
+
+    def __init__(self, tokens_per_step: int) -> None:
+        self.tokens_per_step = tokens_per_step
+        self.last = time.perf_counter()
+        self.window_tokens, self.window_s = 0, 0.0
+        self.tokens, self.seconds = 0, 0.0
+
+    def tick(self, counted: bool = True) -> None:
+        """A step ended now; `counted`: it also counts toward rate()."""
+        now = time.perf_counter()
+        dt, self.last = now - self.last, now
+        self.window_tokens, self.window_s = (
+            self.window_tokens + self.tokens_per_step,
+            dt + self.window_s,
+        )
+        if counted:
+            self.tokens, self.seconds = self.tokens + self.tokens_per_step, self.seconds + dt
+
+    def restart(self) -> None:
+        """The time since the last tick was not training."""
+        self.last = time.perf_counter()
+
+    def window_rate(self) -> float:
+        """Tokens/s of the steps since the last call (all of them counted)."""
+        rate = self.window_tokens / self.window_s if self.window_s > 0 else float("nan")
+        self.window_tokens, self.window_s = 0, 0.0
+        return rate
+
+    def rate(self) -> float:
+        """Tokens/s of the counted steps so far (nan before the first)."""
+        return self.tokens / self.seconds if self.seconds > 0 else float("nan")
+
+
+class Trainer:
+    """A GPT trained under one recipe; `run()` trains it up to config.steps."""
+
+    def __init__(
+        self, name: str, model_config: ModelConfig, config: RunConfig, corpus: Corpus
+    ) -> None:
+        self.name, self.config, self.corpus = name, config, corpus
+        self.device = torch.device(config.device)
+        self.recipe = make_recipe(name)
+        torch.manual_seed(config.seed)
+        self.model = GPT(model_config, PARAMS_DTYPE, self.device)
+        params = list(self.model.parameters())
+        groups = [
+            {"params": [p for p in params if p.dim() >= 2], "weight_decay": WEIGHT_DECAY},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+        ]
+        fused = self.device.type == "cuda"  # one kernel for all parameters on a GPU
+        self.optimizer = torch.optim.AdamW(groups, lr=config.lr, betas=BETAS, fused=fused)
+        self.sampler = BatchSampler(
+            corpus.train, config.batch_size, model_config.seq_len, config.seed
+        )
+        self.val_batches = validation_batches(
+            corpus.val, config.batch_size, model_config.seq_len, config.eval_batches
+        )
+        self.tokens_per_step = config.batch_size * model_config.seq_len
+        self.step = 0
+        self.rows: list[dict] = []
+        self.window: list[torch.Tensor] = []  # train losses since the last row
+        self.elapsed = 0.0
+
+    # -- one step, one evaluation -------------------------------------------------------------
+
+    def _loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean cross entropy (fp32) of the model on one batch, under the run's recipe."""
+        inputs = inputs.to(self.device, non_blocking=True)
+        targets = targets.to(self.device, non_blocking=True)
+        with te.autocast(enabled=self.recipe is not None, recipe=self.recipe):
+            logits = self.model(inputs)
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+    def train_step(self) -> torch.Tensor:
+        """One optimizer step on the next batch; returns its loss (detached)."""
+        self.step += 1
+        lr = learning_rate(self.step, self.config)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        loss = self._loss(*self.sampler.next())
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), GRAD_CLIP)
+        self.optimizer.step()
+        return loss.detach()
+
+    def evaluate(self) -> float:
+        """Mean validation loss over the fixed batches; the FP8 scaling state is restored
+        afterwards, so evaluation does not change training."""
+        snapshot = scaling_snapshot(self.model)
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                losses = [self._loss(x, y) for x, y in self.val_batches]
+        finally:
+            self.model.train()
+            restore_scaling(self.model, snapshot)
+        return torch.stack(losses).double().mean().item()
+
+    # -- the run ------------------------------------------------------------------------------
+
+    def run(self, progress: Progress) -> RunResult:
+        """Train from self.step to config.last_step, logging, evaluating and saving on
+        schedule; save at the end when config.save is set."""
+        config = self.config
+        start = time.perf_counter() - self.elapsed
+        if self.step == 0:
+            self._log(progress, 0, self.evaluate(), None, start)
+        first, meter = self.step + 1, Throughput(self.tokens_per_step)
+        while self.step < config.last_step:
+            loss = self.train_step()
+            self.window.append(loss)
+            step = self.step
+            is_eval = step % config.eval_every == 0 or step == config.steps
+            is_log = is_eval or step % config.log_every == 0
+            if is_log or step == first:
+                self._sync()  # what the clock reads next includes the device's work
+            # The first step compiles and warms up: left out of the speed unless it is all.
+            meter.tick(counted=step != first or config.last_step == first)
+            if is_log:
+                window_speed = meter.window_rate()
+                val = self.evaluate() if is_eval else None
+                self._log(progress, step, val, window_speed, start)
+                meter.restart()
+            progress.update(step, loss.item, meter.rate())
+            if config.save_every and step % config.save_every == 0 and step < config.last_step:
+                self.save(start)
+                meter.restart()
+        self.elapsed = time.perf_counter() - start
+        if config.save is not None:
+            self.save(start)
+        progress.close()
+        return RunResult(self.name, self.rows, self.step, meter.rate())
+
+    def _log(self, progress: Progress, step: int, val, speed, start: float) -> None:
+        train = torch.stack(self.window).mean().item() if self.window else None
+        self.window = []
+        self.elapsed = time.perf_counter() - start
+        row = {
+            "recipe": self.name,
+            "step": step,
+            "train_loss": train,
+            "val_loss": val,
+            "tokens_per_s": speed,
+            "elapsed_s": self.elapsed,
+        }
+        self.rows.append(row)
+        progress.log(row)
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    # -- checkpoints --------------------------------------------------------------------------
+
+    def checkpoint_path(self, path: Path) -> Path:
+        """This recipe's file for the checkpoint path given on the command line."""
+        return checkpoint.recipe_path(path, self.name, len(self.config.recipes) > 1)
+
+    def save(self, start: float) -> None:
+        """Write the checkpoint of the current step (see checkpoint.py for its contents)."""
+        self.elapsed = time.perf_counter() - start
+        checkpoint.save_checkpoint(
+            self.checkpoint_path(self.config.save),
+            {
+                "recipe": self.name,
+                "step": self.step,
+                "model_config": self.model.config.as_dict(),
+                "corpus": self.corpus.fingerprint(),
+                "run": {
+                    k: getattr(self.config, k)
+                    for k in ("steps", "batch_size", "lr", "warmup", "seed")
+                },
+                "model": self.model.state_dict(),
+                "optimizer": self.optimizer.state_dict(),
+                "rng": checkpoint.rng_states(self.device, self.sampler.get_state()),
+                "history": self.rows,
+                "window": [loss.item() for loss in self.window],
+                "elapsed_s": self.elapsed,
+            },
+        )
+
+    def resume(self, path: Path) -> None:
+        """Continue from the checkpoint of this recipe at `path` (SystemExit if it does not
+        fit this run)."""
+        path = self.checkpoint_path(path)
+        state = checkpoint.load_checkpoint(path)
+        checkpoint.check_compatible(
+            state, path, self.model.config.as_dict(), self.name, self.corpus.fingerprint()
+        )
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.sampler.set_state(checkpoint.restore_rng(state["rng"]))
+        self.step = int(state["step"])
+        self.rows = list(state["history"])
+        self.window = [torch.tensor(v, device=self.device) for v in state["window"]]
+        self.elapsed = float(state["elapsed_s"])

@@ -1,0 +1,135 @@
+"""A small GPT of te modules: a byte-level causal language model.
+
+Legend: B batch, S sequence length, H hidden, V vocabulary (256 bytes), nh heads, hd = H / nh.
+
+Block: x + proj(attention(te.LayerNormLinear(x) -> q, k, v)), then + MLP: te.LayerNormMLP
+(dense) or MoEMLP (experts). Token and learned position embeddings (torch nn.Embedding),
+a final te.LayerNorm and a te.Linear head. Weights are N(0, 0.02); the layers that write into
+the residual stream (attention projection, the MLP's second GEMM) get 0.02 / sqrt(2 layers),
+so the stream's scale does not grow with depth.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import torchte as te
+from torchte.module.base import TransformerEngineBaseModule
+
+from .config import ModelConfig
+from .moe import MoEMLP
+
+INIT_STD = 0.02
+
+
+def _normal(std: float):
+    return functools.partial(nn.init.normal_, mean=0.0, std=std)
+
+
+class Attention(nn.Module):
+    """Causal self-attention: x (B, S, H) -> (B, S, H); norm and QKV in one te.LayerNormLinear."""
+
+    def __init__(self, config: ModelConfig, kw: dict, out_std: float) -> None:
+        super().__init__()
+        self.heads = config.heads
+        h = config.hidden
+        self.qkv = te.LayerNormLinear(h, 3 * h, init_method=_normal(INIT_STD), **kw)
+        self.proj = te.Linear(h, h, init_method=_normal(out_std), **kw)
+
+    def forward(self, x_BSH: torch.Tensor) -> torch.Tensor:
+        b, s, h = x_BSH.shape
+        qkv = self.qkv(x_BSH).view(b, s, 3, self.heads, h // self.heads)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each (B, nh, S, hd)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(a.transpose(1, 2).reshape(b, s, h))
+
+
+class Block(nn.Module):
+    """One transformer block (pre-norm): attention, then the MLP, each with a residual."""
+
+    def __init__(self, config: ModelConfig, kw: dict) -> None:
+        super().__init__()
+        out_std = INIT_STD / math.sqrt(2 * config.layers)
+        self.attn = Attention(config, kw, out_std)
+        if config.experts:
+            self.mlp = MoEMLP(
+                config.hidden, config.ffn, config.experts, config.top_k,
+                kw["params_dtype"], kw["device"], _normal(INIT_STD), _normal(out_std),
+            )  # fmt: skip
+        else:
+            self.mlp = te.LayerNormMLP(
+                config.hidden,
+                config.ffn,
+                activation="gelu",
+                init_method=_normal(INIT_STD),
+                output_layer_init_method=_normal(out_std),
+                **kw,
+            )
+
+    def forward(self, x_BSH: torch.Tensor) -> torch.Tensor:
+        x_BSH = x_BSH + self.attn(x_BSH)
+        return x_BSH + self.mlp(x_BSH)
+
+
+class GPT(nn.Module):
+    """tokens (B, S) int64 -> logits (B, S, V) in the parameters' dtype."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.config = config
+        kw = {"params_dtype": dtype, "device": device}
+        self.tok_emb = nn.Embedding(config.vocab, config.hidden, device=device, dtype=dtype)
+        self.pos_emb = nn.Embedding(config.seq_len, config.hidden, device=device, dtype=dtype)
+        for emb in (self.tok_emb, self.pos_emb):
+            nn.init.normal_(emb.weight, mean=0.0, std=INIT_STD)
+        self.blocks = nn.ModuleList(Block(config, kw) for _ in range(config.layers))
+        self.norm = te.LayerNorm(config.hidden, **kw)
+        self.head = te.Linear(config.hidden, config.vocab, init_method=_normal(INIT_STD), **kw)
+
+    def forward(self, tokens_BS: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(tokens_BS.shape[1], device=tokens_BS.device)
+        x_BSH = self.tok_emb(tokens_BS) + self.pos_emb(positions)
+        for block in self.blocks:
+            x_BSH = block(x_BSH)
+        return self.head(self.norm(x_BSH))
+
+
+def count_parameters(model: nn.Module) -> int:
+    """The number of parameter elements."""
+    return sum(p.numel() for p in model.parameters())
+
+
+def scaled_modules(model: nn.Module) -> list[TransformerEngineBaseModule]:
+    """The te modules that carry FP8 scaling state (the norms carry none)."""
+    return [
+        m
+        for m in model.modules()
+        if isinstance(m, TransformerEngineBaseModule)
+        and type(m).get_extra_state is not nn.Module.get_extra_state
+    ]
+
+
+def scaling_snapshot(model: nn.Module) -> list[dict]:
+    """Copies of every te module's delayed-scaling state (scales, amax histories)."""
+    return [m.get_extra_state() for m in scaled_modules(model)]
+
+
+def restore_scaling(model: nn.Module, snapshot: list[dict]) -> None:
+    """Put the delayed-scaling state back as `snapshot` found it. A module that had none gets
+    the initial values (scale 1, empty history), as if it had never run under FP8."""
+    for module, saved in zip(scaled_modules(model), snapshot, strict=True):
+        if saved:
+            module.set_extra_state(saved)
+            continue
+        now = module.get_extra_state()
+        if now:
+            initial = {k: v for k, v in now.items() if k == "amax_history_len"}
+            for key in ("fwd", "bwd"):
+                initial[f"{key}_scale"] = torch.ones_like(now[f"{key}_scale"])
+                initial[f"{key}_amax_history"] = torch.zeros_like(now[f"{key}_amax_history"])
+            module.set_extra_state(initial)

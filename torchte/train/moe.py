@@ -1,0 +1,82 @@
+"""A mixture-of-experts MLP of te modules: LayerNorm, a router, two te.GroupedLinear layers.
+
+Legend: T tokens (batch x sequence), H hidden, F the experts' hidden width, E experts, k experts
+per token, A = T k assignments (assignment a = t k + j is token t's j-th choice), P rows of
+the permuted buffer (each expert's assignments, padded to a multiple of EXPERT_ALIGN).
+
+Each token goes to the k experts with the largest router logits, weighted by the softmax over
+those k logits. The assignments are gathered expert by expert into one (P, H) buffer, each
+expert's rows padded with zero rows to a multiple of 16, and the padding rows are dropped
+afterwards, so they reach neither the output nor any gradient. te.GroupedLinear's FP8 GEMMs
+want aligned splits; in bf16 the padding keeps the set of GEMM shapes small, which matters on
+the CPU, where the GEMM library keeps code and buffers per shape (memory grows with every new
+token count otherwise).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import torchte as te
+
+EXPERT_ALIGN = 16
+
+
+def route(experts_Tk: torch.Tensor, num_experts: int, align: int) -> tuple[torch.Tensor, list]:
+    """Where each assignment goes in the permuted buffer: (dest (A,) int64 row of assignment
+    a, m_splits: the E padded group sizes, each a multiple of `align`)."""
+    flat_A = experts_Tk.reshape(-1)
+    order_A = torch.argsort(flat_A, stable=True)  # assignments grouped by expert, in token order
+    counts_E = torch.bincount(flat_A, minlength=num_experts)
+    padded_E = (counts_E + align - 1) // align * align
+    start_E = torch.cumsum(counts_E, 0) - counts_E
+    padded_start_E = torch.cumsum(padded_E, 0) - padded_E
+    expert_sorted = flat_A[order_A]
+    rank = torch.arange(flat_A.numel(), device=flat_A.device) - start_E[expert_sorted]
+    dest_A = torch.empty_like(flat_A)
+    dest_A[order_A] = padded_start_E[expert_sorted] + rank
+    return dest_A, padded_E.tolist()
+
+
+class MoEMLP(nn.Module):
+    """x (..., H) -> y (..., H): norm, top-k routing, per-expert gelu MLPs, weighted sum."""
+
+    def __init__(
+        self,
+        hidden: int,
+        ffn: int,
+        num_experts: int,
+        top_k: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        init: Callable[[torch.Tensor], None],
+        out_init: Callable[[torch.Tensor], None],
+    ) -> None:
+        super().__init__()
+        self.num_experts, self.top_k = num_experts, top_k
+        kw = {"params_dtype": dtype, "device": device}
+        self.norm = te.LayerNorm(hidden, **kw)
+        # The router stays in fp32: its logits decide discrete choices.
+        self.router = nn.Linear(hidden, num_experts, bias=False, device=device)
+        init(self.router.weight)
+        self.fc1 = te.GroupedLinear(num_experts, hidden, ffn, init_method=init, **kw)
+        self.fc2 = te.GroupedLinear(num_experts, ffn, hidden, init_method=out_init, **kw)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x_TH = x.reshape(-1, x.shape[-1])
+        z_TH = self.norm(x_TH)
+        logits_TE = self.router(z_TH.float())
+        top_logits_Tk, experts_Tk = logits_TE.topk(self.top_k, dim=-1)
+        gates_Tk = top_logits_Tk.softmax(dim=-1)
+        dest_A, m_splits = route(experts_Tk, self.num_experts, EXPERT_ALIGN)
+        z_AH = z_TH.repeat_interleave(self.top_k, dim=0)
+        z_PH = z_TH.new_zeros(sum(m_splits), z_TH.shape[1]).index_copy(0, dest_A, z_AH)
+        h_PF = F.gelu(self.fc1(z_PH, m_splits), approximate="tanh")
+        y_PH = self.fc2(h_PF, m_splits)
+        y_TkH = y_PH[dest_A].view(*experts_Tk.shape, -1)  # padding rows dropped here
+        y_TH = (y_TkH.float() * gates_Tk.unsqueeze(-1)).sum(dim=1)
+        return y_TH.to(x.dtype).view(x.shape)

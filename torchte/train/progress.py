@@ -1,0 +1,88 @@
+"""A progress bar on stderr: step/total, loss, tokens/s, ETA.
+
+On a terminal the bar redraws in place at most `REFRESH_PER_S` times a second (reading the
+loss only then, so a GPU is not made to wait every step). Elsewhere (a file, a pipe, CI) it
+writes one plain line per logged row instead.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from collections.abc import Callable
+from typing import TextIO
+
+REFRESH_PER_S = 4
+BAR_WIDTH = 24
+
+
+def format_duration(seconds: float) -> str:
+    """'1:02:03', '2:03' or '0:05'."""
+    seconds = max(round(seconds), 0)
+    hours, rest = divmod(seconds, 3600)
+    minutes, secs = divmod(rest, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
+
+
+class Progress:
+    """The progress of one recipe's run, steps first_step+1 .. total."""
+
+    def __init__(
+        self, label: str, total: int, first_step: int, stream: TextIO | None = None
+    ) -> None:
+        self.label, self.total, self.first_step = label, total, first_step
+        self.stream = sys.stderr if stream is None else stream
+        isatty = getattr(self.stream, "isatty", None)
+        self.interactive = bool(isatty and isatty())
+        self.start = time.perf_counter()
+        self.last_draw = float("-inf")
+        self.val_loss: float | None = None
+
+    def eta(self, step: int) -> float:
+        """Seconds left, at the rate of the steps run so far in this process."""
+        done = step - self.first_step
+        if done <= 0:
+            return float("nan")
+        return (time.perf_counter() - self.start) / done * (self.total - step)
+
+    def update(self, step: int, loss: Callable[[], float], tokens_per_s: float) -> None:
+        """Redraw the bar (on a terminal, when due); `loss` is read only when drawn."""
+        if not self.interactive:
+            return
+        now = time.perf_counter()
+        if now - self.last_draw < 1.0 / REFRESH_PER_S and step != self.total:
+            return
+        self.last_draw = now
+        filled = int(BAR_WIDTH * step / self.total)
+        bar = "#" * filled + "-" * (BAR_WIDTH - filled)
+        val = f" val {self.val_loss:.4f}" if self.val_loss is not None else ""
+        speed = f"{tokens_per_s:,.0f}" if math.isfinite(tokens_per_s) else "-"
+        eta = self.eta(step)
+        text = (
+            f"[{self.label}] |{bar}| {step}/{self.total} loss {loss():.4f}{val} "
+            f"{speed} tok/s ETA {format_duration(eta) if math.isfinite(eta) else '-'}"
+        )
+        self.stream.write("\r" + text + "\x1b[K")
+        self.stream.flush()
+
+    def log(self, row: dict) -> None:
+        """A logged row: remembered for the bar, or written as one line off a terminal."""
+        if row["val_loss"] is not None:
+            self.val_loss = row["val_loss"]
+        if self.interactive:
+            return
+        train = "" if row["train_loss"] is None else f" loss {row['train_loss']:.4f}"
+        val = "" if row["val_loss"] is None else f" val {row['val_loss']:.4f}"
+        speed = "" if row["tokens_per_s"] is None else f" {row['tokens_per_s']:,.0f} tok/s"
+        eta = self.eta(row["step"])
+        eta_text = f" ETA {format_duration(eta)}" if math.isfinite(eta) else ""
+        head = f"[{self.label}] step {row['step']}/{self.total}"
+        self.stream.write(f"{head}{train}{val}{speed}{eta_text}\n")
+        self.stream.flush()
+
+    def close(self) -> None:
+        """End the bar's line (on a terminal)."""
+        if self.interactive:
+            self.stream.write("\n")
+            self.stream.flush()
