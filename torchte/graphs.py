@@ -139,9 +139,8 @@ class _Graphs:
         if not (outputs and inputs):
             return [None] * len(inputs)
         grads = torch.autograd.grad(outputs, inputs, grad_outputs, allow_unused=True)
-        if not allow_unused and any(
-            g is None for g, t in zip(grads, inputs, strict=True) if not _is_param(t, self)
-        ):
+        user_inputs = sum(t.requires_grad for t in self.inputs)  # first in `inputs`
+        if not allow_unused and any(g is None for g in grads[:user_inputs]):
             raise RuntimeError(
                 "an input of the graphed module got no gradient (it was not used); pass "
                 "allow_unused_input=True if this is intended"
@@ -240,10 +239,6 @@ class _Replay(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, *grads):
         return (None, *ctx.graphs.replay_backward(grads, ctx.leaves))
-
-
-def _is_param(tensor: torch.Tensor, graphs: _Graphs) -> bool:
-    return any(tensor is p for p in graphs.params)
 
 
 def _warm_up(graphs: list[_Graphs], iterations: int, allow_unused: bool) -> None:
