@@ -129,8 +129,10 @@ def test_delayed_scaling_state_round_trips_through_state_dict(
         trainer.train_step()
     saved = model.scaling_snapshot(trainer.model)
     assert len(saved) == 7  # per block QKV, projection and MLP (2 blocks), and the head
-    assert all(s["fwd_amax_history"].abs().sum() > 0 for s in saved)
-    assert any((s["fwd_scale"] != 1).any() for s in saved)
+    *blocks, head = saved
+    assert head == {}  # the output layer runs outside FP8: it never scaled anything
+    assert all(s["fwd_amax_history"].abs().sum() > 0 for s in blocks)
+    assert any((s["fwd_scale"] != 1).any() for s in blocks)
     fresh = model.GPT(trainer.model.config, loop.PARAMS_DTYPE, torch.device("cpu"))
     fresh.load_state_dict(trainer.model.state_dict())
     for before, after in zip(saved, model.scaling_snapshot(fresh), strict=True):
@@ -150,9 +152,48 @@ def test_evaluation_leaves_the_scaling_state_as_it_was(corpus_dir: Path, tmp_pat
     trainer.train_step()
     before = model.scaling_snapshot(trainer.model)
     trainer.evaluate()
-    for b, a in zip(before, model.scaling_snapshot(trainer.model), strict=True):
+    after = model.scaling_snapshot(trainer.model)
+    assert sum(bool(s) for s in before) == 6 and [bool(s) for s in after] == [
+        bool(s) for s in before
+    ]
+    for b, a in ((b, a) for b, a in zip(before, after, strict=True) if b):
         assert torch.equal(b["fwd_amax_history"], a["fwd_amax_history"])
         assert torch.equal(b["fwd_scale"], a["fwd_scale"])
+
+
+# -- the model -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("used", ["qkv", "qv"])
+def test_split_heads_matches_view_permute_unbind(used: str) -> None:
+    x = torch.randn(2, 8, 3 * 16, dtype=torch.float64, requires_grad=True)
+    weights = {"q": 1.0, "k": 2.0, "v": 3.0}
+
+    def loss(parts) -> torch.Tensor:
+        q, k, v = parts
+        named = {"q": q, "k": k, "v": v}
+        return sum(weights[n] * named[n] * named["v"] for n in used).sum()
+
+    split = model.SplitHeads.apply(x, 4)
+    plain = x.view(2, 8, 3, 4, 4).permute(2, 0, 3, 1, 4).unbind(0)
+    assert all(torch.equal(a, b) for a, b in zip(split, plain, strict=True))
+    (got,) = torch.autograd.grad(loss(split), x)
+    (want,) = torch.autograd.grad(loss(plain), x)
+    assert torch.equal(got, want)
+
+
+def test_trainer_keeps_fp32_master_weights_and_computes_in_bf16(
+    corpus_dir: Path, tmp_path: Path
+) -> None:
+    trainer = _trainer(corpus_dir, tmp_path, "delayed")
+    trainer.train_step()
+    params = list(trainer.model.parameters())
+    assert all(p.dtype == torch.float32 for p in params)
+    states = [trainer.optimizer.state[p] for p in params]
+    assert all(s["exp_avg"].dtype == torch.float32 for s in states)
+    tokens = trainer.val_batches[0][0]
+    with torch.no_grad(), torch.autocast("cpu", dtype=loop.COMPUTE_DTYPE):
+        assert trainer.model(tokens).dtype == torch.bfloat16
 
 
 # -- data ----------------------------------------------------------------------------------------

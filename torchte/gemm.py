@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 __all__ = [
     "fp8_gemm",
+    "fp32_mm",
     "grouped_dgrad",
     "grouped_fprop",
     "grouped_mm_supported",
@@ -31,6 +32,16 @@ __all__ = [
     "scaled_grouped_fprop",
     "scaled_grouped_mm_supported",
 ]
+
+
+def fp32_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a (M, K) @ b (K, N) in fp32 (both fp32), also inside a torch.autocast region, which would
+    otherwise run the product in its low-precision dtype."""
+    device_type = a.device.type
+    if torch.is_autocast_enabled(device_type):
+        with torch.autocast(device_type, enabled=False):
+            return torch.mm(a, b)
+    return torch.mm(a, b)
 
 
 def hp_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -78,7 +89,7 @@ def fp8_gemm(
         return _scaled_mm_cuda(
             a, a_scale_inv, b, b_scale_inv, out_dtype, bias, out, accumulate, use_fast_accum
         )
-    prod = torch.mm(a.float(), b.float().t()) * (a_scale_inv * b_scale_inv)
+    prod = fp32_mm(a.float(), b.float().t()) * (a_scale_inv * b_scale_inv)
     if bias is not None:
         prod = prod + bias.float()
     if out is None:
@@ -151,7 +162,8 @@ def grouped_mm_supported(device: torch.device, dtype: torch.dtype, ragged: bool 
     if device.type != "cuda" or not hasattr(torch, "_grouped_mm"):
         return False
     try:
-        return _grouped_mm_agrees(device, dtype, PROBE_SIZES[ragged])
+        with torch.autocast(device.type, enabled=False):  # the fp32 reference stays fp32
+            return _grouped_mm_agrees(device, dtype, PROBE_SIZES[ragged])
     except (RuntimeError, NotImplementedError, TypeError):
         return False
 
@@ -212,7 +224,8 @@ def scaled_grouped_mm_supported(device: torch.device, a_dtype, b_dtype, ragged=T
     if device.type != "cuda" or not hasattr(torch, "_scaled_grouped_mm"):
         return False
     try:
-        return _scaled_grouped_agrees(device, a_dtype, b_dtype, PROBE_SIZES[ragged])
+        with torch.autocast(device.type, enabled=False):
+            return _scaled_grouped_agrees(device, a_dtype, b_dtype, PROBE_SIZES[ragged])
     except (RuntimeError, NotImplementedError, TypeError, ValueError):
         return False
 

@@ -12,16 +12,17 @@ included) with one, and never write a or dh in high precision:
 and give the same FP8 bytes, amax and scale_inv as those: the activation math is the same code
 (activation.py's jit helpers, in fp32), each value is rounded to h's dtype before it is
 quantized or summed (as storing a or dh in h's dtype does), and the bytes come from
-cast_transpose's integer FP8 encoder (_fp8_code), stored as uint8 bytes (rowwise) and as int32
+cast_transpose's FP8 encoder (_fp8_code), stored as uint8 bytes (rowwise) and as int32
 words packing four rows (columnwise), never as FP8-typed values. dbias is summed in fp32 over
 the rounded dh, then rounded to dy's dtype: the unfused dh.sum(0) in dh's dtype may round it
 differently by an ulp.
 
-Launches per call (non-empty h): activation_forward_fp8 1, activation_backward_fp8 1. The
-backward grid has one program per column block, each looping over all M rows, so it owns the
-full column sums of its block: dbias needs no atomics and no second launch. That grid has
-ceil(N / 32) programs whatever M is; for many rows and few columns it may use the GPU less well
-than the unfused kernels (to be measured: benchmarks have not run on a GPU yet).
+Launches per call (non-empty h): activation_forward_fp8 1; activation_backward_fp8 1 when the
+rows are few, else 2. The backward grid is (column blocks, row blocks): with one row block
+(backward_row_split keeps one while the column blocks alone give about 4 programs per SM) each
+program walks all M rows and owns the full column sums of its block, so dbias needs no atomics
+and no second launch; with more, each row block writes fp32 partial sums and one torch sum
+over the row blocks, in a fixed order, makes dbias.
 
 On CUDA with Triton the kernels run; elsewhere (and for an empty h) the torch references below,
 composed of activation.py's and cast_transpose's references.

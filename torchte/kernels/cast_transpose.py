@@ -17,11 +17,14 @@ order is the float order, and NaN (0x7FC00000 and up) sorts above inf, so a NaN 
 amax as torch.maximum would carry it (a float atomic max drops NaN). The single-program path
 takes the same maximum in registers, with no atomic and no zeroed buffer.
 
-The kernel holds no FP8-typed value: it encodes FP8 bytes itself, in int32 arithmetic (the
-algorithm of torch's own conversion, c10's fp8*_from_fp32_value), and stores uint8 bytes
-(rowwise) and int32 words of four bytes (columnwise). On an H200 with Triton 3.6, kernels that
-cast to tl.float8e4nv / tl.float8e5 and also transpose or repack the FP8 values stored wrong
-bytes (see triton-lang/triton#11111 for one such miscompile), while integer code is safe.
+The FP8 bytes come from _fp8_code, which keeps an FP8-typed value only for the one conversion
+instruction and bitcasts it at once to an integer byte: every store, transpose and repacking
+moves uint8 bytes (rowwise) and int32 words of four bytes (columnwise). On an H200 with
+Triton 3.6, kernels that carried tl.float8e4nv / tl.float8e5 values through a transpose or a
+repacking stored wrong bytes (see triton-lang/triton#11111 for one such miscompile), while
+integer code is safe. Under Triton's CPU interpreter, which mis-rounds FP8 conversions,
+_fp8_code encodes in int32 arithmetic instead (the algorithm of torch's own conversion, c10's
+fp8*_from_fp32_value); both give torch's bytes.
 """
 
 from __future__ import annotations
@@ -55,6 +58,9 @@ except ImportError:  # CPU-only installs: the torch reference runs
     triton = None
 
 if triton is not None:
+    # FP8 bytes from the GPU's conversion instruction; under Triton's CPU interpreter, which
+    # mis-rounds that conversion, from the integer encoder (both give torch's bytes).
+    _HARDWARE_FP8 = tl.constexpr(not triton.knobs.runtime.interpret)
 
     @triton.jit
     def _scale_from_amax(amax, amax_epsilon, FP8_MAX: tl.constexpr, POWER_2: tl.constexpr):
@@ -81,9 +87,16 @@ if triton is not None:
     @triton.jit
     def _fp8_code(y, FP8_MAX: tl.constexpr):
         """The FP8 byte (0..255, in an int32) of fp32 y, |y| <= FP8_MAX or NaN: round to nearest
-        even, NaN to 0x7F with y's sign; exactly torch's conversion (c10), step for step."""
+        even, NaN to 0x7F with y's sign; exactly torch's conversion (c10). On a GPU the
+        hardware converts (one instruction); under the interpreter, integer steps."""
         bits = y.to(tl.int32, bitcast=True)
         mag = bits & 0x7FFFFFFF
+        if _HARDWARE_FP8:
+            if FP8_MAX == 448.0:
+                code = y.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32)
+            else:
+                code = y.to(tl.float8e5).to(tl.uint8, bitcast=True).to(tl.int32)
+            return tl.where(mag > 0x7F800000, 0x7F | ((bits >> 24) & 0x80), code)
         if FP8_MAX == 448.0:  # e4m3: bias 7, 3 mantissa bits, normal from 2**-6
             mant_odd = (mag >> 20) & 1
             normal = (mag - (120 << 23) + 0x7FFFF + mant_odd) >> 20

@@ -16,7 +16,7 @@ and gives the same bytes, amax, scale_inv, mean and rstd as those:
   run in the same order. The default here is norm.row_config with FP8_TILE elements per tile
   (the unfused forward's own default tile is larger: pass this config to compare bits).
 - y is the same fp32 expression, rounded to x's dtype (as storing y does), then quantized with
-  activation_fp8's helpers: cast_transpose's integer FP8 encoder, uint8 bytes rowwise, int32
+  activation_fp8's helpers: cast_transpose's FP8 encoder, uint8 bytes rowwise, int32
   words of four rows columnwise, amax as an int32 atomic max of the bits of |y|.
 
 A program owns GROUP_M = max(16, BLOCK_M) consecutive rows (a multiple of 16, so the words of

@@ -154,6 +154,19 @@ class TransformerEngineBaseModule(nn.Module):
             module.train(mode)
         return self
 
+    def _apply(self, fn, recurse: bool = True):
+        """nn.Module.to()/.half()/.bfloat16() and the like: the module then computes in the
+        parameters' new dtype (params_dtype follows them), and FP8 weight copies made from
+        the old tensors are dropped."""
+        result = super()._apply(fn, recurse)
+        dtypes = {p.dtype for p in self.parameters(recurse=False) if p.is_floating_point()}
+        if len(dtypes) == 1 and (dtype := dtypes.pop()) in SUPPORTED_DTYPES:
+            self.__dict__["params_dtype"] = dtype
+        for setup in self._fp8_setups.values():
+            for cache in (*setup.weight_cache, setup.grouped_weight_cache):
+                cache[0] = None
+        return result
+
     # -- FP8 state ------------------------------------------------------------------------------
 
     def _fp8_setup(self, recipe: Recipe) -> FP8Setup:

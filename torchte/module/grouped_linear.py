@@ -28,7 +28,13 @@ import torch
 from torch import nn
 
 from torchte.autocast import autocast_state
-from torchte.gemm import grouped_dgrad, grouped_fprop, grouped_mm_supported, grouped_wgrad
+from torchte.gemm import (
+    fp32_mm,
+    grouped_dgrad,
+    grouped_fprop,
+    grouped_mm_supported,
+    grouped_wgrad,
+)
 from torchte.quantization.model_init import model_init_settings
 
 from ._common import restore_saved, save_for_backward, stack_parameters
@@ -95,7 +101,7 @@ def _group_sums(dy: torch.Tensor, splits: GroupSplits) -> torch.Tensor:
     one_hot = splits.one_hot(dy.dtype)
     if dy.is_cuda and dy.dtype in (torch.bfloat16, torch.float16):
         return torch.mm(one_hot, dy, out_dtype=torch.float32)
-    return one_hot.float() @ dy.float()
+    return fp32_mm(one_hot.float(), dy.float())
 
 
 def _per_group_forward(ctx, x, splits: GroupSplits, plan: GroupedPlan, params, w_fp8, needs):

@@ -18,7 +18,7 @@ from torchte import _device
 
 from .config import DEFAULT_MAX_BYTES, FP8_MULTIPLE, RECIPES, SIZES, ModelConfig, RunConfig
 from .data import load_corpus
-from .loop import PARAMS_DTYPE, RunResult, Trainer
+from .loop import COMPUTE_DTYPE, PARAMS_DTYPE, RunResult, Trainer
 from .model import count_parameters
 from .plot import write_plot
 from .progress import Progress, format_duration
@@ -175,8 +175,12 @@ def describe_model(config: ModelConfig, parameters: int) -> str:
     return (
         f"model: {config.layers} layers, hidden {config.hidden}, {config.heads} heads, "
         f"ffn {config.ffn}, {mlp}, seq {config.seq_len}: {parameters / 1e6:.2f}M parameters "
-        f"({str(PARAMS_DTYPE).removeprefix('torch.')})"
+        f"({_dtype_name(PARAMS_DTYPE)} weights, {_dtype_name(COMPUTE_DTYPE)} compute)"
     )
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def main(argv: list[str] | None = None) -> None:

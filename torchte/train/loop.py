@@ -29,7 +29,10 @@ from .data import BatchSampler, Corpus, validation_batches
 from .model import GPT, restore_scaling, scaling_snapshot
 from .progress import Progress
 
-PARAMS_DTYPE = torch.bfloat16  # on the CPU too: te modules run bf16 there, FP8 emulated
+# fp32 master weights and AdamW state; the model computes in bf16 under torch.autocast (FP8
+# GEMMs where a recipe is on). On the CPU too: te modules run bf16 there, FP8 emulated.
+PARAMS_DTYPE = torch.float32
+COMPUTE_DTYPE = torch.bfloat16
 MIN_LR_FRACTION = 0.1
 GRAD_CLIP = 1.0
 WEIGHT_DECAY = 0.1
@@ -142,7 +145,10 @@ class Trainer:
         """Mean cross entropy (fp32) of the model on one batch, under the run's recipe."""
         inputs = inputs.to(self.device, non_blocking=True)
         targets = targets.to(self.device, non_blocking=True)
-        with te.autocast(enabled=self.recipe is not None, recipe=self.recipe):
+        with (
+            torch.autocast(self.device.type, dtype=COMPUTE_DTYPE),
+            te.autocast(enabled=self.recipe is not None, recipe=self.recipe),
+        ):
             logits = self.model(inputs)
         return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 

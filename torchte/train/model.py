@@ -7,6 +7,11 @@ Block: x + proj(attention(te.LayerNormLinear(x) -> q, k, v)), then + MLP: te.Lay
 a final te.LayerNorm and a te.Linear head. Weights are N(0, 0.02); the layers that write into
 the residual stream (attention projection, the MLP's second GEMM) get 0.02 / sqrt(2 layers),
 so the stream's scale does not grow with depth.
+
+Precision: the parameters may be fp32 (master weights) with the model run under torch.autocast;
+the residual stream is then kept in the autocast dtype from the embeddings on. The output
+layer (the head) always runs in high precision, outside any FP8 region, as is usual for FP8
+training: its GEMM is small, and the logits decide the loss directly.
 """
 
 from __future__ import annotations
@@ -31,6 +36,26 @@ def _normal(std: float):
     return functools.partial(nn.init.normal_, mean=0.0, std=std)
 
 
+class SplitHeads(torch.autograd.Function):
+    """qkv (B, S, 3H) -> q, k, v (B, nh, S, hd), views of qkv; the backward writes their
+    gradients into one (B, S, 3H) tensor in a single pass. (Through view, permute and unbind,
+    autograd would stack the three gradients and then copy the permuted stack again: on a GPU
+    that took longer than the attention's own backward.)"""
+
+    @staticmethod
+    def forward(ctx, qkv_BSX: torch.Tensor, heads: int):
+        b, s, x = qkv_BSX.shape
+        return qkv_BSX.view(b, s, 3, heads, x // (3 * heads)).permute(2, 0, 3, 1, 4).unbind(0)
+
+    @staticmethod
+    def backward(ctx, *grads_BnSd):
+        like = next(g for g in grads_BnSd if g is not None)
+        parts = [torch.zeros_like(like) if g is None else g for g in grads_BnSd]
+        b, _, s, _ = like.shape
+        grad_BSX = torch.stack([g.transpose(1, 2) for g in parts], dim=2).view(b, s, -1)
+        return grad_BSX, None
+
+
 class Attention(nn.Module):
     """Causal self-attention: x (B, S, H) -> (B, S, H); norm and QKV in one te.LayerNormLinear."""
 
@@ -43,8 +68,7 @@ class Attention(nn.Module):
 
     def forward(self, x_BSH: torch.Tensor) -> torch.Tensor:
         b, s, h = x_BSH.shape
-        qkv = self.qkv(x_BSH).view(b, s, 3, self.heads, h // self.heads)
-        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each (B, nh, S, hd)
+        q, k, v = SplitHeads.apply(self.qkv(x_BSH), self.heads)  # each (B, nh, S, hd)
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.proj(a.transpose(1, 2).reshape(b, s, h))
 
@@ -94,9 +118,19 @@ class GPT(nn.Module):
     def forward(self, tokens_BS: torch.Tensor) -> torch.Tensor:
         positions = torch.arange(tokens_BS.shape[1], device=tokens_BS.device)
         x_BSH = self.tok_emb(tokens_BS) + self.pos_emb(positions)
+        x_BSH = x_BSH.to(_stream_dtype(x_BSH))
         for block in self.blocks:
             x_BSH = block(x_BSH)
-        return self.head(self.norm(x_BSH))
+        z_BSH = self.norm(x_BSH)
+        with te.autocast(enabled=False):  # the output layer stays in high precision
+            return self.head(z_BSH)
+
+
+def _stream_dtype(x: torch.Tensor) -> torch.dtype:
+    """The residual stream's dtype: torch.autocast's where it is on, else x's own."""
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype
 
 
 def count_parameters(model: nn.Module) -> int:

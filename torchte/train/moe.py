@@ -69,7 +69,8 @@ class MoEMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x_TH = x.reshape(-1, x.shape[-1])
         z_TH = self.norm(x_TH)
-        logits_TE = self.router(z_TH.float())
+        with torch.autocast(x.device.type, enabled=False):
+            logits_TE = self.router(z_TH.float())
         top_logits_Tk, experts_Tk = logits_TE.topk(self.top_k, dim=-1)
         gates_Tk = top_logits_Tk.softmax(dim=-1)
         dest_A, m_splits = route(experts_Tk, self.num_experts, EXPERT_ALIGN)
