@@ -3,7 +3,9 @@
 A run is reproducible from its seed: torch's generator is seeded before the model is built,
 batches come from the sampler's own generator, and evaluation leaves the FP8 scaling state as
 it found it, so the training losses do not depend on how often validation runs. A run resumed
-from a checkpoint continues with the same losses, bit for bit, as one never interrupted.
+from a checkpoint continues with the same losses, bit for bit, as one never interrupted, on
+a device whose kernels are deterministic (the CPU; on a GPU some kernels add in an order that
+varies between runs, so two runs of one seed drift apart in their last bits).
 
 A row is logged every `log_every` steps, every `eval_every` steps (with the validation loss),
 at step 0 (validation only) and at the last step. Its train loss is the mean over the steps
