@@ -164,7 +164,7 @@ def test_evaluation_leaves_the_scaling_state_as_it_was(corpus_dir: Path, tmp_pat
 # -- the model -----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("used", ["qkv", "qv"])
+@pytest.mark.parametrize("used", ["qkv", "qv", "k"])
 def test_split_heads_matches_view_permute_unbind(used: str) -> None:
     x = torch.randn(2, 8, 3 * 16, dtype=torch.float64, requires_grad=True)
     weights = {"q": 1.0, "k": 2.0, "v": 3.0}

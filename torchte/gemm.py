@@ -37,11 +37,8 @@ __all__ = [
 def fp32_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a (M, K) @ b (K, N) in fp32 (both fp32), also inside a torch.autocast region, which would
     otherwise run the product in its low-precision dtype."""
-    device_type = a.device.type
-    if torch.is_autocast_enabled(device_type):
-        with torch.autocast(device_type, enabled=False):
-            return torch.mm(a, b)
-    return torch.mm(a, b)
+    with torch.autocast(a.device.type, enabled=False):
+        return torch.mm(a, b)
 
 
 def hp_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

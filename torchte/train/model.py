@@ -48,11 +48,9 @@ class SplitHeads(torch.autograd.Function):
         return qkv_BSX.view(b, s, 3, heads, x // (3 * heads)).permute(2, 0, 3, 1, 4).unbind(0)
 
     @staticmethod
-    def backward(ctx, *grads_BnSd):
-        like = next(g for g in grads_BnSd if g is not None)
-        parts = [torch.zeros_like(like) if g is None else g for g in grads_BnSd]
-        b, _, s, _ = like.shape
-        grad_BSX = torch.stack([g.transpose(1, 2) for g in parts], dim=2).view(b, s, -1)
+    def backward(ctx, *grads_BnSd):  # autograd passes zeros for an unused output
+        b, _, s, _ = grads_BnSd[0].shape
+        grad_BSX = torch.stack([g.transpose(1, 2) for g in grads_BnSd], dim=2).view(b, s, -1)
         return grad_BSX, None
 
 
