@@ -86,6 +86,11 @@ class FP8Setup:
             self.grad_output = current(bwd_dtype, True)
             self.grad_input = current(bwd_dtype, False)
 
+    def drop_weight_caches(self) -> None:
+        """Forget the cached FP8 weights (their parameters were replaced)."""
+        for cache in (*self.weight_cache, self.grouped_weight_cache):
+            cache[0] = None
+
 
 def check_recipe(recipe: Recipe, device: torch.device) -> None:
     """Raise unless `recipe` runs on `device` in this release."""
@@ -163,8 +168,7 @@ class TransformerEngineBaseModule(nn.Module):
         if len(dtypes) == 1 and (dtype := dtypes.pop()) in SUPPORTED_DTYPES:
             self.__dict__["params_dtype"] = dtype
         for setup in self._fp8_setups.values():
-            for cache in (*setup.weight_cache, setup.grouped_weight_cache):
-                cache[0] = None
+            setup.drop_weight_caches()
         return result
 
     # -- FP8 state ------------------------------------------------------------------------------
