@@ -49,6 +49,7 @@ def pieces(tokens: int, features: int) -> dict[str, float]:
     amax = torch.zeros(1, device=dev)
     scale_inv = torch.empty(1, device=dev)
     hist = torch.zeros(1024, 3, device=dev)
+    nonfinite = torch.zeros(3, dtype=torch.int32, device=dev)
     scale = torch.ones(3, device=dev)
     e4m3 = torch.float8_e4m3fn
     lin = torch.nn.Linear(features, features, device=dev, dtype=torch.bfloat16)
@@ -98,7 +99,7 @@ def pieces(tokens: int, features: int) -> dict[str, float]:
             lambda: ct.quantize_current(x, scale_inv, e4m3, 0.0, False, True, True)
         ),
         "update_delayed_scaling": host_us(
-            lambda: update_delayed_scaling(hist, scale, 448.0, 0, "max")
+            lambda: update_delayed_scaling(hist, scale, nonfinite, 448.0, 0, "max")
         ),
         "autocast enter+exit": host_us(lambda: te.autocast(recipe=delayed).__enter__()),
         "te.Linear bf16 fwd": host_us(lambda: layer(x)),

@@ -128,9 +128,12 @@ def host_overhead(rows: int = 16, cols: int = 1024) -> list[dict]:
     x = torch.randn((rows, cols), device="cuda", dtype=torch.bfloat16)
     fns = quantize_fns(x)
     history, scale = torch.zeros((1024, 3), device="cuda"), torch.ones(3, device="cuda")
+    nonfinite = torch.zeros(3, dtype=torch.int32, device="cuda")
     fns["update_delayed_scaling"] = (
-        lambda: scaling.update_delayed_scaling(history, scale, 448.0, 0, "max"),
-        lambda: scaling.update_delayed_scaling_reference(history, scale, 448.0, 0, "max"),
+        lambda: scaling.update_delayed_scaling(history, scale, nonfinite, 448.0, 0, "max"),
+        lambda: scaling.update_delayed_scaling_reference(
+            history, scale, nonfinite, 448.0, 0, "max"
+        ),
     )
     fns.update(launch_only(x))
     out = []

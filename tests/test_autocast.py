@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import torchte as te
-from torchte.autocast import autocast_state, default_recipe
+from torchte.autocast import autocast_state, default_recipe, pending_backward_updates
 from torchte.recipe import DelayedScaling, Float8CurrentScaling, Format
 
 pytestmark = pytest.mark.usefixtures("cpu_default_device")
@@ -192,7 +192,7 @@ def test_backward_scales_update_when_backward_ends():
     assert bwd.scale.tolist() == [f32(E5M2_MAX / amax(dy)), 1.0]
     assert bwd.amax_history[0].tolist() == [0.0, 0.0]
     assert bwd.amax_history[-1].tolist() == [amax(dy), 0.0]
-    assert autocast_state().pending_backward == {}
+    assert pending_backward_updates() == {}
 
 
 def _model_update(rows, recorded, scale, fp8_max, algo="max", margin=0):
@@ -393,3 +393,59 @@ def test_current_scaling_keeps_no_delayed_state():
         layer(torch.randn(3, IN))
         assert autocast_state().pending_forward == {}
     assert layer._delayed_states == {}
+
+
+# -- threads ---------------------------------------------------------------------------------------
+
+
+def test_autocast_is_per_thread():
+    """A region entered in one thread leaves another thread's modules in high precision, and
+    the other way round; each thread sees its own depth and recipe."""
+    import threading
+
+    layer = make_layer(bias=True)
+    x = torch.randn(16, IN)
+    y_hp = F.linear(x, layer.weight, layer.bias)
+    inside, release = threading.Event(), threading.Event()
+    seen = {}
+
+    def holder():
+        with te.autocast(recipe=Float8CurrentScaling()):
+            seen["holder_enabled"] = autocast_state().enabled
+            seen["holder_y"] = layer(x)
+            inside.set()
+            release.wait(timeout=30)
+
+    thread = threading.Thread(target=holder)
+    thread.start()
+    try:
+        assert inside.wait(timeout=30)
+        state = autocast_state()
+        assert (state.enabled, state.depth) == (False, 0)
+        with torch.no_grad():
+            assert torch.equal(layer(x), y_hp)
+        assert layer._delayed_states == {}
+    finally:
+        release.set()
+        thread.join()
+    assert seen["holder_enabled"] is True
+    assert not torch.equal(seen["holder_y"], y_hp)  # the holder's own module call ran FP8
+    assert_clean_state()
+
+
+def test_backward_update_after_threaded_backward():
+    """A delayed-scaling backward run from another thread still updates the backward scales
+    at the end of its pass."""
+    import threading
+
+    layer = make_layer()
+    x = torch.randn(16, IN, requires_grad=True)
+    with te.autocast(recipe=DelayedScaling(amax_history_len=2)):
+        y = layer(x)
+    dy = torch.randn_like(y)
+    thread = threading.Thread(target=y.backward, args=(dy,))
+    thread.start()
+    thread.join()
+    _, bwd = states(layer, 2)
+    assert bwd.scale[0].item() == f32(E5M2_MAX / amax(dy))
+    assert pending_backward_updates() == {}

@@ -11,6 +11,8 @@ from tolerances import assert_close, representable
 import torchte as te
 from torchte import recipe
 
+pytestmark = pytest.mark.usefixtures("cpu_default_device")
+
 RECIPES = [recipe.DelayedScaling(amax_history_len=8), recipe.Float8CurrentScaling()]
 
 

@@ -86,10 +86,36 @@ def test_block_recipe_defaults():
     assert NVFP4BlockScaling().fp4_format == "E2M1"
 
 
-@pytest.mark.parametrize("margin", [-1, 1.5, "0", None])
+@pytest.mark.parametrize("margin", [-1, 1.5, "0", None, True])
 def test_delayed_scaling_rejects_bad_margin(margin):
     with pytest.raises(ValueError, match="margin"):
         DelayedScaling(margin=margin)
+
+
+@pytest.mark.parametrize("fp8_format", [Format.E4M3, Format.HYBRID])
+@pytest.mark.parametrize("margin", [15, 20, 100])
+def test_delayed_scaling_rejects_a_margin_beyond_the_format(fp8_format, margin):
+    """E4M3's largest value is 448 = 1.75 * 2**8, its smallest normal 2**-6: a margin above 14
+    puts a tensor's amax below every normal E4M3 number."""
+    with pytest.raises(ValueError, match="margin must be at most 14"):
+        DelayedScaling(margin=margin, fp8_format=fp8_format)
+
+
+def test_largest_margin_still_trains():
+    import torchte as te
+
+    torch.manual_seed(0)
+    layer = te.Linear(32, 16, bias=False, device="cpu")
+    x = torch.randn(64, 32)
+    reference = x.double() @ layer.weight.double().t()
+    fp8 = DelayedScaling(margin=recipe.max_margin(Format.HYBRID))
+    for _ in range(2):  # the second step uses the scales made from the first one's amaxes
+        with te.autocast(recipe=fp8):
+            y = layer(x)
+    # Few bits of precision are left, but no value flushes to zero and none is lost.
+    assert torch.isfinite(y).all()
+    rel = (y.double() - reference).norm() / reference.norm()
+    assert rel < 0.25
 
 
 @pytest.mark.parametrize("length", [0, -3, 2.0, None])

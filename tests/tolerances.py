@@ -11,7 +11,7 @@ import math
 
 import torch
 
-__all__ = ["TOLERANCES", "assert_close", "representable", "tolerance"]
+__all__ = ["TOLERANCES", "assert_close", "representable", "same_bits", "tolerance"]
 
 TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
     torch.float32: (1.3e-6, 1e-5),
@@ -94,3 +94,8 @@ def assert_close_to_scale(
     atol = max(atol, rtol * expected_f64.abs().max().item())
     actual_f64 = actual.detach().to(device="cpu", dtype=torch.float64)
     torch.testing.assert_close(actual_f64, expected_f64, rtol=rtol, atol=atol, msg=msg)
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors of one 4-byte dtype hold the same bit patterns (NaN equal to NaN)."""
+    return a.shape == b.shape and torch.equal(a.view(torch.int32), b.view(torch.int32))

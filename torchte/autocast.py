@@ -1,6 +1,9 @@
 """`te.autocast`: the active FP8 recipe, and when delayed-scaling state moves.
 
-Modules read the state once per forward (`autocast_state()`); nothing inside ops reads it.
+Modules read the state once per forward (`autocast_state()`); nothing inside ops reads it. The
+state is per thread, as torch.autocast's is: a region entered in one thread does not turn FP8 on
+for te modules run by another. Backward passes read none of it (the forward's plan carries the
+recipe), so autograd's worker threads need no region of their own.
 Delayed scaling: forward amaxes recorded in an autocast region update the forward scales when
 the outermost region exits (before the next forward); gradient amaxes update the backward scales
 once the backward pass that recorded them ends. Amaxes are all-reduced (MAX) over the region's
@@ -10,6 +13,8 @@ amax_reduction_group first, when torch.distributed is initialized and the recipe
 from __future__ import annotations
 
 import contextlib
+import functools
+import threading
 from collections.abc import Iterator
 
 import torch
@@ -18,7 +23,13 @@ import torch.distributed as dist
 from .quantization.delayed import DelayedScalingState
 from .recipe import DelayedScaling, Recipe
 
-__all__ = ["autocast", "autocast_state", "default_recipe", "fp8_autocast"]
+__all__ = [
+    "autocast",
+    "autocast_state",
+    "default_recipe",
+    "fp8_autocast",
+    "pending_backward_updates",
+]
 
 _DEFAULT_RECIPE = DelayedScaling()
 
@@ -28,20 +39,13 @@ def default_recipe() -> Recipe:
     return _DEFAULT_RECIPE
 
 
-class AutocastState:
-    """What modules read at the start of a forward, and the scaling updates still owed."""
+class AutocastState(threading.local):
+    """What modules read at the start of a forward, and the forward scale updates still owed.
 
-    __slots__ = (
-        "backward_task",
-        "calibrating",
-        "depth",
-        "enabled",
-        "group",
-        "pending_backward",
-        "pending_forward",
-        "recipe",
-        "step",
-    )
+    One per thread, as torch.autocast's state is: a thread inside `te.autocast` makes only its
+    own te modules run FP8. (A threading.local subclass: each thread gets its own attributes,
+    set by __init__ on the thread's first access.)
+    """
 
     def __init__(self) -> None:
         self.enabled = False
@@ -51,11 +55,13 @@ class AutocastState:
         self.depth = 0
         # id(state) -> (state, recipe, group): each state is updated once however often used.
         self.pending_forward: dict[int, tuple] = {}
-        self.pending_backward: dict[int, tuple] = {}
-        self.backward_task = -1
-        # Counts outermost region exits: an FP8 weight cache made in an earlier step is stale
-        # even where the weight's _version did not move (writes through .data).
-        self.step = 0
+
+    @property
+    def step(self) -> int:
+        """Outermost region exits so far, in any thread: an FP8 weight cache made in an
+        earlier step is stale even where the weight's _version did not move (writes through
+        .data)."""
+        return _STEPS.count
 
     def register_forward(self, state: DelayedScalingState, recipe, group) -> None:
         """A forward recorded amaxes into `state`: update it when the outermost region exits."""
@@ -69,24 +75,57 @@ class AutocastState:
 
     def register_backward(self, state: DelayedScalingState, recipe, group) -> None:
         """A backward recorded gradient amaxes: update `state` when this backward pass ends."""
-        self.pending_backward[id(state)] = (state, recipe, group)
-        task = torch._C._current_graph_task_id()
-        if task != self.backward_task:
-            self.backward_task = task
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+        _BACKWARD.register(state, recipe, group)
 
-    def _finish_backward(self) -> None:
-        pending, self.pending_backward = self.pending_backward, {}
-        self.backward_task = -1
-        _update(pending.values())
+
+class _StepCounter:
+    """The process-wide count of outermost autocast exits (see AutocastState.step)."""
+
+    __slots__ = ("count",)
+
+    def __init__(self) -> None:
+        self.count = 0
+
+
+class BackwardUpdates:
+    """Backward scale updates owed at the end of each backward pass, keyed by autograd's graph
+    task. Process-wide rather than per thread: backward Functions may run on autograd's
+    worker threads, and the end-of-pass callback on yet another."""
+
+    __slots__ = ("pending",)
+
+    def __init__(self) -> None:
+        # graph task id -> {id(state): (state, recipe, group)}
+        self.pending: dict[int, dict[int, tuple]] = {}
+
+    def register(self, state: DelayedScalingState, recipe, group) -> None:
+        """Update `state` once the running backward pass ends (one callback per pass)."""
+        task = torch._C._current_graph_task_id()
+        entries = self.pending.get(task)
+        if entries is None:
+            entries = self.pending[task] = {}
+            torch.autograd.Variable._execution_engine.queue_callback(
+                functools.partial(self._finish, task)
+            )
+        entries[id(state)] = (state, recipe, group)
+
+    def _finish(self, task: int) -> None:
+        _update(self.pending.pop(task, {}).values())
 
 
 _STATE = AutocastState()
+_STEPS = _StepCounter()
+_BACKWARD = BackwardUpdates()
 
 
 def autocast_state() -> AutocastState:
-    """The process-wide autocast state (read once per module forward)."""
+    """The calling thread's autocast state (read once per module forward)."""
     return _STATE
+
+
+def pending_backward_updates() -> dict[int, dict[int, tuple]]:
+    """Backward scale updates not yet made, by autograd graph task (empty between passes)."""
+    return _BACKWARD.pending
 
 
 @contextlib.contextmanager
@@ -119,7 +158,7 @@ def autocast(
         state.enabled, state.calibrating, state.recipe, state.group = saved
         state.depth -= 1
         if state.depth == 0:
-            state.step += 1
+            _STEPS.count += 1
             pending, state.pending_forward = state.pending_forward, {}
             if completed:
                 _update(pending.values())

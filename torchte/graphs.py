@@ -284,7 +284,7 @@ def _state_kept(modules):
             if isinstance(module, TransformerEngineBaseModule):
                 for pair in module._delayed_states.values():
                     for state in pair:
-                        kept += [state.scale, state.amax_history]
+                        kept += [state.scale, state.amax_history, state.nonfinite]
         for param in root.parameters():
             if getattr(param, "main_grad", None) is not None:
                 kept.append(param.main_grad)

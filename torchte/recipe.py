@@ -7,6 +7,7 @@ block-scaling recipes raise NotImplementedError naming the recipe.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
@@ -70,6 +71,18 @@ class Recipe:
         return isinstance(self, NVFP4BlockScaling)
 
 
+def max_margin(fp8_format: Format) -> int:
+    """The largest DelayedScaling margin under which a tensor's amax, scaled to
+    fp8_max / 2**margin, is still a normal number of every FP8 dtype the format uses."""
+    limits = []
+    for dtype, fp8_max in (
+        (fp8_format.fwd_dtype, fp8_format.value.max_fwd),
+        (fp8_format.bwd_dtype, fp8_format.value.max_bwd),
+    ):
+        limits.append(math.floor(math.log2(fp8_max / torch.finfo(dtype).tiny)))
+    return min(limits)
+
+
 def _check_format(fp8_format: Format, allowed: tuple[Format, ...], recipe: str) -> None:
     if not isinstance(fp8_format, Format):
         raise TypeError(f"{recipe}.fp8_format must be a recipe.Format, got {fp8_format!r}")
@@ -82,7 +95,8 @@ def _check_format(fp8_format: Format, allowed: tuple[Format, ...], recipe: str) 
 class DelayedScaling(Recipe):
     """Per-tensor scaling from a history of amax values recorded in earlier iterations.
 
-    margin: the scale is divided by 2**margin. fp8_format: E4M3 or HYBRID. amax_history_len:
+    margin: the scale is divided by 2**margin (at most 14 for E4M3 and HYBRID: beyond, every
+    value would fall below the format's normal range). fp8_format: E4M3 or HYBRID. amax_history_len:
     how many past amax values are kept. amax_compute_algo: "max" (of the history),
     "most_recent", or a callable(amax_history) -> amax. scaling_factor_compute_algo: None, or a
     callable(amax, scale, fp8_max, recipe) -> scale. reduce_amax: all-reduce amax values over
@@ -100,8 +114,16 @@ class DelayedScaling(Recipe):
 
     def __post_init__(self) -> None:
         _check_format(self.fp8_format, (Format.E4M3, Format.HYBRID), "DelayedScaling")
-        if not isinstance(self.margin, int) or self.margin < 0:
+        if isinstance(self.margin, bool) or not isinstance(self.margin, int) or self.margin < 0:
             raise ValueError(f"DelayedScaling.margin must be an int >= 0, got {self.margin!r}")
+        limit = max_margin(self.fp8_format)
+        if self.margin > limit:
+            raise ValueError(
+                f"DelayedScaling.margin={self.margin} scales every tensor's largest value below "
+                f"the smallest normal number of {self.fp8_format.name}'s formats, so the values "
+                f"would flush to zero or subnormals; margin must be at most {limit} (usually 0 "
+                "to 2)"
+            )
         if not isinstance(self.amax_history_len, int) or self.amax_history_len < 1:
             raise ValueError(
                 f"DelayedScaling.amax_history_len must be an int >= 1, "

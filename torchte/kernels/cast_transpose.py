@@ -80,6 +80,14 @@ if triton is not None:
         return scale
 
     @triton.jit
+    def _current_scale_inv(amax, scale):
+        """scale_inv of a tensor quantized under current scaling: 1 / scale, or NaN when its
+        amax is NaN or inf, so that what is computed from it is non-finite as the input was
+        (current_scale_inv_reference)."""
+        amax_finite = (amax.to(tl.int32, bitcast=True) & 0x7F800000) != 0x7F800000
+        return tl.where(amax_finite, tl.math.div_rn(1.0, scale), float("nan"))
+
+    @triton.jit
     def _abs_bits(x):
         """The int32 bit pattern of |x| for fp32 x (see the module docstring)."""
         return x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
@@ -190,12 +198,14 @@ if triton is not None:
     ):
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
+        first = (pid_m == 0) & (pid_n == 0)
         if CURRENT:
-            scale = _scale_from_amax(tl.load(amax_ptr), amax_epsilon, FP8_MAX, POWER_2)
+            amax = tl.load(amax_ptr)
+            scale = _scale_from_amax(amax, amax_epsilon, FP8_MAX, POWER_2)
+            tl.store(scale_inv_ptr, _current_scale_inv(amax, scale), mask=first)
         else:
             scale = tl.load(scale_ptr)
-        first = (pid_m == 0) & (pid_n == 0)
-        tl.store(scale_inv_ptr, tl.math.div_rn(1.0, scale), mask=first)
+            tl.store(scale_inv_ptr, tl.math.div_rn(1.0, scale), mask=first)
         bits = _cast_transpose_tile(
             x_ptr, out_ptr, out_t_ptr, M, N, pid_m, pid_n, scale,
             FP8_MAX, not CURRENT, ROWWISE, COLUMNWISE, BLOCK_M, BLOCK_N,
@@ -229,7 +239,7 @@ if triton is not None:
             bits = tl.maximum(bits, _abs_bits(x))
         amax = tl.max(bits).to(tl.float32, bitcast=True)
         scale = _scale_from_amax(amax, amax_epsilon, FP8_MAX, POWER_2)
-        tl.store(scale_inv_ptr, tl.math.div_rn(1.0, scale))
+        tl.store(scale_inv_ptr, _current_scale_inv(amax, scale))
         for pid_m in range(0, tl.cdiv(M, BLOCK_M)):
             for pid_n in range(0, tl.cdiv(N, BLOCK_N)):
                 _cast_transpose_tile(
@@ -498,8 +508,16 @@ def quantize_current_reference(
     amax = torch.zeros(1, dtype=torch.float32, device=x.device)
     record_amax_reference(x, amax)
     scale = compute_scale_reference(amax, FP8_MAX[fp8_dtype], amax_epsilon, power_2_scale)
-    torch.reciprocal(scale, out=scale_inv)
+    scale_inv.copy_(current_scale_inv_reference(amax, scale))
     return _outputs(cast_reference(x, scale, fp8_dtype), rowwise, columnwise)
+
+
+def current_scale_inv_reference(amax: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """scale_inv of a tensor quantized under current scaling: 1 / scale, or NaN where its amax
+    is NaN or inf. The FP8 bytes are cast with scale 1 then (saturated, NaN kept), so every
+    value computed from the tensor comes out NaN: a NaN or inf input is never turned into a
+    finite result that training would step on."""
+    return torch.where(torch.isfinite(amax), torch.reciprocal(scale), torch.nan)
 
 
 def record_amax_reference(x: torch.Tensor, amax: torch.Tensor) -> None:

@@ -54,7 +54,7 @@ except ImportError:  # CPU-only installs: the torch reference runs
     triton = None
 
 if triton is not None:
-    from .cast_transpose import _cast_transpose_tile, _scale_from_amax
+    from .cast_transpose import _cast_transpose_tile, _current_scale_inv, _scale_from_amax
 
     @triton.jit
     def _tile_group(
@@ -109,9 +109,11 @@ if triton is not None:
             if CURRENT:
                 amaxes = tl.load(amax_ptr + idx, mask=in_range, other=0.0)
                 scales = _scale_from_amax(amaxes, amax_epsilon, FP8_MAX, POWER_2)
+                scale_invs = _current_scale_inv(amaxes, scales)
             else:
                 scales = tl.load(scale_ptr + idx, mask=in_range, other=1.0)
-            tl.store(scale_inv_ptr + idx, tl.math.div_rn(1.0, scales), mask=in_range)
+                scale_invs = tl.math.div_rn(1.0, scales)
+            tl.store(scale_inv_ptr + idx, scale_invs, mask=in_range)
         group, tile = _tile_group(row_offsets_ptr, G, pid_m, BLOCK_M, G_BLOCK)
         row_start = tl.load(row_offsets_ptr + group)
         rows = tl.load(row_offsets_ptr + group + 1) - row_start

@@ -251,11 +251,14 @@ def _bwd_rows_chunked(
         mask = row_in[:, None] & col_in[None, :]
         tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
         dw = tl.sum(dy * xhat, axis=0)
-        dw += tl.load(part_w + cols, mask=col_in & accumulate, other=0.0)
+        # col_in & accumulate, written as one comparison: Triton 3.9's interpreter makes an
+        # int32 (an invalid mask) of a block mask & a scalar flag.
+        add_to = cols < tl.where(accumulate, N, 0)
+        dw += tl.load(part_w + cols, mask=add_to, other=0.0)
         tl.store(part_w + cols, dw, mask=col_in)
         if HAS_BIAS:
             db = tl.sum(dy, axis=0)
-            db += tl.load(part_b + cols, mask=col_in & accumulate, other=0.0)
+            db += tl.load(part_b + cols, mask=add_to, other=0.0)
             tl.store(part_b + cols, db, mask=col_in)
 
 

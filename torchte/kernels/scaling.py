@@ -1,7 +1,13 @@
 """Delayed-scaling update: amax from the history, new scale, history rolled, in one pass.
 
-Shapes: amax_history (L, n) fp32, scale (n,) fp32, both updated in place (views into them stay
-valid). Column j is one tensor's history; row 0 is the amax being recorded this iteration.
+Shapes: amax_history (L, n) fp32, scale (n,) fp32, nonfinite (n,) int32, all updated in place
+(views into them stay valid). Column j is one tensor's history; row 0 is the amax being
+recorded this iteration.
+
+A non-finite amax in row 0 (a NaN or inf in the tensor quantized this iteration) never enters
+the history: that column is not rolled (its row 0 is cleared, the rest stays as it was), its
+scale is kept, and nonfinite[j] counts the skip. So one bad batch does not freeze the scale for
+the history's length: the next finite amax is scaled from as usual.
 
 On CUDA with Triton one kernel launch does the whole update: a single program walks the
 history in chunks of rows, so any L works; n is small (one column per quantized tensor).
@@ -31,6 +37,7 @@ if triton is not None:
     def _update_delayed_scaling_kernel(
         history_ptr,  # (L, n) fp32, contiguous: amax history, rolled up by one row in place
         scale_ptr,  # (n,) fp32: scales, replaced where the amax is finite and > 0
+        nonfinite_ptr,  # (n,) int32: incremented where row 0 is NaN or inf (column skipped)
         L,
         n,
         fp8_max,  # fp32
@@ -42,6 +49,8 @@ if triton is not None:
         cols = tl.arange(0, BLOCK_N)
         col_in = cols < n
         row0 = tl.load(history_ptr + cols, mask=col_in, other=0.0)
+        # Exponent all ones: inf or NaN. Such a column keeps its history and its scale.
+        skip = (row0.to(tl.int32, bitcast=True) & 0x7F800000) == 0x7F800000
         amax = row0
         has_nan = row0 != row0
         for start in range(0, L, BLOCK_L):
@@ -55,16 +64,21 @@ if triton is not None:
                 amax = tl.maximum(amax, tl.max(tl.where(mask, old, -float("inf")), axis=0))
                 has_nan = has_nan | (tl.max(((old != old) & mask).to(tl.int32), axis=0) > 0)
             new = tl.where(rows[:, None] == L - 1, row0[None, :], old)
+            # A skipped column is written back as it was (not rolled).
+            dst_mask = (rows < L)[:, None] & col_in[None, :]
+            kept = tl.load(history_ptr + rows[:, None] * n + cols[None, :], mask=dst_mask)
+            new = tl.where(skip[None, :], kept, new)
             new = tl.where(rows[:, None] == 0, 0.0, new)
             # Every thread has read the rows this chunk shifts before any thread overwrites one
             # (a row read here by one warp is written, one row down, by another).
             tl.debug_barrier()
-            dst_mask = (rows < L)[:, None] & col_in[None, :]
             tl.store(history_ptr + rows[:, None] * n + cols[None, :], new, mask=dst_mask)
         new_scale = tl.math.div_rn(tl.math.div_rn(fp8_max, amax), margin_div)
         # amax < inf is False for inf and NaN; has_nan catches a NaN tl.maximum let through.
-        update = (amax > 0) & (amax < float("inf")) & ~has_nan
+        update = (amax > 0) & (amax < float("inf")) & ~has_nan & ~skip
         tl.store(scale_ptr + cols, new_scale, mask=col_in & update)
+        count = tl.load(nonfinite_ptr + cols, mask=col_in & skip, other=0)
+        tl.store(nonfinite_ptr + cols, count + 1, mask=col_in & skip)
 
 
 if triton is not None:
@@ -80,33 +94,47 @@ def _blocks(rows: int, cols: int) -> tuple[int, int]:
 
 
 def update_delayed_scaling(
-    amax_history: torch.Tensor, scale: torch.Tensor, fp8_max: float, margin: int, algo: str
+    amax_history: torch.Tensor,
+    scale: torch.Tensor,
+    nonfinite: torch.Tensor,
+    fp8_max: float,
+    margin: int,
+    algo: str,
 ) -> None:
-    """For each column j: amax = max over the history ("max") or row 0 ("most_recent");
-    scale[j] = fp8_max / amax / 2**margin where amax is finite and > 0, else unchanged; then the
-    history is rolled up by one row (row 0 moves to the end) and row 0 is zeroed.
+    """For each column j whose row 0 is finite: amax = max over the history ("max") or row 0
+    ("most_recent"); scale[j] = fp8_max / amax / 2**margin where amax is finite and > 0, else
+    unchanged; the column is rolled up by one row (row 0 moves to the end). A column whose row 0
+    is NaN or inf keeps its history and scale, and nonfinite[j] is incremented. Row 0 is zeroed.
     """
     if amax_history.is_cuda and triton_available():
-        _launch_update(amax_history, scale, fp8_max, margin, algo)
+        _launch_update(amax_history, scale, nonfinite, fp8_max, margin, algo)
         return
-    update_delayed_scaling_reference(amax_history, scale, fp8_max, margin, algo)
+    update_delayed_scaling_reference(amax_history, scale, nonfinite, fp8_max, margin, algo)
 
 
 def _launch_update(
-    amax_history: torch.Tensor, scale: torch.Tensor, fp8_max: float, margin: int, algo: str
+    amax_history: torch.Tensor,
+    scale: torch.Tensor,
+    nonfinite: torch.Tensor,
+    fp8_max: float,
+    margin: int,
+    algo: str,
 ) -> None:
     """One launch of _update_delayed_scaling_kernel (a single program) on a contiguous history."""
     rows, cols = amax_history.shape
     if rows == 0 or cols == 0:
         return
-    if not (amax_history.is_contiguous() and scale.is_contiguous()):
-        raise ValueError("update_delayed_scaling: amax_history and scale must be contiguous")
+    tensors = (amax_history, scale, nonfinite)
+    if not all(t.is_contiguous() for t in tensors):
+        raise ValueError(
+            "update_delayed_scaling: amax_history, scale and nonfinite must be contiguous"
+        )
     block_l, block_n = _blocks(rows, cols)
     most_recent = algo != "max"
     key = (rows == 1, rows & 15, cols == 1, cols & 15, most_recent, block_l, block_n)
-    key += (amax_history.data_ptr() & 15, scale.data_ptr() & 15)
+    key += tuple(t.data_ptr() & 15 for t in tensors)
     _launch_update_kernel(
-        key, (1, 1, 1), NUM_WARPS, amax_history, scale, rows, cols, float(fp8_max),
+        key, (1, 1, 1), NUM_WARPS, amax_history, scale, nonfinite, rows, cols, float(fp8_max),
         float(2**margin), most_recent, block_l, block_n,
     )  # fmt: skip
 
@@ -117,13 +145,24 @@ def _launch_update(
 
 
 def update_delayed_scaling_reference(
-    amax_history: torch.Tensor, scale: torch.Tensor, fp8_max: float, margin: int, algo: str
+    amax_history: torch.Tensor,
+    scale: torch.Tensor,
+    nonfinite: torch.Tensor,
+    fp8_max: float,
+    margin: int,
+    algo: str,
 ) -> None:
     """Torch reference of update_delayed_scaling."""
+    skip = nonfinite_row0(amax_history)
     amax = amax_history.amax(dim=0) if algo == "max" else amax_history[0].clone()
     new_scale = scale_from_amax_reference(amax, scale, fp8_max, margin)
-    scale.copy_(new_scale)
-    roll_history_reference(amax_history)
+    scale.copy_(torch.where(skip, scale, new_scale))
+    roll_history_reference(amax_history, skip, nonfinite)
+
+
+def nonfinite_row0(amax_history: torch.Tensor) -> torch.Tensor:
+    """(n,) bool: the columns whose amax recorded this iteration (row 0) is NaN or inf."""
+    return ~torch.isfinite(amax_history[0])
 
 
 def scale_from_amax_reference(
@@ -135,8 +174,13 @@ def scale_from_amax_reference(
     return torch.where(keep, scale, new_scale)
 
 
-def roll_history_reference(amax_history: torch.Tensor) -> None:
-    """Roll the history up by one row in place and zero row 0."""
+def roll_history_reference(
+    amax_history: torch.Tensor, skip: torch.Tensor, nonfinite: torch.Tensor
+) -> None:
+    """Roll the history up by one row in place, except the columns `skip` (n,) bool, which keep
+    theirs and are counted in nonfinite (n,) int32; zero row 0."""
     if amax_history.shape[0] > 1:
-        amax_history.copy_(torch.roll(amax_history, -1, 0))
+        rolled = torch.roll(amax_history, -1, 0)
+        amax_history.copy_(torch.where(skip, amax_history, rolled))
     amax_history[0].zero_()
+    nonfinite.add_(skip.to(nonfinite.dtype))

@@ -16,14 +16,13 @@ from torchte._device import graph_capturing
 from torchte.autocast import autocast_state
 from torchte.gemm import fp8_gemm, scaled_grouped_fprop, scaled_grouped_mm_supported
 from torchte.kernels import grouped_cast
-from torchte.offload import mark_not_offload
 from torchte.quantization.grouped import GroupedStorage
 from torchte.recipe import Float8CurrentScaling
 
 from ._common import restore_saved, save_for_backward, stack_parameters
 from ._group_splits import GroupSplits
 from ._linear_core import cast_to
-from .base import cached_value
+from .base import cached_quantization
 
 _STATE = autocast_state()
 
@@ -54,23 +53,19 @@ def grouped_fp8_weights(weights, setup, key, is_first_microbatch, columnwise) ->
     """The G weights (N, K) quantized together, GEMM g's weight scale each, as one
     GroupedStorage of G groups of N rows: rowwise (G * N, K) is the (G, N, K) operand of the
     grouped GEMM, group g's columnwise block its (K, N) transpose for dgrad. Cached like
-    te.Linear's FP8 weight (base.cached_value): requantized when a weight or the scales moved."""
-    cache = setup.grouped_weight_cache
-    storage = cached_value(cache, key, is_first_microbatch, graph_capturing(weights[0]))
-    if storage is None:
+    te.Linear's FP8 weight (base.cached_quantization): requantized when a weight or the
+    scales moved."""
+
+    def quantize() -> GroupedStorage:
         stacked = stack_parameters(weights)
         sizes = [stacked.shape[1]] * stacked.shape[0]
-        with torch.no_grad():
-            storage = quantize_groups(
-                stacked.reshape(-1, stacked.shape[2]), sizes, setup, "weight", True,
-                (True, columnwise),
-            )  # fmt: skip
-        mark_not_offload(storage)  # kept by the cache: offloading it would free nothing
-        cache[0] = (key, storage)
-    elif columnwise and storage.columnwise_data is None:
-        storage.update_usage(columnwise_usage=True)
-        mark_not_offload(storage)
-    return storage
+        return quantize_groups(
+            stacked.reshape(-1, stacked.shape[2]), sizes, setup, "weight", True, (True, columnwise)
+        )
+
+    capturing = graph_capturing(weights[0])
+    cache = setup.grouped_weight_cache
+    return cached_quantization(cache, key, is_first_microbatch, capturing, quantize, columnwise)
 
 
 def fp8_forward(ctx, x, splits: GroupSplits, plan, biases, w_fp8: GroupedStorage, needs):

@@ -19,6 +19,7 @@ from torchte.quantization.float8_tensor import Float8Tensor
 from torchte.quantization.model_init import make_fp8_parameter, model_init_settings
 
 from ._common import MainGradTarget, NoopCat, should_overwrite, split_parameter_names
+from ._lifecycle import ParameterInit, fill
 from .base import (
     FP8Setup,
     TransformerEngineBaseModule,
@@ -283,10 +284,17 @@ class LinearCore(TransformerEngineBaseModule):
         self.name = name
         self._nvtx_name = f"te.{type(self).__name__}.forward {name or ''}"
         self._splits = split_parameter_names(parameters_split, out_features, "out_features")
-        self._make_parameters(init_method or default_init_method)
+        self._init_method = init_method or default_init_method
+        self._make_parameters(self._init_method)
 
     def _apply_function(self, inp, weight, bias, w_fp8, plan: LinearPlan):
         raise NotImplementedError
+
+    def _parameter_inits(self) -> list[ParameterInit]:
+        return [
+            ParameterInit(tuple(self.weight_names), self._init_method, gemm=0),
+            ParameterInit(tuple(self.bias_names), fill(0.0)),
+        ]
 
     def _needs_dgrad(self, inp: torch.Tensor) -> bool:
         """Whether backward needs the input gradient of the GEMM (the weight's transpose)."""

@@ -1,7 +1,8 @@
 """What every te module shares: the hot-path rules of DESIGN.md and FP8 bookkeeping.
 
 - `__setattr__` warns after construction; per-call state goes through `_fast_setattr`.
-- The module's device is fixed at construction; capability checks are cached per device.
+- The module's device is its parameters' (set at construction, followed through .to(),
+  .cuda(), to_empty()); capability checks are cached per device.
 - Quantizers are built once per recipe (`FP8Setup`), delayed-scaling state lives per module and
   goes into the state_dict as extra state.
 - A weight is quantized once per change: the FP8 copy is cached by the parameter's `_version`,
@@ -26,7 +27,19 @@ from torchte.offload import mark_not_offload
 from torchte.quantization.delayed import DelayedScalingState
 from torchte.quantization.float8 import Float8CurrentScalingQuantizer, Float8Storage
 from torchte.quantization.float8_tensor import Float8Tensor
+from torchte.quantization.model_init import model_init_settings
 from torchte.recipe import DelayedScaling, Float8CurrentScaling, Recipe
+
+from ._lifecycle import (
+    ExtraStateError,
+    ParameterInit,
+    extra_state_of,
+    keeping_out_of_inference,
+    load_counts,
+    moved_state,
+    read_extra_state,
+    reinitialize,
+)
 
 __all__ = ["FP8Setup", "TransformerEngineBaseModule"]
 
@@ -123,7 +136,7 @@ class TransformerEngineBaseModule(nn.Module):
                 f"got {self.params_dtype}"
             )
         self.num_gemms = num_gemms
-        self._device_type = self.device.type
+        self._autocast_type = _autocast_type(self.device)
         self._nvtx_name = f"te.{type(self).__name__}.forward"
         # history_len -> (forward state, backward state); the last used one is saved.
         self._delayed_states: dict[int, tuple[DelayedScalingState, DelayedScalingState]] = {}
@@ -132,6 +145,9 @@ class TransformerEngineBaseModule(nn.Module):
         # Plans: what a forward needs beyond tensors, built once per setting (see _plan).
         self._plans: dict[tuple, Any] = {}
         self._last_plan: tuple | None = None
+        # The recipe of the FP8 weights built under quantized_model_init (None: none are).
+        settings = model_init_settings()
+        self._model_init_recipe: Recipe | None = None if settings is None else settings.recipe
 
     def _finish_init(self) -> None:
         """Call at the end of a subclass __init__: from here on, setattr warns."""
@@ -160,16 +176,68 @@ class TransformerEngineBaseModule(nn.Module):
         return self
 
     def _apply(self, fn, recurse: bool = True):
-        """nn.Module.to()/.half()/.bfloat16() and the like: the module then computes in the
-        parameters' new dtype (params_dtype follows them), and FP8 weight copies made from
-        the old tensors are dropped."""
+        """nn.Module.to()/.half()/.cuda()/to_empty() and the like: the module then computes in
+        the parameters' new dtype (params_dtype follows them) on their device (the scaling
+        state moves along), and FP8 weight copies made from the old tensors are dropped."""
         result = super()._apply(fn, recurse)
-        dtypes = {p.dtype for p in self.parameters(recurse=False) if p.is_floating_point()}
+        params = list(self.parameters(recurse=False))
+        dtypes = {p.dtype for p in params if p.is_floating_point()}
         if len(dtypes) == 1 and (dtype := dtypes.pop()) in SUPPORTED_DTYPES:
             self.__dict__["params_dtype"] = dtype
+        devices = {p.device for p in params}
+        if len(devices) == 1 and (device := devices.pop()) != self.device:
+            self._move_state(device)
         for setup in self._fp8_setups.values():
             setup.drop_weight_caches()
+        # Plans hold the old parameters (to_empty makes new ones) and quantizers of old states.
+        self.__dict__.update(_plans={}, _last_plan=None)
         return result
+
+    def _move_state(self, device: torch.device) -> None:
+        """The parameters moved to `device`: the module's device and FP8 state follow."""
+        self.__dict__.update(device=device, _autocast_type=_autocast_type(device), _fp8_setups={})
+        for pair in self._delayed_states.values():
+            for state in pair:
+                moved_state(state, device)
+        self._attach_weight_quantizers()
+
+    # -- parameters -------------------------------------------------------------------------------
+
+    def _parameter_inits(self) -> list[ParameterInit]:
+        """How each parameter is initialized (subclasses say; see _lifecycle.ParameterInit)."""
+        return []
+
+    def _fp8_weight_slots(self) -> list[tuple[str, int]]:
+        """(parameter name, GEMM) of each weight that may be an FP8 parameter."""
+        inits = self._parameter_inits()
+        return [(n, spec.gemm) for spec in inits if spec.gemm is not None for n in spec.names]
+
+    def reset_parameters(self, defer_init: bool | None = False) -> None:
+        """Initialize every parameter again as the constructor did (init_method for weights,
+        ones or zeros for norms, zeros for biases), in place; FP8 weights are requantized. After
+        deferred initialization (`with torch.device("meta")`, then `to_empty(device=...)`) this
+        gives the parameters their values. defer_init=True does nothing (Transformer Engine's
+        argument: the parameters stay uninitialized)."""
+        if defer_init:
+            return
+        recipe = self._model_init_recipe
+
+        def prime(full_hp: torch.Tensor, gemm: int) -> None:
+            prime_weight_scale(self._fp8_setup(recipe), full_hp, gemm)
+
+        reinitialize(self, self._parameter_inits(), prime if recipe is not None else None)
+
+    def _attach_weight_quantizers(self) -> None:
+        """Give FP8 weight parameters the quantizers of this module's current scaling state
+        (after the state was moved or the module copied or unpickled)."""
+        recipe = self._model_init_recipe
+        if recipe is None:
+            return
+        setup = self._fp8_setup(recipe)
+        for name, gemm in self._fp8_weight_slots():
+            param = self._parameters.get(name)
+            if isinstance(param, Float8Tensor):
+                param._quantizer = setup.weight[gemm]
 
     # -- FP8 state ------------------------------------------------------------------------------
 
@@ -188,44 +256,60 @@ class TransformerEngineBaseModule(nn.Module):
     def _delayed_state_pair(self, history_len: int):
         pair = self._delayed_states.get(history_len)
         if pair is None:
-            pair = tuple(
-                DelayedScalingState(
-                    forward, history_len, self.device, self.num_gemms, self._slot_major
+            with keeping_out_of_inference():
+                pair = tuple(
+                    DelayedScalingState(
+                        forward, history_len, self.device, self.num_gemms, self._slot_major
+                    )
+                    for forward in (True, False)
                 )
-                for forward in (True, False)
-            )
             self._delayed_states[history_len] = pair
         return pair
 
+    def nonfinite_amax_count(self) -> int:
+        """How many times a tensor of this module quantized under delayed scaling held a NaN or
+        inf (its amax was left out of the history and its scale kept), over all its tensors and
+        history lengths. Reading it waits for the device."""
+        counts = [s.nonfinite.sum() for pair in self._delayed_states.values() for s in pair]
+        return int(torch.stack(counts).sum().item()) if counts else 0
+
     def get_extra_state(self) -> dict[str, Any]:
-        """Delayed-scaling scales and amax histories (of the last used history length)."""
+        """Delayed-scaling scales, amax histories and non-finite counts (of the last used
+        history length); {} when the module has not run under delayed scaling."""
         length = self._saved_history_len
         if length is None:
             return {}
-        fwd, bwd = self._delayed_states[length]
-        return {
-            "amax_history_len": length,
-            "fwd_scale": fwd.scale.clone(),
-            "fwd_amax_history": fwd.amax_history.clone(),
-            "bwd_scale": bwd.scale.clone(),
-            "bwd_amax_history": bwd.amax_history.clone(),
-        }
+        return extra_state_of(length, *self._delayed_states[length])
 
     def set_extra_state(self, state: dict[str, Any] | None) -> None:
-        if not state:
+        """Load what get_extra_state made (ExtraStateError names anything missing or wrong)."""
+        name = f"te.{type(self).__name__}"
+        state = read_extra_state(state, name)
+        if state is None:
             return
-        length = int(state["amax_history_len"])
+        length = state["amax_history_len"]
         fwd, bwd = self._delayed_state_pair(length)
-        fwd.load(state["fwd_scale"], state["fwd_amax_history"])
-        bwd.load(state["bwd_scale"], state["bwd_amax_history"])
+        try:
+            fwd.load(state["fwd_scale"], state["fwd_amax_history"])
+            bwd.load(state["bwd_scale"], state["bwd_amax_history"])
+            load_counts(state, fwd, bwd)
+        except ValueError as err:
+            raise ExtraStateError(f"{name}: {err}") from None
         self.__dict__["_saved_history_len"] = length
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs) -> None:
+        try:
+            super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        except ExtraStateError as err:
+            raise ExtraStateError(f"cannot load {prefix}_extra_state: {err}") from None
 
     # -- per call ----------------------------------------------------------------------------------
 
     def _compute_dtype(self) -> torch.dtype:
         """params_dtype, or torch.autocast's dtype where it is on for this device."""
-        if torch.is_autocast_enabled(self._device_type):
-            return torch.get_autocast_dtype(self._device_type)
+        device_type = self._autocast_type
+        if device_type is not None and torch.is_autocast_enabled(device_type):
+            return torch.get_autocast_dtype(device_type)
         return self.params_dtype
 
     def _plan(self, dtype, is_first_microbatch, fp8_output, fp8_grad):
@@ -274,7 +358,8 @@ class TransformerEngineBaseModule(nn.Module):
         if isinstance(weight, Float8Tensor):
             storage: Float8Storage = weight._storage
             if need_columnwise and storage.columnwise_data is None:
-                storage.update_usage(columnwise_usage=True)
+                with keeping_out_of_inference():
+                    storage.update_usage(columnwise_usage=True)
                 mark_not_offload(storage)  # a parameter's data: saving it moves nothing
             return storage
         setup = plan.setup
@@ -294,6 +379,11 @@ class TransformerEngineBaseModule(nn.Module):
         state = self.__dict__.copy()
         state.update(_plans={}, _last_plan=None, _fp8_setups={})
         return state
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        # FP8 weight parameters come back without their quantizers (views into the state).
+        self._attach_weight_quantizers()
 
     # -- checks shared by forwards ----------------------------------------------------------------
 
@@ -317,6 +407,12 @@ class TransformerEngineBaseModule(nn.Module):
                 f"{type(self).__name__}: input is on {inp.device} but the module's parameters "
                 f"are on {self.device}"
             )
+
+
+def _autocast_type(device: torch.device) -> str | None:
+    """The device type torch.autocast is asked about for `device`; None where it has none
+    (the meta device, used for deferred initialization and shape inference)."""
+    return device.type if torch.amp.is_autocast_available(device.type) else None
 
 
 def check_fp8_dims(module: str, **dims: int) -> None:
@@ -361,28 +457,46 @@ def fp8_weight_cached(
     generation).
     """
     key = (version, generation)
-    storage = cached_value(cache, key, is_first_microbatch, graph_capturing(weight))
-    if storage is not None:
-        if columnwise and storage.columnwise_data is None:
+
+    def quantize() -> Float8Storage:
+        return quantizer.quantize(weight, rowwise=True, columnwise=columnwise)
+
+    capturing = graph_capturing(weight)
+    return cached_quantization(cache, key, is_first_microbatch, capturing, quantize, columnwise)
+
+
+def cached_quantization(
+    cache: list, key, is_first_microbatch, capturing: bool, quantize: Callable, columnwise: bool
+):
+    """The quantized value in the one-element cache [(key, value)] if it may be reused (see
+    cached_value), given columnwise data when `columnwise` asks for it; else quantize() made
+    now and cached. Either way it is marked not to be offloaded (the cache keeps it alive) and
+    made of normal tensors even under torch.inference_mode()."""
+    storage = cached_value(cache, key, is_first_microbatch, capturing)
+    if storage is None:
+        with torch.no_grad(), keeping_out_of_inference():
+            storage = quantize()
+        cache[0] = (key, storage)
+    elif columnwise and storage.columnwise_data is None:
+        with keeping_out_of_inference():
             storage.update_usage(columnwise_usage=True)
-            mark_not_offload(storage)
+    else:
         return storage
-    with torch.no_grad():
-        storage = quantizer.quantize(weight, rowwise=True, columnwise=columnwise)
-    mark_not_offload(storage)  # kept by the cache: offloading it would free nothing
-    cache[0] = (key, storage)
+    mark_not_offload(storage)
     return storage
 
 
 def prime_weight_scale(setup: FP8Setup, weight: torch.Tensor, gemm: int = 0) -> None:
-    """Before a weight is first quantized under delayed scaling (quantized_model_init), give
-    its scale slot the value the weight's own amax asks for, instead of the initial 1.0, which
-    would flush a small-valued weight into FP8 subnormals."""
+    """Before a weight is first quantized under delayed scaling (quantized_model_init, or
+    reset_parameters of such a module), give its scale slot the value the weight's own amax
+    asks for, instead of the initial 1.0, which would flush a small-valued weight into FP8
+    subnormals. The weight's slot of this step's amaxes holds that amax alone afterwards."""
     if setup.fwd_state is None:
         return
     quantizer = setup.weight[gemm]
     recipe = setup.recipe
     with torch.no_grad():
+        quantizer.amax.zero_()
         quantizer.record_amax(weight)
         scale = compute_scale_reference(
             quantizer.amax, recipe.fp8_format.value.max_fwd, 0.0, False

@@ -40,6 +40,7 @@ from torchte.quantization.model_init import model_init_settings
 from ._common import restore_saved, save_for_backward, stack_parameters
 from ._group_splits import GroupSplits, group_splits
 from ._grouped_fp8 import fp8_backward, fp8_forward, grouped_fp8_weights
+from ._lifecycle import ParameterInit, fill
 from ._linear_core import (
     GemmRecord,
     LinearPlan,
@@ -262,13 +263,18 @@ class GroupedLinear(TransformerEngineBaseModule):
         # place (a parameter later moved elsewhere is stacked per call instead).
         weights = torch.empty(num_gemms, out_features, in_features, **kw)
         biases = torch.zeros(num_gemms, out_features, **kw)
+        self._init_method = init_method or default_init_method
         for g in range(num_gemms):
-            (init_method or default_init_method)(weights[g])
+            self._init_method(weights[g])
             self.register_parameter(f"weight{g}", nn.Parameter(weights[g]))
             self.register_parameter(f"bias{g}", nn.Parameter(biases[g]) if bias else None)
         self.weight_names = [f"weight{g}" for g in range(num_gemms)]
         self.bias_names = [f"bias{g}" for g in range(num_gemms)] if bias else []
         self._finish_init()
+
+    def _parameter_inits(self) -> list[ParameterInit]:
+        inits = [ParameterInit((f"weight{g}",), self._init_method) for g in range(self.num_gemms)]
+        return inits + [ParameterInit((name,), fill(0.0)) for name in self.bias_names]
 
     def _build_plan(self, key: tuple) -> GroupedPlan:
         fp8, _, _, _, dtype, _, _, _ = key

@@ -20,6 +20,7 @@ from torchte.kernels import norm_fp8 as norm_fp8_kernels
 from torchte.quantization.float8 import Float8Storage
 
 from ._common import restore_saved, save_for_backward
+from ._lifecycle import ParameterInit, fill
 from ._linear_core import (
     GemmRecord,
     LinearCore,
@@ -230,6 +231,14 @@ class LayerNormLinear(LinearCore):
             name,
         )
         self._finish_init()
+
+    def _parameter_inits(self) -> list[ParameterInit]:
+        gamma = 0.0 if self.zero_centered_gamma else 1.0
+        return [
+            ParameterInit(("layer_norm_weight",), fill(gamma)),
+            ParameterInit(("layer_norm_bias",), fill(0.0)),
+            *super()._parameter_inits(),
+        ]
 
     def _needs_dgrad(self, inp: torch.Tensor) -> bool:
         params = self._parameters

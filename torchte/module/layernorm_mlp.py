@@ -23,6 +23,7 @@ from torchte.quantization.float8 import Float8Storage
 from torchte.quantization.model_init import make_fp8_parameter, model_init_settings
 
 from ._common import restore_saved, save_for_backward
+from ._lifecycle import ParameterInit, fill
 from ._linear_core import (
     GemmRecord,
     LinearPlan,
@@ -253,10 +254,21 @@ class LayerNormMLP(TransformerEngineBaseModule):
             checkpoint,
         )
         self._nvtx_name = f"te.LayerNormMLP.forward {name or ''}"
-        self._make_parameters(
-            init_method or default_init_method, output_layer_init_method or default_init_method
-        )
+        self._init_fc1 = init_method or default_init_method
+        self._init_fc2 = output_layer_init_method or default_init_method
+        self._make_parameters(self._init_fc1, self._init_fc2)
         self._finish_init()
+
+    def _parameter_inits(self) -> list[ParameterInit]:
+        gamma = 0.0 if self.zero_centered_gamma else 1.0
+        return [
+            ParameterInit(("layer_norm_weight",), fill(gamma)),
+            ParameterInit(("layer_norm_bias",), fill(0.0)),
+            ParameterInit(("fc1_weight",), self._init_fc1, gemm=0),
+            ParameterInit(("fc1_bias",), fill(0.0)),
+            ParameterInit(("fc2_weight",), self._init_fc2, gemm=1),
+            ParameterInit(("fc2_bias",), fill(0.0)),
+        ]
 
     def _make_parameters(self, init_fc1: Callable, init_fc2: Callable) -> None:
         kw = {"dtype": self.params_dtype, "device": self.device}

@@ -21,6 +21,7 @@ from torchte.kernels.norm import (
     rmsnorm_forward,
 )
 
+from ._lifecycle import ParameterInit, fill
 from .base import TransformerEngineBaseModule
 
 __all__ = ["LayerNorm", "RMSNorm"]
@@ -148,12 +149,10 @@ class _Norm(TransformerEngineBaseModule):
         self._settings = NormSettings(self.eps, self.zero_centered_gamma)
         self._finish_init()
 
-    def reset_parameters(self) -> None:
+    def _parameter_inits(self) -> list[ParameterInit]:
         """weight = 0 under zero_centered_gamma, else 1; bias = 0."""
-        with torch.no_grad():
-            self.weight.fill_(0.0 if self.zero_centered_gamma else 1.0)
-            if self.bias is not None:
-                self.bias.zero_()
+        gamma = 0.0 if self.zero_centered_gamma else 1.0
+        return [ParameterInit(("weight",), fill(gamma)), ParameterInit(("bias",), fill(0.0))]
 
     def _input(self, inp: torch.Tensor) -> torch.Tensor:
         """inp checked and cast to the compute dtype (see the module docstring)."""

@@ -1,11 +1,13 @@
 """Delayed-scaling state: the scales and amax history of a module's forward or backward tensors.
 
-Shapes: amax_history (L, n) fp32, scale (n,) fp32, n = slots per GEMM x GEMMs, on the module's
-device. Slot j is one tensor (forward: input, weight, output; backward: grad_output,
-grad_input), ordered GEMM by GEMM, or, for a grouped module (slot_major), slot by slot so that
-one slot's values for all GEMMs are one contiguous (G,) vector a grouped kernel can take.
+Shapes: amax_history (L, n) fp32, scale (n,) fp32, nonfinite (n,) int32, n = slots per GEMM x
+GEMMs, on the module's device. Slot j is one tensor (forward: input, weight, output; backward:
+grad_output, grad_input), ordered GEMM by GEMM, or, for a grouped module (slot_major), slot by
+slot so that one slot's values for all GEMMs are one contiguous (G,) vector a grouped kernel can
+take.
 Quantizers hold views into row 0 of the history and into the scale, so both are only ever
-updated in place.
+updated in place. A NaN or inf amax is never taken into the history: the update skips that slot
+(history and scale stay as they were) and counts it in `nonfinite` (see kernels/scaling.py).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from torchte.kernels.scaling import (
+    nonfinite_row0,
     roll_history_reference,
     scale_from_amax_reference,
     update_delayed_scaling,
@@ -34,6 +37,7 @@ class DelayedScalingState:
         "amax_history",
         "forward",
         "generation",
+        "nonfinite",
         "num_gemms",
         "scale",
         "slot_major",
@@ -54,6 +58,8 @@ class DelayedScalingState:
         n = len(self.slots) * num_gemms
         self.amax_history = torch.zeros(history_len, n, dtype=torch.float32, device=device)
         self.scale = torch.ones(n, dtype=torch.float32, device=device)
+        # Per slot: the updates skipped because the recorded amax was NaN or inf.
+        self.nonfinite = torch.zeros(n, dtype=torch.int32, device=device)
         # Bumped at each update: a cached FP8 weight made with an older scale is stale.
         self.generation = 0
 
@@ -86,13 +92,21 @@ class DelayedScalingState:
         custom_amax = callable(recipe.amax_compute_algo)
         if not custom_amax and recipe.scaling_factor_compute_algo is None:
             update_delayed_scaling(
-                self.amax_history, self.scale, fp8_max, recipe.margin, recipe.amax_compute_algo
+                self.amax_history,
+                self.scale,
+                self.nonfinite,
+                fp8_max,
+                recipe.margin,
+                recipe.amax_compute_algo,
             )
         else:
             self._update_custom(recipe, fp8_max)
         self.generation += 1
 
     def _update_custom(self, recipe: DelayedScaling, fp8_max: float) -> None:
+        skip = nonfinite_row0(self.amax_history)
+        # The custom functions see a history without this iteration's non-finite amaxes.
+        self.amax_history[0].masked_fill_(skip, 0.0)
         algo = recipe.amax_compute_algo
         if callable(algo):
             amax = algo(self.amax_history)
@@ -104,8 +118,8 @@ class DelayedScalingState:
             new_scale = recipe.scaling_factor_compute_algo(amax, self.scale, fp8_max, recipe)
         else:
             new_scale = scale_from_amax_reference(amax, self.scale, fp8_max, recipe.margin)
-        self.scale.copy_(new_scale)
-        roll_history_reference(self.amax_history)
+        self.scale.copy_(torch.where(skip, self.scale, new_scale))
+        roll_history_reference(self.amax_history, skip, self.nonfinite)
 
     def discard_pending(self) -> None:
         """Forget the amax values recorded since the last update (row 0). A weight cached in
@@ -115,11 +129,15 @@ class DelayedScalingState:
 
     def load(self, scale: torch.Tensor, amax_history: torch.Tensor) -> None:
         """Copy saved values in place (views held by quantizers stay valid)."""
-        if amax_history.shape != self.amax_history.shape:
-            raise ValueError(
-                f"saved amax history has shape {tuple(amax_history.shape)}, "
-                f"this module's has {tuple(self.amax_history.shape)}"
-            )
+        for name, saved, mine in (
+            ("amax history", amax_history, self.amax_history),
+            ("scale", scale, self.scale),
+        ):
+            if not isinstance(saved, torch.Tensor) or saved.shape != mine.shape:
+                got = tuple(saved.shape) if isinstance(saved, torch.Tensor) else repr(saved)
+                raise ValueError(
+                    f"saved {name} has shape {got}, this module's has {tuple(mine.shape)}"
+                )
         self.scale.copy_(scale)
         self.amax_history.copy_(amax_history)
         self.generation += 1
