@@ -9,17 +9,21 @@ from __future__ import annotations
 
 import copy
 import io
+import logging
 
 import pytest
 import torch
 from tolerances import assert_close, representable
+from torch._dynamo.testing import CompileCounter
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from torchte.quantization.float8 import (
     Float8CurrentScalingQuantizer,
     Float8Quantizer,
     Float8Storage,
 )
-from torchte.quantization.float8_tensor import Float8Tensor
+from torchte.quantization.float8_tensor import Float8Tensor, _map_storage
 
 FP8_DTYPES = [torch.float8_e4m3fn, torch.float8_e5m2]
 NOMINAL_DTYPES = [torch.float32, torch.bfloat16]
@@ -125,6 +129,16 @@ def test_repr_shows_metadata_and_values():
     assert "fp8_dtype=torch.float8_e5m2" in text
     assert f"{x_hp.reshape(-1)[0].item():.4g}" in text
     assert "..." in text  # 15 values, only the first few shown
+
+
+def test_repr_of_fake_or_meta_tensor_shows_no_values():
+    tensor, _ = _f8((3, 16), torch.float8_e4m3fn)
+    fake = FakeTensorMode().from_tensor(tensor)  # as torch.compile traces it
+    assert type(fake) is Float8Tensor
+    meta = Float8Tensor(_map_storage(tensor._storage, lambda t: t.to("meta")), torch.float32)
+    for value in (fake, meta):
+        text = repr(value)
+        assert "values=<not materialized>" in text and "shape=(3, 16)" in text
 
 
 # ----------------------------------------------------------------------------------------------
@@ -446,13 +460,14 @@ def test_torch_save_load_round_trip(fp8_dtype, dtype):
     loaded = _save_load({"w": tensor})["w"]
     assert type(loaded) is Float8Tensor
     assert (loaded.shape, loaded.dtype, loaded.fp8_dtype) == (tensor.shape, dtype, fp8_dtype)
-    assert loaded._quantizer is None
     _assert_same_bytes(loaded._storage, tensor._storage)
     assert torch.equal(loaded.dequantize(), x_hp)
-    # With no quantizer, an update requantizes with current scaling.
+    # The current-scaling quantizer comes back (its settings are all it has): an update
+    # requantizes with its power-of-two scale, exactly.
+    assert type(loaded._quantizer) is Float8CurrentScalingQuantizer
+    assert loaded._quantizer.power_2_scale
     loaded.copy_(x_hp * 2)
-    assert_close(loaded.dequantize(), x_hp.double() * 2, fp8_dtype)
-    assert not torch.equal(loaded.dequantize(), x_hp)
+    assert torch.equal(loaded.dequantize(), x_hp * 2)
 
 
 def test_torch_save_load_of_parameter_keeps_it_a_parameter():
@@ -485,3 +500,84 @@ def test_module_to_other_dtype_keeps_fp8_with_new_nominal_dtype():
     assert torch.equal(weight.dequantize().float(), w_hp)
     x = _exact((2, 33), torch.float8_e4m3fn, torch.bfloat16)
     assert linear(x).dtype == torch.bfloat16
+
+
+# ----------------------------------------------------------------------------------------------
+# The traceable wrapper-subclass protocol (torch.compile)
+# ----------------------------------------------------------------------------------------------
+
+USAGES = {"rowwise": (True, False), "columnwise": (False, True), "both": (True, True)}
+
+
+@pytest.mark.parametrize("usage", list(USAGES))
+@pytest.mark.parametrize("dtype", NOMINAL_DTYPES)
+@pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
+def test_tensor_flatten_unflatten_round_trip(fp8_dtype, dtype, usage):
+    rowwise, columnwise = USAGES[usage]
+    x_hp = _exact((7, 33), fp8_dtype, dtype)
+    tensor = _quantizer(fp8_dtype).quantize(x_hp, rowwise=rowwise, columnwise=columnwise)
+    assert is_traceable_wrapper_subclass(tensor)
+    names, meta = tensor.__tensor_flatten__()
+    kept = (("_rowwise_data", rowwise), ("_columnwise_data", columnwise), ("_scale_inv", True))
+    assert names == [name for name, present in kept if present]
+    assert (meta.fp8_dtype, meta.shape, meta.dtype) == (fp8_dtype, (7, 33), dtype)
+    inner = {name: getattr(tensor, name) for name in names}
+    rebuilt = Float8Tensor.__tensor_unflatten__(inner, meta, tensor.shape, tensor.stride())
+    assert type(rebuilt) is Float8Tensor
+    assert (rebuilt.shape, rebuilt.dtype, rebuilt.fp8_dtype) == (tensor.shape, dtype, fp8_dtype)
+    _assert_same_bytes(rebuilt._storage, tensor._storage)
+    assert torch.equal(rebuilt.dequantize(), x_hp)
+    # The metadata is plain values: torch.compile deep-copies it and compares it by value.
+    assert copy.deepcopy(meta) == meta
+    assert type(rebuilt._quantizer) is Float8CurrentScalingQuantizer
+    assert rebuilt._quantizer.power_2_scale
+
+
+def test_unflatten_drops_a_delayed_scaling_quantizer():
+    quantizer = Float8Quantizer(torch.tensor([4.0]), torch.zeros(1), torch.float8_e4m3fn, False)
+    tensor = quantizer.quantize(_exact((3, 16), torch.float8_e4m3fn))
+    names, meta = tensor.__tensor_flatten__()
+    assert meta.quantizer is None
+    inner = {name: getattr(tensor, name) for name in names}
+    rebuilt = Float8Tensor.__tensor_unflatten__(inner, meta, tensor.shape, tensor.stride())
+    assert rebuilt._quantizer is None
+    _assert_same_bytes(rebuilt._storage, tensor._storage)
+
+
+COMPILED_FUNCTIONS = {
+    "dequantize_times_2": lambda t: t.dequantize() * 2,
+    "add_1": lambda t: t + 1,
+}
+
+
+@pytest.mark.parametrize("name", list(COMPILED_FUNCTIONS))
+def test_compiled_function_of_float8_tensor_matches_eager(name):
+    fn = COMPILED_FUNCTIONS[name]
+    counter = CompileCounter()
+    compiled = torch.compile(fn, fullgraph=True, backend=counter)
+    for _ in range(2):  # a second tensor of the same format reuses the graph
+        tensor, x_hp = _f8((8, 32), torch.float8_e4m3fn, torch.bfloat16)
+        out = compiled(tensor)
+        assert type(out) is torch.Tensor
+        assert torch.equal(out, fn(tensor))
+        assert torch.equal(out.float(), fn(x_hp).float())
+    assert counter.frame_count == 1
+
+
+def test_compiled_function_differentiates_through_dequantize():
+    param = torch.nn.Parameter(_f8((8, 32), torch.float8_e4m3fn)[0])
+    weight = torch.randn(8, 32)
+    compiled = torch.compile(lambda p, w: (p.dequantize() * w).sum(), backend="aot_eager")
+    out = compiled(param, weight)
+    assert torch.equal(out, (param.dequantize() * weight).sum())
+    out.backward()
+    assert type(param.grad) is torch.Tensor and torch.equal(param.grad, weight)
+
+
+def test_compiled_function_returns_float8_tensor(caplog):
+    # At debug level torch's logs print the traced (fake) outputs: repr must not need values.
+    caplog.set_level(logging.DEBUG, logger="torch")
+    tensor, _ = _f8((8, 32), torch.float8_e5m2)
+    out = torch.compile(lambda t: t.detach(), fullgraph=True, backend="aot_eager")(tensor)
+    assert type(out) is Float8Tensor and out.fp8_dtype == torch.float8_e5m2
+    _assert_same_bytes(out._storage, tensor._storage)

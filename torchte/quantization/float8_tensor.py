@@ -15,15 +15,24 @@ What __torch_dispatch__ does, per kind of op:
 - clone: a Float8Tensor with copied data. Anything else: run on the dequantized values and
   return plain tensors.
 In-place requantization keeps the address of every data tensor (CUDA graphs, cached weights).
+
+Pickling (pickle, torch.save / torch.load with weights_only=True) saves the FP8 data as uint8
+views (torch cannot pickle fp8 tensors by themselves), scale_inv, the metadata, and the
+quantizer where it is plain metadata (current scaling). A delayed-scaling quantizer reads views
+into its owner's scaling state, which a pickled tensor cannot keep shared: it comes back as
+None (current scaling), and the owning module attaches its own again. copy.deepcopy keeps it.
+`__tensor_flatten__` / `__tensor_unflatten__` make the class a traceable wrapper subclass
+(torch.compile) on the same terms.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from types import MappingProxyType
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 from torch.utils._pytree import tree_map_only
 
 from .base import Quantizer
@@ -34,6 +43,19 @@ __all__ = ["Float8Tensor"]
 aten = torch.ops.aten
 _TensorBase = torch._C.TensorBase
 _REPR_VALUES = 6
+
+
+def _repr_values(storage: Float8Storage) -> str:
+    """The first few values; or why there are none: the data was emptied, or it has no values
+    (meta tensors, or the fake tensors torch.compile traces with, which logging may print)."""
+    data = [t for t in (storage.rowwise_data, storage.columnwise_data) if t is not None]
+    if not data:
+        return "<no data>"
+    if any(t.is_meta or is_fake(t) for t in (*data, storage.scale_inv)):
+        return "<not materialized>"
+    flat = storage.dequantize(torch.float32).reshape(-1)
+    shown = ", ".join(f"{v:.4g}" for v in flat[:_REPR_VALUES].tolist())
+    return f"[{shown}{', ...' if flat.numel() > _REPR_VALUES else ''}]"
 
 
 class _Dequantize(torch.autograd.Function):
@@ -169,32 +191,73 @@ class Float8Tensor(torch.Tensor):
 
     def __repr__(self, *, tensor_contents: Any = None) -> str:
         storage = self._storage
-        try:
-            flat = storage.dequantize(torch.float32).reshape(-1)
-        except RuntimeError:
-            values = "<no data>"
-        else:
-            shown = ", ".join(f"{v:.4g}" for v in flat[:_REPR_VALUES].tolist())
-            values = f"[{shown}{', ...' if flat.numel() > _REPR_VALUES else ''}]"
         grad = ", requires_grad=True" if self.requires_grad else ""
         return (
             f"Float8Tensor(shape={tuple(self.shape)}, dtype={self.dtype}, "
-            f"fp8_dtype={storage.fp8_dtype}, device={self.device}{grad}, values={values})"
+            f"fp8_dtype={storage.fp8_dtype}, device={self.device}{grad}, "
+            f"values={_repr_values(storage)})"
         )
 
+    # -- pickling and the traceable-subclass protocol -------------------------------------------
+
+    @property
+    def _rowwise_data(self) -> torch.Tensor | None:
+        """The storage's rowwise data (M, N) fp8, or None (an inner tensor for torch.compile)."""
+        return self._storage.rowwise_data
+
+    @property
+    def _columnwise_data(self) -> torch.Tensor | None:
+        """The storage's columnwise data (N, Mp) fp8, or None."""
+        return self._storage.columnwise_data
+
+    @property
+    def _scale_inv(self) -> torch.Tensor:
+        """The storage's scale_inv (1,) fp32."""
+        return self._storage.scale_inv
+
     def __reduce_ex__(self, protocol: int) -> tuple[Callable[..., Float8Tensor], tuple]:
+        """Pickle the FP8 data as uint8 views (torch 2.13 cannot unpickle an fp8 tensor on its
+        own), scale_inv, the metadata and the quantizer's settings (see _quantizer_spec)."""
         storage = self._storage
         args = (
-            storage.rowwise_data,
-            storage.columnwise_data,
+            _as_bytes(storage.rowwise_data),
+            _as_bytes(storage.columnwise_data),
             storage.scale_inv,
             storage.fp8_dtype,
             tuple(storage.shape),
             self.dtype,
             self.requires_grad,
             bool(getattr(self, "_is_param", False)),
+            _quantizer_spec(self._quantizer),
         )
         return _rebuild_float8_tensor, args
+
+    def __tensor_flatten__(self) -> tuple[list[str], Float8TensorMeta]:
+        """The names of the inner tensors that are not None, and the metadata to rebuild (the
+        quantizer only as its settings, and only where it has no state: see _quantizer_spec)."""
+        names = [n for n in _INNER_TENSORS if getattr(self, n) is not None]
+        meta = Float8TensorMeta(
+            self.fp8_dtype, tuple(self._storage.shape), self.dtype, _quantizer_spec(self._quantizer)
+        )
+        return names, meta
+
+    @staticmethod
+    def __tensor_unflatten__(
+        inner_tensors: dict[str, torch.Tensor],
+        meta: Float8TensorMeta,
+        outer_size: tuple[int, ...] | None,
+        outer_stride: tuple[int, ...] | None,
+    ) -> Float8Tensor:
+        """A Float8Tensor over `inner_tensors` (keyed as __tensor_flatten__ names them)."""
+        shape = meta.shape if outer_size is None else tuple(outer_size)
+        storage = Float8Storage(
+            inner_tensors.get("_rowwise_data"),
+            inner_tensors.get("_columnwise_data"),
+            inner_tensors["_scale_inv"],
+            meta.fp8_dtype,
+            shape,
+        )
+        return Float8Tensor.from_storage(storage, meta.dtype, _quantizer_from_spec(meta.quantizer))
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
@@ -208,19 +271,81 @@ class Float8Tensor(torch.Tensor):
         return _run_dequantized(func, args, kwargs)
 
 
+_INNER_TENSORS = ("_rowwise_data", "_columnwise_data", "_scale_inv")
+
+
+class Float8TensorMeta(NamedTuple):
+    """What __tensor_flatten__ keeps beside the inner tensors: plain values that compare by
+    value (torch.compile deep-copies this and guards on equality with the next input's)."""
+
+    fp8_dtype: torch.dtype
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    quantizer: tuple | None
+
+
+def _quantizer_spec(quantizer: Quantizer | None) -> tuple | None:
+    """A quantizer as plain values, where it is nothing but its settings (current scaling).
+
+    A delayed-scaling Float8Quantizer gives None: its scale and amax are views into the owning
+    module's DelayedScalingState. pickle saves each tensor's storage on its own, so a pickled
+    copy would quantize with a private scale that never moves; and torch.compile deep-copies
+    flatten metadata and guards on its equality, which an object holding tensors never meets.
+    """
+    if type(quantizer) is Float8CurrentScalingQuantizer:
+        return (
+            "current",
+            quantizer.fp8_dtype,
+            quantizer.power_2_scale,
+            quantizer.amax_epsilon,
+            quantizer.internal,
+        )
+    return None
+
+
+def _quantizer_from_spec(spec: tuple | None) -> Quantizer | None:
+    if spec is None:
+        return None
+    kind, fp8_dtype, power_2_scale, amax_epsilon, internal = spec
+    if kind != "current":
+        raise ValueError(f"unknown Float8Tensor quantizer kind {kind!r}")
+    return Float8CurrentScalingQuantizer(fp8_dtype, power_2_scale, amax_epsilon, internal)
+
+
+def _as_bytes(data: torch.Tensor | None) -> torch.Tensor | None:
+    return None if data is None else data.view(torch.uint8)
+
+
+def _from_bytes(data: torch.Tensor | None, fp8_dtype: torch.dtype) -> torch.Tensor | None:
+    # Files written before the data was saved as bytes hold the fp8 tensors themselves.
+    if data is None or data.dtype != torch.uint8:
+        return data
+    return data.view(fp8_dtype)
+
+
 def _rebuild_float8_tensor(
-    rowwise_data: torch.Tensor | None,
-    columnwise_data: torch.Tensor | None,
+    rowwise_bytes: torch.Tensor | None,
+    columnwise_bytes: torch.Tensor | None,
     scale_inv: torch.Tensor,
     fp8_dtype: torch.dtype,
     shape: tuple[int, ...],
     dtype: torch.dtype,
     requires_grad: bool,
     is_param: bool,
+    quantizer_spec: tuple | None = None,
 ) -> Float8Tensor:
-    """Unpickle a Float8Tensor (its quantizer is not saved: it comes back as None)."""
-    storage = Float8Storage(rowwise_data, columnwise_data, scale_inv, fp8_dtype, shape)
-    tensor = Float8Tensor(storage, dtype, None, requires_grad=requires_grad)
+    """Unpickle a Float8Tensor: the data (uint8 views of the FP8 bytes) comes back on the
+    device it was saved from, as torch's own tensors do; see _quantizer_spec for the quantizer.
+    """
+    storage = Float8Storage(
+        _from_bytes(rowwise_bytes, fp8_dtype),
+        _from_bytes(columnwise_bytes, fp8_dtype),
+        scale_inv,
+        fp8_dtype,
+        shape,
+    )
+    quantizer = _quantizer_from_spec(quantizer_spec)
+    tensor = Float8Tensor(storage, dtype, quantizer, requires_grad=requires_grad)
     if is_param:
         return torch.nn.Parameter(tensor, requires_grad=requires_grad)
     return tensor
