@@ -387,12 +387,23 @@ def test_disabled_region_inside_fp8_region_runs_high_precision():
     assert fwd.scale[0].item() == f32(E4M3_MAX / amax(x))
 
 
+def delayed_state_untouched(layer) -> bool:
+    """Whether no forward or backward recorded into or updated any delayed-scaling state of
+    `layer` (the default history length's state is made with the module)."""
+    states = [s for pair in layer._delayed_states.values() for s in pair]
+    return layer.get_extra_state() == {} and all(
+        not s.amax_history.any() and bool((s.scale == 1).all()) and s.generation == 0
+        for s in states
+    )
+
+
 def test_current_scaling_keeps_no_delayed_state():
     layer = make_layer()
+    assert delayed_state_untouched(layer)
     with te.autocast(recipe=Float8CurrentScaling()):
         layer(torch.randn(3, IN))
         assert autocast_state().pending_forward == {}
-    assert layer._delayed_states == {}
+    assert delayed_state_untouched(layer)
 
 
 # -- threads ---------------------------------------------------------------------------------------
@@ -424,7 +435,7 @@ def test_autocast_is_per_thread():
         assert (state.enabled, state.depth) == (False, 0)
         with torch.no_grad():
             assert torch.equal(layer(x), y_hp)
-        assert layer._delayed_states == {}
+        assert delayed_state_untouched(layer)
     finally:
         release.set()
         thread.join()

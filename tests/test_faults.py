@@ -166,3 +166,26 @@ def _check_recovered(model, recipe, probe, step):
             y_fp8 = model(probe)
     assert torch.isfinite(y_fp8).all(), step
     assert relative_error(y_fp8, y_hp) < 0.1, step
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("special", [math.inf, math.nan])
+def test_nonfinite_inputs_on_gpu(special):
+    """The Triton kernels and torch._scaled_mm: current scaling gives NaN outputs, delayed
+    scaling counts the skipped amax and keeps its scale, as on the CPU."""
+    x = torch.randn(32, H, device="cuda", dtype=torch.bfloat16)
+    x[3, 5] = special
+    current = te.Linear(H, H, device="cuda", params_dtype=torch.bfloat16)
+    with torch.no_grad(), te.autocast(recipe=Float8CurrentScaling()):
+        assert torch.isnan(current(x)).all()
+    delayed = te.Linear(H, H, device="cuda", params_dtype=torch.bfloat16)
+    recipe = DelayedScaling(amax_history_len=4)
+    clean = torch.randn_like(x)
+    with torch.no_grad():
+        for batch in (clean, x, clean):
+            with te.autocast(recipe=recipe):
+                delayed(batch)
+    fwd, _ = delayed._delayed_states[4]
+    assert delayed.nonfinite_amax_count() == 1
+    assert torch.isfinite(fwd.amax_history).all() and torch.isfinite(fwd.scale).all()
+    assert fwd.scale[0].item() == 448.0 / clean.abs().max().float().item()

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 __all__ = ["default_device", "fp8_support", "graph_capturing", "is_fp8_available"]
@@ -32,10 +30,20 @@ def _user_set_default_device() -> bool:
     return any(isinstance(mode, DeviceContext) for mode in _get_current_function_mode_stack())
 
 
-@functools.cache
 def fp8_support(device: torch.device) -> tuple[bool, str]:
     """(supported, reason) for FP8 on `device`: native on compute capability >= 8.9, emulated
-    with the same bytes on the CPU, unavailable on older GPUs."""
+    with the same bytes on the CPU, unavailable on older GPUs. Computed once per device (a
+    plain dict, which torch.compile traces without warning, unlike functools.cache)."""
+    answer = _FP8_SUPPORT.get(device)
+    if answer is None:
+        answer = _FP8_SUPPORT[device] = _fp8_support(device)
+    return answer
+
+
+_FP8_SUPPORT: dict[torch.device, tuple[bool, str]] = {}
+
+
+def _fp8_support(device: torch.device) -> tuple[bool, str]:
     if device.type == "cpu":
         return True, "FP8 is emulated on the CPU (same bytes as on a GPU, computed in fp32)"
     if device.type != "cuda":

@@ -53,8 +53,8 @@ class AutocastState(threading.local):
         self.recipe: Recipe = _DEFAULT_RECIPE
         self.group = None
         self.depth = 0
-        # id(state) -> (state, recipe, group): each state is updated once however often used.
-        self.pending_forward: dict[int, tuple] = {}
+        # state -> (state, recipe, group): each state is updated once however often used.
+        self.pending_forward: dict[DelayedScalingState, tuple] = {}
 
     @property
     def step(self) -> int:
@@ -63,19 +63,29 @@ class AutocastState(threading.local):
         .data)."""
         return _STEPS.count
 
-    def register_forward(self, state: DelayedScalingState, recipe, group) -> None:
-        """A forward recorded amaxes into `state`: update it when the outermost region exits."""
-        self.pending_forward[id(state)] = (state, recipe, group)
-
     def drop_forward(self, state: DelayedScalingState) -> None:
         """A forward into `state` failed: drop every amax it recorded this step, and the
         update, so the scales stay as they were (nothing half-recorded is used)."""
-        self.pending_forward.pop(id(state), None)
+        self.pending_forward.pop(state, None)
         state.discard_pending()
 
+    def register_step(
+        self, fwd_state: DelayedScalingState, bwd_state: DelayedScalingState, recipe, group
+    ) -> None:
+        """A forward recorded amaxes into `fwd_state`: update it when the outermost region
+        exits. Under torch.compile, which cannot trace the end-of-backward callback, the
+        backward state of a forward that will have a backward is updated there too: at that
+        point its row 0 holds the amaxes the previous backward recorded, so each backward
+        still quantizes with the scales of all backwards before it, as in eager mode."""
+        self.pending_forward[fwd_state] = (fwd_state, recipe, group)
+        if torch.compiler.is_compiling() and torch.is_grad_enabled():
+            self.pending_forward[bwd_state] = (bwd_state, recipe, group)
+
     def register_backward(self, state: DelayedScalingState, recipe, group) -> None:
-        """A backward recorded gradient amaxes: update `state` when this backward pass ends."""
-        _BACKWARD.register(state, recipe, group)
+        """A backward recorded gradient amaxes: update `state` when this backward pass ends
+        (under torch.compile: see register_step)."""
+        if not torch.compiler.is_compiling():
+            _BACKWARD.register(state, recipe, group)
 
 
 class _StepCounter:
@@ -95,7 +105,7 @@ class BackwardUpdates:
     __slots__ = ("pending",)
 
     def __init__(self) -> None:
-        # graph task id -> {id(state): (state, recipe, group)}
+        # graph task id -> {state: (state, recipe, group)}
         self.pending: dict[int, dict[int, tuple]] = {}
 
     def register(self, state: DelayedScalingState, recipe, group) -> None:
@@ -107,7 +117,7 @@ class BackwardUpdates:
             torch.autograd.Variable._execution_engine.queue_callback(
                 functools.partial(self._finish, task)
             )
-        entries[id(state)] = (state, recipe, group)
+        entries[state] = (state, recipe, group)
 
     def _finish(self, task: int) -> None:
         _update(self.pending.pop(task, {}).values())
@@ -158,13 +168,17 @@ def autocast(
         state.enabled, state.calibrating, state.recipe, state.group = saved
         state.depth -= 1
         if state.depth == 0:
-            _STEPS.count += 1
-            pending, state.pending_forward = state.pending_forward, {}
+            if not torch.compiler.is_compiling():  # a compiled graph keeps no weight cache
+                _STEPS.count += 1  # (and a traced count would recompile it every step)
+            # Emptied in place (not replaced): torch.compile replays in-place changes of the
+            # dict, while it would lose a new dict set on this threading.local object.
+            pending = list(state.pending_forward.values())
+            state.pending_forward.clear()
             if completed:
-                _update(pending.values())
+                _update(pending)
             else:
                 # The step failed: forget its amaxes rather than scale from half a step.
-                for delayed_state, _, _ in pending.values():
+                for delayed_state, _, _ in pending:
                     delayed_state.discard_pending()
 
 

@@ -45,7 +45,10 @@ _NO_OFFLOAD = "_torchte_no_offload"
 
 
 def mark_not_offload(*values) -> None:
-    """Keep these tensors (or every data tensor of these quantized Storages) on their device."""
+    """Keep these tensors (or every data tensor of these quantized Storages) on their device.
+    (Nothing to mark while torch.compile traces: a traced graph's tensors are not offloaded.)"""
+    if torch.compiler.is_compiling():
+        return
     for value in values:
         if isinstance(value, torch.Tensor):
             setattr(value, _NO_OFFLOAD, True)

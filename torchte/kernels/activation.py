@@ -28,6 +28,7 @@ from typing import NoReturn
 
 import torch
 
+from ._compile import compiled_as_op
 from ._triton import FastLaunch, triton_available
 
 # name -> (the activation applied to x (or x1), gated)
@@ -214,6 +215,7 @@ def is_gated(name: str) -> bool:
     return _spec(name)[1]
 
 
+@compiled_as_op("(Tensor x, str name, float limit=7.0, float alpha=1.702) -> Tensor")
 def activation_forward(
     x: torch.Tensor, name: str, limit: float = 7.0, alpha: float = 1.702
 ) -> torch.Tensor:
@@ -225,6 +227,7 @@ def activation_forward(
     return activation_forward_reference(x, name, limit, alpha)
 
 
+@compiled_as_op("(Tensor dy, Tensor x, str name, float limit=7.0, float alpha=1.702) -> Tensor")
 def activation_backward(
     dy: torch.Tensor, x: torch.Tensor, name: str, limit: float = 7.0, alpha: float = 1.702
 ) -> torch.Tensor:

@@ -33,6 +33,7 @@ from __future__ import annotations
 import torch
 
 from . import activation as act_mod
+from ._compile import compiled_as_op
 from ._triton import FastLaunch, sm_count, triton_available
 from .cast_transpose import FP8_MAX, _alloc_outputs, quantize_delayed_reference
 
@@ -268,6 +269,10 @@ if triton is not None:
 # ----------------------------------------------------------------------------------------------
 
 
+@compiled_as_op(
+    "(Tensor h, str name, float limit, float alpha, Tensor scale, Tensor(a!) amax, "
+    "Tensor(b!) scale_inv, ScalarType fp8_dtype, bool columnwise) -> (Tensor, Tensor)"
+)
 def activation_forward_fp8(
     h: torch.Tensor,
     name: str,
@@ -295,6 +300,11 @@ def activation_forward_fp8(
     )
 
 
+@compiled_as_op(
+    "(Tensor dy, Tensor h, str name, float limit, float alpha, Tensor scale, "
+    "Tensor(a!) amax, Tensor(b!) scale_inv, ScalarType fp8_dtype, bool rowwise, bool "
+    "columnwise) -> (Tensor, Tensor, Tensor)"
+)
 def activation_backward_fp8(
     dy: torch.Tensor,
     h: torch.Tensor,

@@ -33,6 +33,7 @@ import torch
 
 from torchte.quantization.base import round_up
 
+from ._compile import compiled_as_op
 from ._triton import FastLaunch, triton_available
 
 FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
@@ -271,6 +272,10 @@ if triton is not None:
     _launch_amax_kernel = FastLaunch(_amax_kernel)
 
 
+@compiled_as_op(
+    "(Tensor x, Tensor scale, Tensor(a!) amax, Tensor(b!) scale_inv, ScalarType "
+    "fp8_dtype, bool rowwise, bool columnwise) -> (Tensor, Tensor)"
+)
 def quantize_delayed(
     x: torch.Tensor,
     scale: torch.Tensor,
@@ -290,6 +295,10 @@ def quantize_delayed(
     return quantize_delayed_reference(x, scale, amax, scale_inv, fp8_dtype, rowwise, columnwise)
 
 
+@compiled_as_op(
+    "(Tensor x, Tensor(a!) scale_inv, ScalarType fp8_dtype, float amax_epsilon, bool "
+    "power_2_scale, bool rowwise, bool columnwise) -> (Tensor, Tensor)"
+)
 def quantize_current(
     x: torch.Tensor,
     scale_inv: torch.Tensor,
@@ -316,6 +325,7 @@ def quantize_current(
     )
 
 
+@compiled_as_op("(Tensor x, Tensor(a!) amax) -> ()")
 def record_amax(x: torch.Tensor, amax: torch.Tensor) -> None:
     """amax (1,) = max(amax, max |x|), in place (calibration: amax without quantizing)."""
     if x.is_cuda and triton_available():

@@ -32,6 +32,7 @@ import functools
 
 import torch
 
+from ._compile import compiled_as_op
 from ._triton import FastLaunch, int_key, sm_count, triton_available
 
 # A program handles blocks of BLOCK_M rows x BLOCK_N columns, BLOCK_M * BLOCK_N about *_TILE
@@ -72,6 +73,10 @@ def _use_triton(x: torch.Tensor) -> bool:
     return x.is_cuda and x.shape[0] > 0 and triton_available()
 
 
+@compiled_as_op(
+    "(Tensor x, Tensor weight, Tensor? bias, float eps, bool zero_centered_gamma) -> "
+    "(Tensor, Tensor, Tensor)"
+)
 def layernorm_forward(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -86,6 +91,10 @@ def layernorm_forward(
     return layernorm_forward_reference(x, weight, bias, eps, zero_centered_gamma)
 
 
+@compiled_as_op(
+    "(Tensor dy, Tensor x, Tensor weight, Tensor mean, Tensor rstd, bool "
+    "zero_centered_gamma, *, bool has_bias=True) -> (Tensor, Tensor, Tensor)"
+)
 def layernorm_backward(
     dy: torch.Tensor,
     x: torch.Tensor,
@@ -106,6 +115,9 @@ def layernorm_backward(
     )
 
 
+@compiled_as_op(
+    "(Tensor x, Tensor weight, float eps, bool zero_centered_gamma) -> (Tensor, Tensor)"
+)
 def rmsnorm_forward(
     x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered_gamma: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -116,6 +128,10 @@ def rmsnorm_forward(
     return rmsnorm_forward_reference(x, weight, eps, zero_centered_gamma)
 
 
+@compiled_as_op(
+    "(Tensor dy, Tensor x, Tensor weight, Tensor rstd, bool zero_centered_gamma) -> "
+    "(Tensor, Tensor)"
+)
 def rmsnorm_backward(
     dy: torch.Tensor,
     x: torch.Tensor,

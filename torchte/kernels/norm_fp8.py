@@ -36,6 +36,7 @@ import functools
 import torch
 
 from . import norm as norm_mod
+from ._compile import compiled_as_op
 from ._triton import FastLaunch, int_key, triton_available
 from .cast_transpose import COLUMNWISE_ALIGN, FP8_MAX, _alloc_outputs, quantize_delayed_reference
 
@@ -175,6 +176,11 @@ if triton is not None:
 # ----------------------------------------------------------------------------------------------
 
 
+@compiled_as_op(
+    "(Tensor x, Tensor weight, Tensor? bias, float eps, bool zero_centered_gamma, "
+    "Tensor scale, Tensor(a!) amax, Tensor(b!) scale_inv, ScalarType fp8_dtype, bool "
+    "columnwise) -> (Tensor, Tensor, Tensor, Tensor)"
+)
 def layernorm_forward_fp8(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -203,6 +209,11 @@ def layernorm_forward_fp8(
     )
 
 
+@compiled_as_op(
+    "(Tensor x, Tensor weight, float eps, bool zero_centered_gamma, Tensor scale, "
+    "Tensor(a!) amax, Tensor(b!) scale_inv, ScalarType fp8_dtype, bool columnwise) -> "
+    "(Tensor, Tensor, Tensor)"
+)
 def rmsnorm_forward_fp8(
     x: torch.Tensor,
     weight: torch.Tensor,

@@ -19,6 +19,7 @@ import functools
 
 import torch
 
+from ._compile import compiled_as_op
 from ._triton import FastLaunch, triton_available
 
 # Elements of the history one chunk holds (BLOCK_L * BLOCK_N), and the warps of the program.
@@ -93,6 +94,10 @@ def _blocks(rows: int, cols: int) -> tuple[int, int]:
     return block_l, block_n
 
 
+@compiled_as_op(
+    "(Tensor(a!) amax_history, Tensor(b!) scale, Tensor(c!) nonfinite, float fp8_max, "
+    "int margin, str algo) -> ()"
+)
 def update_delayed_scaling(
     amax_history: torch.Tensor,
     scale: torch.Tensor,

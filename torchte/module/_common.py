@@ -15,6 +15,8 @@ from torchte.quantization.float8 import Float8Storage
 __all__ = [
     "MainGradTarget",
     "NoopCat",
+    "absent_output",
+    "given_grad",
     "restore_saved",
     "save_for_backward",
     "split_parameter_names",
@@ -64,16 +66,32 @@ def _shallow_copy(storage: QuantizedStorage) -> QuantizedStorage:
 
 
 def restore_saved(ctx) -> list[torch.Tensor | QuantizedStorage | None]:
-    """The values given to save_for_backward, in order, storages refilled."""
+    """The values given to save_for_backward, in order, storages refilled. Each storage is a
+    fresh copy of the emptied one saved (which stays as it was: a backward run again, or traced
+    by torch.compile, must not write to objects the forward made)."""
     tensors = list(ctx.saved_tensors)
     values: list[torch.Tensor | QuantizedStorage | None] = []
-    for storage in ctx.saved_layout:
-        if storage is None:
+    for shell in ctx.saved_layout:
+        if shell is None:
             values.append(tensors.pop(0))
         else:
+            storage = _shallow_copy(shell)
             tensors = storage.restore_from_saved(tensors)
             values.append(storage)
     return values
+
+
+def absent_output(like: torch.Tensor) -> torch.Tensor:
+    """What a Function returns for an output it did not make this time (the norm's output where
+    the norm wrote the GEMM's FP8 input): an empty 1-D tensor, never None, since torch.compile's
+    trace of a backward takes every output's gradient as a tensor."""
+    return like.new_empty(0)
+
+
+def given_grad(grad: torch.Tensor | None) -> torch.Tensor | None:
+    """The gradient of a Function output, or None where there is none: an unused output, or
+    one that was an absent_output (a real output is never an empty 1-D tensor)."""
+    return None if grad is None or grad.shape == (0,) else grad
 
 
 class MainGradTarget:

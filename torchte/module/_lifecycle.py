@@ -90,8 +90,9 @@ def reinitialize(module, inits: Sequence[ParameterInit], prime: Callable | None)
 def keeping_out_of_inference() -> contextlib.AbstractContextManager:
     """A context for tensors a module keeps across calls (scaling state, cached FP8 weights):
     they are made as normal tensors even under torch.inference_mode(), whose inference tensors
-    could never be updated in place or saved for backward afterwards."""
-    if torch.is_inference_mode_enabled():
+    could never be updated in place or saved for backward afterwards. (torch.compile traces no
+    inference mode: it treats it as no_grad.)"""
+    if not torch.compiler.is_compiling() and torch.is_inference_mode_enabled():
         return torch.inference_mode(False)
     return contextlib.nullcontext()
 

@@ -263,6 +263,8 @@ class LinearCore(TransformerEngineBaseModule):
     parameters_split), the per-setting plans, the cached FP8 weight, and the exception-safe
     autograd.Function call. Subclasses give `_apply_function` and `_needs_dgrad`."""
 
+    _state_at_init = True
+
     def _init_linear(
         self,
         in_features: int,

@@ -44,6 +44,10 @@ from ._lifecycle import (
 __all__ = ["FP8Setup", "TransformerEngineBaseModule"]
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+DEFAULT_HISTORY_LEN = DelayedScaling().amax_history_len
+# Plain attributes torch itself sets on a module after construction (torch.compile's module
+# wrapper mirrors its training flag and marks the module): no hot-path warning for those.
+_SET_BY_TORCH = frozenset(("training", "_is_torch_compile"))
 _STATE = autocast_state()
 
 
@@ -124,6 +128,10 @@ class TransformerEngineBaseModule(nn.Module):
 
     # Delayed-scaling state laid out slot by slot (see DelayedScalingState): grouped modules.
     _slot_major = False
+    # Make the delayed-scaling state of the default history length at construction. The
+    # state must exist before torch.compile traces a forward: a graph cannot create a tensor
+    # that its backward then updates in place (a few KiB per GEMM; see _delayed_state_pair).
+    _state_at_init = False
 
     def __init__(self, device, params_dtype: torch.dtype | None, num_gemms: int = 1) -> None:
         super().__init__()
@@ -151,9 +159,14 @@ class TransformerEngineBaseModule(nn.Module):
 
     def _finish_init(self) -> None:
         """Call at the end of a subclass __init__: from here on, setattr warns."""
+        if self._state_at_init:
+            self._delayed_state_pair(DEFAULT_HISTORY_LEN)
         self.__dict__["_initialized"] = True
 
     def __setattr__(self, name: str, value: Any) -> None:
+        if name in _SET_BY_TORCH:
+            self.__dict__[name] = value
+            return
         if self.__dict__.get("_initialized", False) and not isinstance(
             value, (nn.Parameter, nn.Module)
         ):
@@ -256,6 +269,14 @@ class TransformerEngineBaseModule(nn.Module):
     def _delayed_state_pair(self, history_len: int):
         pair = self._delayed_states.get(history_len)
         if pair is None:
+            if torch.compiler.is_compiling():
+                raise RuntimeError(
+                    f"te.{type(self).__name__}: torch.compile cannot create the delayed-scaling "
+                    f"state of amax_history_len={history_len} inside a compiled forward (its "
+                    "backward updates it in place); run one step eagerly under this recipe "
+                    f"first, or use the default amax_history_len={DEFAULT_HISTORY_LEN}, whose "
+                    "state is made with the module"
+                )
             with keeping_out_of_inference():
                 pair = tuple(
                     DelayedScalingState(
@@ -346,7 +367,7 @@ class TransformerEngineBaseModule(nn.Module):
         finally:
             _nvtx.range_pop()
         if fwd_state is not None:
-            _STATE.register_forward(fwd_state, recipe, group)
+            _STATE.register_step(fwd_state, setup.bwd_state, recipe, group)
             self.__dict__["_saved_history_len"] = recipe.amax_history_len
         return out
 
@@ -363,6 +384,11 @@ class TransformerEngineBaseModule(nn.Module):
                 mark_not_offload(storage)  # a parameter's data: saving it moves nothing
             return storage
         setup = plan.setup
+        if torch.compiler.is_compiling():
+            # A traced graph quantizes the weight at every call: a cache read there would be a
+            # guard on the weight's version, failing (recompiling) at every step.
+            with torch.no_grad():
+                return setup.weight[plan.gemm].quantize(weight, columnwise=need_columnwise)
         generation = (_STATE.step, setup.fwd_state.generation if setup.fwd_state else 0)
         return fp8_weight_cached(
             setup.weight_cache[plan.gemm],

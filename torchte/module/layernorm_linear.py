@@ -19,7 +19,7 @@ from torchte.kernels import norm as norm_kernels
 from torchte.kernels import norm_fp8 as norm_fp8_kernels
 from torchte.quantization.float8 import Float8Storage
 
-from ._common import restore_saved, save_for_backward
+from ._common import absent_output, given_grad, restore_saved, save_for_backward
 from ._lifecycle import ParameterInit, fill
 from ._linear_core import (
     GemmRecord,
@@ -108,6 +108,7 @@ class NormSpec:
         """The norm backward from the GEMM's input gradient dz (plus grad_z, the gradient of a
         handed-out norm output): (dx of inp_shape, dweight, dbias if bias_grad else None)."""
         dz = dz.reshape(x2d.shape)
+        grad_z = given_grad(grad_z)
         if grad_z is not None:
             dz = dz + grad_z.reshape(x2d.shape)
         dz = dz.to(x2d.dtype).contiguous()
@@ -148,7 +149,7 @@ class _LayerNormLinearFunction(torch.autograd.Function):
         save_for_backward(ctx, x2d, ln_weight, mean, rstd, z_saved, w_saved)
         ctx.gemm = GemmRecord(inp.shape, weight, bias, plan, need_dgrad, need_wgrad)
         ctx.norm = norm
-        return y, z
+        return y, (absent_output(y) if z is None else z)
 
     @staticmethod
     def backward(ctx, grad_y, grad_z):

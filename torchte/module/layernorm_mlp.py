@@ -22,7 +22,7 @@ from torchte.kernels import activation_fp8 as act_fp8_kernels
 from torchte.quantization.float8 import Float8Storage
 from torchte.quantization.model_init import make_fp8_parameter, model_init_settings
 
-from ._common import restore_saved, save_for_backward
+from ._common import absent_output, restore_saved, save_for_backward
 from ._lifecycle import ParameterInit, fill
 from ._linear_core import (
     GemmRecord,
@@ -146,7 +146,7 @@ class _LayerNormMLPFunction(torch.autograd.Function):
         a_shape = (*inp.shape[:-1], fc2_w.shape[1])
         ctx.gemm2 = GemmRecord(a_shape, fc2_w, fc2_b, plans.fc2, need_d2, need_w2)
         ctx.plans, ctx.spec, ctx.h_cols = plans, spec, fc1_w.shape[0]
-        return y, z
+        return y, (absent_output(y) if z is None else z)
 
     @staticmethod
     def backward(ctx, grad_y, grad_z):
@@ -186,6 +186,8 @@ class LayerNormMLP(TransformerEngineBaseModule):
     activations. Returns y, then fc2's bias if return_bias, then the norm's output if
     return_layernorm_output.
     """
+
+    _state_at_init = True
 
     def __init__(
         self,

@@ -68,10 +68,7 @@ class DelayedScalingState:
     ) -> Float8Quantizer:
         """A Float8Quantizer for `slot` of GEMM number `gemm`: it reads this state's scale and
         records into its amax history."""
-        j = self._index(slot, gemm)
-        return Float8Quantizer(
-            self.scale[j : j + 1], self.amax_history[0, j : j + 1], fp8_dtype, internal
-        )
+        return Float8Quantizer.of_slot(self, self._index(slot, gemm), fp8_dtype, internal)
 
     def _index(self, slot: str, gemm: int) -> int:
         if self.slot_major:
@@ -101,7 +98,10 @@ class DelayedScalingState:
             )
         else:
             self._update_custom(recipe, fp8_max)
-        self.generation += 1
+        if not torch.compiler.is_compiling():
+            # Only eager weight caches read it; traced, the count would be a guard that fails
+            # (recompiles) at every step.
+            self.generation += 1
 
     def _update_custom(self, recipe: DelayedScaling, fp8_max: float) -> None:
         skip = nonfinite_row0(self.amax_history)

@@ -97,21 +97,48 @@ class Float8Quantizer(Quantizer):
     """Delayed scaling: quantize with a scale computed earlier; record amax for later.
 
     scale (1,) fp32 and amax (1,) fp32 are views into a DelayedScalingState (its scale and row 0
-    of its amax history), so updating the state moves them too.
+    of its amax history), so updating the state moves them too. A quantizer made with
+    `of_slot` takes those views from the state on first use (cached; under torch.compile taken
+    afresh at each use, so that a traced graph never outputs a view of a tensor it mutates).
     """
 
-    __slots__ = ("amax", "scale")
+    __slots__ = ("_amax", "_scale", "_slot")
 
     def __init__(
         self,
-        scale: torch.Tensor,
-        amax: torch.Tensor,
+        scale: torch.Tensor | None,
+        amax: torch.Tensor | None,
         fp8_dtype: torch.dtype,
         internal: bool = True,
     ) -> None:
         super().__init__(fp8_dtype, internal)
-        self.scale = scale
-        self.amax = amax
+        self._scale, self._amax = scale, amax
+        self._slot = None
+
+    @classmethod
+    def of_slot(cls, state, index: int, fp8_dtype: torch.dtype, internal: bool = True):
+        """The quantizer of slot `index` of `state` (an object with `scale` (n,) and
+        `amax_history` (L, n))."""
+        quantizer = cls(None, None, fp8_dtype, internal)
+        quantizer._slot = (state, index)
+        return quantizer
+
+    @property
+    def scale(self) -> torch.Tensor:
+        """(1,) fp32: the scale this quantizer multiplies by."""
+        return self._scale if self._scale is not None else self._slot_views()[0]
+
+    @property
+    def amax(self) -> torch.Tensor:
+        """(1,) fp32: where this quantizer max-accumulates the amax it sees."""
+        return self._amax if self._amax is not None else self._slot_views()[1]
+
+    def _slot_views(self) -> tuple[torch.Tensor, torch.Tensor]:
+        state, j = self._slot
+        views = state.scale[j : j + 1], state.amax_history[0, j : j + 1]
+        if not torch.compiler.is_compiling():
+            self._scale, self._amax = views
+        return views
 
     def quantize(self, x_hp, *, rowwise=True, columnwise=True):
         """x_hp (..., N) -> Float8Storage (or Float8Tensor when not internal)."""
