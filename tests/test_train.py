@@ -9,6 +9,7 @@ import math
 import re
 import struct
 import sys
+import types
 import zlib
 from pathlib import Path
 
@@ -22,9 +23,8 @@ from torchte.train.config import ModelConfig, RunConfig
 TEXT = "".join(f"def f{i}(x):\n    return x * {i} + {i % 7}  # line {i}\n" for i in range(400))
 
 
-@pytest.fixture
-def corpus_dir(tmp_path: Path) -> Path:
-    """A folder of a few UTF-8 text files (about 20 KB)."""
+def write_corpus(tmp_path: Path) -> Path:
+    """A folder of a few UTF-8 text files (about 20 KB) under `tmp_path`."""
     folder = tmp_path / "corpus"
     folder.mkdir()
     for i in range(4):
@@ -32,12 +32,19 @@ def corpus_dir(tmp_path: Path) -> Path:
     return folder
 
 
+@pytest.fixture
+def corpus_dir(tmp_path: Path) -> Path:
+    """A folder of a few UTF-8 text files (about 20 KB)."""
+    return write_corpus(tmp_path)
+
+
 def tiny(corpus: Path, out: Path, *extra: str) -> list[str]:
-    """Command-line arguments of a run of a few seconds."""
+    """Command-line arguments of a run of a few seconds (computing in bf16 unless `extra` says
+    otherwise: the same on every CPU, with no timing probe)."""
     return [
         "--device", "cpu", "--size", "tiny", "--steps", "6", "--batch-size", "2",
         "--seq-len", "32", "--log-every", "2", "--eval-every", "3", "--eval-batches", "2",
-        "--data", str(corpus), "--out", str(out), *extra,
+        "--data", str(corpus), "--out", str(out), "--compute-dtype", "bf16", *extra,
     ]  # fmt: skip
 
 
@@ -50,27 +57,34 @@ def losses(results: list[loop.RunResult]) -> list[tuple]:
 # -- runs ---------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("compute", ["bf16", "fp32"])
 @pytest.mark.parametrize("recipe", ["bf16", "delayed", "current"])
 def test_each_recipe_trains_and_writes_its_outputs(
-    recipe: str, corpus_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+    recipe: str, compute: str, corpus_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
     out = tmp_path / "out"
-    (result,) = cli.train(tiny(corpus_dir, out, "--recipe", recipe))
-    assert result.recipe == recipe and result.steps == 6
+    (result,) = cli.train(tiny(corpus_dir, out, "--recipe", recipe, "--compute-dtype", compute))
+    label = compute if recipe == "bf16" else recipe  # the run without FP8 goes by its dtype
+    assert result.recipe == label and result.steps == 6
     assert [r["step"] for r in result.rows] == [0, 2, 3, 4, 6]
     assert all(math.isfinite(r["train_loss"]) for r in result.rows[1:])
     vals = [r["val_loss"] for r in result.rows if r["val_loss"] is not None]
     assert len(vals) == 3 and vals[-1] < vals[0] - 0.5  # the loss falls from ln(256) = 5.55
     printed = capsys.readouterr()
     assert re.search(r"model: 2 layers, hidden 128, .*: 0\.4\dM parameters", printed.out)
-    assert f"[{recipe}] step 6/6 loss" in printed.err  # plain progress lines off a terminal
+    assert f"(float32 weights, {compute} compute)" in printed.out
+    assert f"compute {compute} (--compute-dtype {compute})" in printed.out  # the run's header
+    assert f"[{label}] step 6/6 loss" in printed.err  # plain progress lines off a terminal
     lines = printed.out.splitlines()
     header = next(i for i, line in enumerate(lines) if line.startswith("recipe "))
-    assert lines[header + 2].split()[:2] == [recipe, "6"]
+    kind = compute if recipe == "bf16" else f"fp8+{compute}"
+    assert lines[header + 2].split()[:3] == [label, kind, "6"]
     assert "(max RSS)" in lines[header + 2]
+    assert lines[header + 3].startswith(f"compute {compute} (--compute-dtype {compute})")
     with (out / "losses.csv").open() as f:
         rows = list(csv.DictReader(f))
     assert [row["step"] for row in rows] == ["0", "2", "3", "4", "6"]
+    assert {row["recipe"] for row in rows} == {label}
     assert rows[0]["train_loss"] == "" and float(rows[-1]["val_loss"]) == vals[-1]
     assert (out / "losses.png").read_bytes().startswith(plot.PNG_SIGNATURE)
 
@@ -115,8 +129,8 @@ def test_resume_with_another_model_or_recipe_is_refused(
 # -- FP8 scaling state ---------------------------------------------------------------------------
 
 
-def _trainer(corpus_dir: Path, tmp_path: Path, recipe: str) -> loop.Trainer:
-    model_config, config = cli.parse_args(tiny(corpus_dir, tmp_path, "--recipe", recipe))
+def _trainer(corpus_dir: Path, tmp_path: Path, recipe: str, *extra: str) -> loop.Trainer:
+    model_config, config = cli.parse_args(tiny(corpus_dir, tmp_path, "--recipe", recipe, *extra))
     corpus = data.load_corpus(config.data, config.max_bytes, model_config.seq_len)
     return loop.Trainer(recipe, model_config, config, corpus)
 
@@ -182,18 +196,23 @@ def test_split_heads_matches_view_permute_unbind(used: str) -> None:
     assert torch.equal(got, want)
 
 
-def test_trainer_keeps_fp32_master_weights_and_computes_in_bf16(
-    corpus_dir: Path, tmp_path: Path
+@pytest.mark.parametrize(("compute", "dtype"), [("bf16", torch.bfloat16), ("fp32", torch.float32)])
+def test_trainer_keeps_fp32_master_weights_and_computes_in_its_dtype(
+    compute: str, dtype: torch.dtype, corpus_dir: Path, tmp_path: Path
 ) -> None:
-    trainer = _trainer(corpus_dir, tmp_path, "delayed")
+    trainer = _trainer(corpus_dir, tmp_path, "delayed", "--compute-dtype", compute)
     trainer.train_step()
     params = list(trainer.model.parameters())
     assert all(p.dtype == torch.float32 for p in params)
     states = [trainer.optimizer.state[p] for p in params]
     assert all(s["exp_avg"].dtype == torch.float32 for s in states)
     tokens = trainer.val_batches[0][0]
-    with torch.no_grad(), torch.autocast("cpu", dtype=loop.COMPUTE_DTYPE):
-        assert trainer.model(tokens).dtype == torch.bfloat16
+    seen = []
+    hook = trainer.model.blocks[0].mlp.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
+    with torch.no_grad(), trainer.autocast():
+        assert trainer.model(tokens).dtype == dtype
+    hook.remove()
+    assert seen == [dtype]  # inside the model too, not only at the head
 
 
 # -- data ----------------------------------------------------------------------------------------
@@ -392,6 +411,114 @@ def test_builtin_png_writer_draws_without_matplotlib(
     assert pixels == drawn | {b"\xff" * 3, b"\x00" * 3, bytes((225, 225, 225))}
 
 
+@pytest.mark.parametrize(
+    ("low", "high", "integer"),
+    [
+        (2.07, 5.6, False),
+        (1.23, 1.31, False),
+        (0.0012, 0.0047, False),
+        (3.0, 3.0, False),
+        (0, 400, True),
+        (0, 6, True),
+        (5, 1234, True),
+    ],
+)
+def test_plot_ticks_are_round_and_cover_the_data(low: float, high: float, integer: bool) -> None:
+    ticks = plot.nice_ticks(low, high, integer=integer)
+    assert 3 <= len(ticks) <= 8 and ticks[0] <= low and ticks[-1] >= high
+    step = ticks[1] - ticks[0]
+    mantissa = step / 10 ** math.floor(math.log10(step) + 1e-9)
+    assert any(math.isclose(mantissa, m) for m in (1, 2, 2.5, 5)), step
+    assert all(math.isclose(b - a, step) for a, b in itertools.pairwise(ticks))
+    assert all(math.isclose(t / step, round(t / step), abs_tol=1e-9) for t in ticks)
+    labels = plot.tick_labels(ticks)
+    assert [float(label) for label in labels] == ticks  # each written exactly, and short
+    assert max(len(label) for label in labels) <= len(f"{max(map(abs, ticks)):.0f}") + 5
+    if integer:
+        assert step >= 1 and not any("." in label for label in labels)
+
+
+def test_plot_ticks_of_a_typical_run() -> None:
+    assert plot.tick_labels(plot.nice_ticks(2.07, 5.6)) == ["2", "3", "4", "5", "6"]
+    assert plot.tick_labels(plot.nice_ticks(1.23, 1.31))[:2] == ["1.22", "1.24"]
+    assert plot.tick_labels(plot.nice_ticks(2.1, 2.9)) == ["2.0", "2.2", "2.4", "2.6", "2.8", "3.0"]
+
+
+def _rgb_rows(png: bytes) -> list[list[bytes]]:
+    """The pixels of a PNG written by the built-in writer, row by row."""
+    width, height, raw = _png_size_and_pixels(png)
+    stride = 1 + 3 * width
+    return [
+        [raw[y * stride + 1 + 3 * x : y * stride + 4 + 3 * x] for x in range(width)]
+        for y in range(height)
+    ]
+
+
+def _black(rows: list[list[bytes]], ys: range, xs: range) -> int:
+    return sum(rows[y][x] == b"\x00" * 3 for y in ys for x in xs)
+
+
+def test_builtin_plot_has_a_title_axis_labels_and_round_ticks() -> None:
+    series = plot.series_from_rows(ROWS)
+    titled = _rgb_rows(plot.render_png(series, "loss (nats/byte): 2 layers, x=1/2"))
+    bare = _rgb_rows(plot.render_png(series))
+    title_band = range(0, plot.TOP - 8)  # above the top tick label
+    assert _black(titled, title_band, range(plot.WIDTH)) > 100
+    assert _black(bare, title_band, range(plot.WIDTH)) == 0
+    y_label = range(plot.TOP, plot.BOTTOM), range(0, 20)  # drawn upward along the left edge
+    assert _black(titled, *y_label) > 100
+    x_label = range(plot.BOTTOM + 26, plot.BOTTOM + 40), range(plot.LEFT, plot.RIGHT)
+    assert _black(titled, *x_label) > 30
+    # The y axis spans whole ticks: grid rows only at the interior ones.
+    ticks = plot.nice_ticks(3.0, 5.5)  # ROWS' losses
+    grid = bytes((225, 225, 225))
+    plot_x = range(plot.LEFT + 1, plot.RIGHT)
+    grid_rows = [y for y in range(plot.TOP + 1, plot.BOTTOM) if titled[y][plot.LEFT + 2] == grid]
+    assert len(grid_rows) == len(ticks) - 2
+    assert all(sum(titled[y][x] != b"\xff" * 3 for x in plot_x) > 400 for y in grid_rows)
+
+
+def test_builtin_font_draws_what_the_labels_use() -> None:
+    for char in "()/:,+=_%" + plot.X_LABEL.upper() + plot.Y_LABEL.upper():
+        canvas = plot.Canvas(8, 12)
+        canvas.text(0, 0, char)
+        inked = canvas.pixels.count(0) // 3  # black pixels
+        assert (inked == 0) == (char == " "), char
+    assert plot.Canvas(40, 12).text(0, 0, "ab") is None  # lowercase draws as capitals
+    lower, upper = plot.Canvas(40, 12), plot.Canvas(40, 12)
+    lower.text(0, 0, "step")
+    upper.text(0, 0, "STEP")
+    assert lower.pixels == upper.pixels
+
+
+class _Recorder:
+    """Stands in for a matplotlib object: records each method's positional arguments."""
+
+    def __init__(self) -> None:
+        self.calls: dict[str, list[tuple]] = {}
+
+    def __getattr__(self, name: str):
+        return lambda *args, **kwargs: self.calls.setdefault(name, []).append(args)
+
+
+def test_matplotlib_plot_gets_round_ticks_labels_and_a_title(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fig, ax = _Recorder(), _Recorder()
+    pyplot = types.SimpleNamespace(subplots=lambda **kwargs: (fig, ax), close=lambda f: None)
+    monkeypatch.setitem(sys.modules, "matplotlib", types.SimpleNamespace(use=str, pyplot=pyplot))
+    monkeypatch.setitem(sys.modules, "matplotlib.pyplot", pyplot)
+    assert plot.write_plot(tmp_path / "p.png", ROWS, "the title") == "matplotlib"
+    y_ticks, y_labels = ax.calls["set_yticks"][0]
+    assert y_ticks == plot.nice_ticks(3.0, 5.5) and y_labels == plot.tick_labels(y_ticks)
+    assert ax.calls["set_ylim"] == [(y_ticks[0], y_ticks[-1])]
+    x_ticks, _ = ax.calls["set_xticks"][0]
+    assert x_ticks == plot.nice_ticks(0, 20, integer=True)
+    assert ax.calls["set_title"] == [("the title",)]
+    assert ax.calls["set_xlabel"] == [("step",)]
+    assert ax.calls["set_ylabel"] == [("loss (nats/byte)",)]
+
+
 def test_csv_holds_every_logged_row(tmp_path: Path) -> None:
     path = tmp_path / "a" / "losses.csv"
     report.write_csv(path, ROWS)
@@ -409,14 +536,20 @@ def test_table_shows_losses_speed_and_peak_memory() -> None:
     peak, kind = report.peak_memory(torch.device("cpu"))
     assert kind == "max RSS" and peak > 10 * 2**20  # torch alone takes more than 10 MiB
     result = loop.RunResult("delayed", ROWS[3:], 20, 12345.6)
-    summary = report.summarize(result, (3 * 2**30 // 2, "GPU allocated"))
+    summary = report.summarize(result, (3 * 2**30 // 2, "GPU allocated"), "fp8+fp32")
     assert (summary.first_val_loss, summary.val_loss, summary.train_loss) == (5.5, 3.1, 3.0)
-    lines = report.format_table([summary]).splitlines()
-    assert lines[0].split()[:3] == ["recipe", "steps", "train"]
+    baseline = report.summarize(loop.RunResult("fp32", ROWS[:3], 20, 1.0), (0, "x"), "fp32")
+    note = report.compute_note("fp32", "auto: bf16 is emulated on this CPU, 9x slower than fp32")
+    lines = report.format_table([summary, baseline], note).splitlines()
+    assert lines[0].split()[:4] == ["recipe", "compute", "steps", "train"]
     assert lines[2].split() == [
-        "delayed", "20", "3.0000", "5.5000", "->", "3.1000", "12,346", "1.5", "GiB", "(GPU",
-        "allocated)",
+        "delayed", "fp8+fp32", "20", "3.0000", "5.5000", "->", "3.1000", "12,346", "1.5", "GiB",
+        "(GPU", "allocated)",
     ]  # fmt: skip
+    assert lines[3].split()[:2] == ["fp32", "fp32"]  # no FP8: what it computed in, twice
+    assert lines[4] == note and note.startswith(
+        "compute fp32 (auto: bf16 is emulated on this CPU, 9x slower than fp32); fp8+fp32: "
+    )
     assert report.format_bytes(512 * 2**10) == "512 KiB"
     assert report.format_bytes(3 * 2**20) == "3.0 MiB"
 

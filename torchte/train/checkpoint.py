@@ -2,8 +2,9 @@
 
 A checkpoint is one torch.save file (loaded with weights_only=True) holding:
 
-- "format", "recipe", "step", "model_config" (ModelConfig fields), "corpus" (the corpus
-  fingerprint) and "run" (the training settings, for the record);
+- "format", "recipe", "compute_dtype" ("bf16" or "fp32"; files without it computed in bf16),
+  "step", "model_config" (ModelConfig fields), "corpus" (the corpus fingerprint) and "run"
+  (the training settings, for the record);
 - "model": the model's state_dict, in which each te module's extra state carries its
   delayed-scaling scales and amax histories;
 - "optimizer": AdamW's state_dict;
@@ -47,19 +48,24 @@ def save_checkpoint(path: Path, state: dict[str, Any]) -> None:
         raise
 
 
-def load_checkpoint(path: Path) -> dict[str, Any]:
+def load_checkpoint(path: Path, mmap: bool = False) -> dict[str, Any]:
     """Read a checkpoint written by save_checkpoint; SystemExit naming the fix if it is not
-    one."""
+    one. `mmap`: map the tensors' bytes instead of reading them (for a quick look at the
+    metadata)."""
     if not path.is_file():
         raise SystemExit(
             f"--resume {path}: no such checkpoint file; give a file written by --save "
             "(with several recipes, one per recipe: NAME-RECIPE.pt)"
         )
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as err:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except Exception:
+        # torch's own message would advise loading the file as arbitrary pickled code: not
+        # the fix for a file that --save did not write.
         raise SystemExit(
-            f"--resume {path}: not a readable checkpoint ({err}); give a file written by --save"
+            f"--resume {path}: not a readable checkpoint (not a file written by torch.save, "
+            "damaged, or holding more than tensors and plain data); give a file written by "
+            "--save"
         ) from None
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise SystemExit(
@@ -70,9 +76,15 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
 
 
 def check_compatible(
-    state: dict[str, Any], path: Path, model_config: dict, recipe: str, corpus: str
+    state: dict[str, Any],
+    path: Path,
+    model_config: dict,
+    recipe: str,
+    corpus: str,
+    compute_dtype: str,
 ) -> None:
-    """SystemExit unless the checkpoint was made by this model, recipe and corpus."""
+    """SystemExit unless the checkpoint was made by this model, recipe, corpus and compute
+    dtype."""
     saved = state["model_config"]
     if saved != model_config:
         diff = ", ".join(
@@ -94,6 +106,28 @@ def check_compatible(
         raise SystemExit(
             f"--resume {path}: the checkpoint was trained on other data (corpus "
             f"{state['corpus']}, now {corpus}); resume with the same --data and --max-bytes"
+        )
+    saved_dtype = state.get("compute_dtype", "bf16")
+    if saved_dtype != compute_dtype:
+        raise SystemExit(
+            f"--resume {path}: the checkpoint computed in {saved_dtype}, this run computes in "
+            f"{compute_dtype}; pass --compute-dtype {saved_dtype} to continue it"
+        )
+
+
+def check_steps(state: dict[str, Any], path: Path, steps: int, stop_at: int | None) -> None:
+    """SystemExit unless the checkpoint's step lies within --steps (and --stop-at)."""
+    step = int(state["step"])
+    if step > steps:
+        raise SystemExit(
+            f"--resume {path}: the checkpoint is at step {step}, past --steps {steps}; pass "
+            f"--steps {step} or more to continue it (the schedule it was saved with had "
+            f"--steps {state['run']['steps']})"
+        )
+    if stop_at is not None and step > stop_at:
+        raise SystemExit(
+            f"--resume {path}: the checkpoint is at step {step}, past --stop-at {stop_at}; "
+            f"pass a --stop-at of {step} or more, or leave it out"
         )
 
 

@@ -1,8 +1,10 @@
 """The command line of `python -m torchte.train` (also `torchte-train`): options, checks, main.
 
 Bad option values end the program with a message that names the option and the fix (argparse's
-exit status 2); a missing or too small corpus, an FP8 recipe the device cannot run and a
-checkpoint that does not fit end it with status 1.
+exit status 2); a missing or too small corpus, an FP8 recipe the device cannot run, an --out or
+--save path that cannot be written and a checkpoint that does not fit end it with status 1,
+all before the first training step. Ctrl-C ends it with status 130, after writing the table,
+CSV and plot of the steps that finished and saying where each recipe stopped.
 """
 
 from __future__ import annotations
@@ -16,19 +18,32 @@ import torch
 
 from torchte import _device
 
+from . import checkpoint
 from .config import DEFAULT_MAX_BYTES, FP8_MULTIPLE, RECIPES, SIZES, ModelConfig, RunConfig
-from .data import load_corpus
-from .loop import COMPUTE_DTYPE, PARAMS_DTYPE, RunResult, Trainer
+from .data import Corpus, load_corpus
+from .loop import PARAMS_DTYPE, RunResult, Trainer, check_resumable
 from .model import count_parameters
 from .plot import write_plot
+from .precision import choose_compute_dtype
 from .progress import Progress, format_duration
-from .report import format_table, peak_memory, reset_peak_memory, summarize, write_csv
+from .report import (
+    Summary,
+    check_writable,
+    compute_note,
+    format_table,
+    peak_memory,
+    reset_peak_memory,
+    summarize,
+    write_csv,
+)
 
 DESCRIPTION = """\
-Train a small GPT built from torchte modules as a byte-level language model, in bf16 and in
-FP8, and compare the two. By default it runs bf16 and then FP8 delayed scaling from the same
-seed on the same batches, on the Python standard library's source files; on the CPU (FP8
-emulated) with a tiny model in a minute or two, on a GPU with a ~350M-parameter model.
+Train a small GPT built from torchte modules as a byte-level language model without FP8 and
+with it, and compare the two. By default it runs the model without FP8 and then with FP8
+delayed scaling, from the same seed on the same batches, on the Python standard library's
+source files; on the CPU (FP8 emulated) with a tiny model in about a minute, on a GPU with a
+~350M-parameter model. The model computes in bf16 (torch.autocast) on a GPU and on a CPU that
+runs bf16 fast, else in fp32 (--compute-dtype).
 
 Writes to --out: losses.csv (every logged step) and losses.png (the loss curves); prints a
 table of final losses, tokens/s and peak memory."""
@@ -43,12 +58,21 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument(
-        "--recipe", choices=RECIPES, help="bf16 (FP8 off), FP8 delayed or current scaling"
+        "--recipe",
+        choices=RECIPES,
+        help="bf16 (FP8 off: all in --compute-dtype), FP8 delayed or current scaling",
     )
     p.add_argument(
         "--compare",
         action="store_true",
         help="run bf16, then --recipe (default delayed); the default when --recipe is not given",
+    )
+    p.add_argument(
+        "--compute-dtype",
+        choices=("auto", "bf16", "fp32"),
+        default="auto",
+        help="what the model computes in besides FP8 GEMMs (weights are fp32 either way); "
+        "auto: bf16 on a GPU, on the CPU bf16 where it is faster than fp32, else fp32",
     )
     p.add_argument(
         "--size", choices=tuple(SIZES), help="model size (default: tiny on the CPU, large on a GPU)"
@@ -166,31 +190,68 @@ def parse_args(argv: list[str] | None = None) -> tuple[ModelConfig, RunConfig]:
             f"tokens per step, but FP8 needs a multiple of {FP8_MULTIPLE}: change --batch-size "
             "or --seq-len, or use --recipe bf16"
         )
+    compute = choose_compute_dtype(
+        args.compute_dtype, config.device, model_config.hidden, model_config.ffn
+    )
+    config = dataclasses.replace(config, compute_dtype=compute.name, compute_reason=compute.reason)
     return model_config, config
 
 
-def describe_model(config: ModelConfig, parameters: int) -> str:
-    """One line: the model's shape and parameter count."""
+def describe_model(config: ModelConfig, parameters: int, compute_dtype: str) -> str:
+    """One line: the model's shape, parameter count and dtypes."""
     mlp = f"{config.experts} experts, top-{config.top_k}" if config.experts else "dense MLP"
+    weights = str(PARAMS_DTYPE).removeprefix("torch.")
     return (
         f"model: {config.layers} layers, hidden {config.hidden}, {config.heads} heads, "
         f"ffn {config.ffn}, {mlp}, seq {config.seq_len}: {parameters / 1e6:.2f}M parameters "
-        f"({_dtype_name(PARAMS_DTYPE)} weights, {_dtype_name(COMPUTE_DTYPE)} compute)"
+        f"({weights} weights, {compute_dtype} compute)"
     )
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def main(argv: list[str] | None = None) -> None:
     """The program's entry point (`python -m torchte.train`, `torchte-train`)."""
-    train(argv)
+    try:
+        train(argv)
+    except KeyboardInterrupt:  # outside a recipe's run (which handles its own)
+        print("\ninterrupted (Ctrl-C)", file=sys.stderr, flush=True)
+        raise SystemExit(130) from None
+
+
+def check_outputs(config: RunConfig) -> None:
+    """SystemExit (status 1) unless --out and --save can be written: checked before training,
+    so that a run never ends without its results for want of a folder."""
+    check_writable(config.out, f"--out {config.out}")
+    if config.save is None:
+        return
+    for name in config.recipes:
+        path = checkpoint.recipe_path(config.save, name, len(config.recipes) > 1)
+        if path.is_dir():
+            raise SystemExit(
+                f"--save {config.save}: {path} is a folder; give a file path, such as "
+                f"{config.save / 'ckpt.pt'}"
+            )
+    check_writable(config.save.parent, f"--save {config.save}")
+
+
+def resume_steps(model_config: ModelConfig, config: RunConfig, corpus: Corpus) -> list[int]:
+    """The step each recipe starts from: 0, or with --resume its checkpoint's, every checkpoint
+    checked (SystemExit if one does not fit) before any recipe trains."""
+    if config.resume is None:
+        return [0] * len(config.recipes)
+    steps = []
+    for name in config.recipes:
+        path = checkpoint.recipe_path(config.resume, name, len(config.recipes) > 1)
+        state = checkpoint.load_checkpoint(path, mmap=True)  # the tensors stay on disk
+        check_resumable(state, path, name, model_config, config, corpus)
+        steps.append(int(state["step"]))
+    return steps
 
 
 def train(argv: list[str] | None = None) -> list[RunResult]:
-    """Run the command line: train each recipe, then write the table, CSV and plot."""
+    """Run the command line: train each recipe, then write the table, CSV and plot
+    (SystemExit(130) after them when Ctrl-C stopped the run)."""
     model_config, config = parse_args(argv)
+    check_outputs(config)
     corpus = load_corpus(config.data, config.max_bytes, model_config.seq_len)
     capped = f", capped at --max-bytes {config.max_bytes}" if corpus.capped else ""
     print(
@@ -199,38 +260,126 @@ def train(argv: list[str] | None = None) -> list[RunResult]:
         "validation",
         flush=True,
     )
+    starts = resume_steps(model_config, config, corpus)
+    labels = [config.label(name) for name in config.recipes]
     print(
-        f"run: {', '.join(config.recipes)} on {config.device}; {config.steps} steps of "
-        f"{config.batch_size} x {model_config.seq_len} tokens, lr {config.lr:g} (warmup "
-        f"{config.warmup}, cosine), validation every {config.eval_every} steps",
+        f"run: {', '.join(labels)} on {config.device}, compute {config.compute_dtype} "
+        f"({config.compute_reason}); {config.steps} steps of {config.batch_size} x "
+        f"{model_config.seq_len} tokens, lr {config.lr:g} (warmup {config.warmup}, cosine), "
+        f"validation every {config.eval_every} steps",
         flush=True,
     )
-    device = torch.device(config.device)
-    results, summaries = [], []
-    for name in config.recipes:
-        trainer = Trainer(name, model_config, config, corpus)
-        if not results:
-            print(describe_model(model_config, count_parameters(trainer.model)), flush=True)
-        if config.resume is not None:
-            trainer.resume(config.resume)
-            print(f"[{name}] resumed at step {trainer.step}", flush=True)
-        reset_peak_memory(device)
-        result = trainer.run(Progress(name, config.steps, trainer.step))
-        results.append(result)
-        summary = summarize(result, peak_memory(device))
-        summaries.append(summary)
-        print(
-            f"[{name}] validation loss {summary.first_val_loss:.4f} (step 0) -> "
-            f"{summary.val_loss:.4f} (step {summary.val_step}); {summary.steps}/{config.steps} "
-            f"steps in {format_duration(trainer.elapsed)}",
-            flush=True,
-        )
+    results, summaries = run_recipes(model_config, config, corpus, starts)
+    if summaries:
+        write_outputs(model_config, config, results, summaries)
+    if len(results) < len(config.recipes) or results[-1].interrupted:
+        print(interruption_report(results, config), flush=True)
+        raise SystemExit(130)
+    return results
+
+
+def write_outputs(
+    model_config: ModelConfig,
+    config: RunConfig,
+    results: list[RunResult],
+    summaries: list[Summary],
+) -> None:
+    """Write the CSV and the plot to --out and print the table."""
     rows = [row for result in results for row in result.rows]
-    config.out.mkdir(parents=True, exist_ok=True)
     csv_path, png_path = config.out / "losses.csv", config.out / "losses.png"
     write_csv(csv_path, rows)
-    backend = write_plot(png_path, rows)
+    backend = write_plot(png_path, rows, plot_title(model_config, config))
     print()
-    print(format_table(summaries))
+    print(format_table(summaries, compute_note(config.compute_dtype, config.compute_reason)))
     print(f"\nwrote {csv_path} and {png_path} ({backend} plot)", flush=True)
-    return results
+
+
+def run_recipes(
+    model_config: ModelConfig, config: RunConfig, corpus: Corpus, starts: list[int]
+) -> tuple[list[RunResult], list[Summary]]:
+    """Train each recipe in turn (from its step in `starts`) and summarize it; stops after
+    a run that Ctrl-C interrupted, or at a recipe whose setup it interrupted."""
+    device = torch.device(config.device)
+    results, summaries = [], []
+    for i, name in enumerate(config.recipes):
+        later = sum(config.last_step - min(s, config.last_step) for s in starts[i + 1 :])
+        try:
+            trainer = Trainer(name, model_config, config, corpus)
+            if not results:
+                parameters = count_parameters(trainer.model)
+                print(describe_model(model_config, parameters, config.compute_dtype), flush=True)
+            if config.resume is not None:
+                trainer.resume(config.resume)
+                print(f"[{trainer.label}] resumed at step {trainer.step}", flush=True)
+            reset_peak_memory(device)
+        except KeyboardInterrupt:
+            break
+        progress = Progress(
+            trainer.label, config.steps, trainer.step, end=config.last_step, later_steps=later
+        )
+        result = trainer.run(progress)
+        results.append(result)
+        summary = summarize(result, peak_memory(device), config.computes(name))
+        summaries.append(summary)
+        first = "-" if summary.first_val_loss is None else f"{summary.first_val_loss:.4f}"
+        last = "-" if summary.val_loss is None else f"{summary.val_loss:.4f}"
+        print(
+            f"[{result.recipe}] validation loss {first} (step 0) -> {last} (step "
+            f"{summary.val_step}); {summary.steps}/{config.steps} steps in "
+            f"{format_duration(trainer.elapsed)}",
+            flush=True,
+        )
+        if result.interrupted:
+            break
+    return results, summaries
+
+
+def interruption_report(results: list[RunResult], config: RunConfig) -> str:
+    """What Ctrl-C left: where each recipe stopped and its last checkpoint, or how to get
+    one."""
+    lines = ["interrupted (Ctrl-C):"]
+    for i, name in enumerate(config.recipes):
+        label = config.label(name)
+        if i >= len(results):
+            lines.append(f"  {label}: not started")
+            continue
+        result = results[i]
+        state = "stopped at" if result.interrupted else "finished"
+        saved = (
+            f"last checkpoint {result.saved[0]} (step {result.saved[1]})"
+            if result.saved
+            else "no checkpoint written"
+        )
+        lines.append(f"  {label}: {state} step {result.steps}/{config.last_step}; {saved}")
+    lines.append("  " + _how_to_continue(results, config))
+    return "\n".join(lines)
+
+
+def _how_to_continue(results: list[RunResult], config: RunConfig) -> str:
+    """The options that continue an interrupted run from its checkpoints, or that would have
+    written some."""
+    if config.save is None:
+        return (
+            "to be able to continue an interrupted run, pass --save PATH and --save-every N (a "
+            "checkpoint every N steps); then run again with --resume PATH"
+        )
+    if len(results) == len(config.recipes) and all(r.saved for r in results):
+        return f"to continue, run again with the same options and --resume {config.save}"
+    # The recipe that did not finish: the one interrupted, else the one that never started.
+    i = len(results) - 1 if results and results[-1].interrupted else len(results)
+    name, saved = config.recipes[i], results[i].saved if i < len(results) else None
+    if saved is None:
+        return f"no checkpoint of {config.label(name)} yet: --save-every N saves one every N steps"
+    return (
+        f"--resume {config.save} needs a checkpoint of every recipe; to continue "
+        f"{config.label(name)} alone, run again with --recipe {name} --resume {saved[0]}"
+    )
+
+
+def plot_title(model_config: ModelConfig, config: RunConfig) -> str:
+    """The plot's title: what was trained, where, in which dtype."""
+    mlp = f", {model_config.experts} experts" if model_config.experts else ""
+    return (
+        f"loss of a byte-level GPT ({model_config.layers} layers x {model_config.hidden}{mlp}) "
+        f"on {config.device}, {config.compute_dtype} compute"
+    )

@@ -10,6 +10,10 @@ varies between runs, so two runs of one seed drift apart in their last bits).
 A row is logged every `log_every` steps, every `eval_every` steps (with the validation loss),
 at step 0 (validation only) and at the last step. Its train loss is the mean over the steps
 since the previous row; its tokens/s counts training time only (not evaluation or saving).
+
+Ctrl-C (KeyboardInterrupt) ends a run early: run() returns what was logged up to the last
+step that finished, marked interrupted, and saves nothing (a step cut short leaves the weights
+half updated); the last checkpoint written before it stays.
 """
 
 from __future__ import annotations
@@ -31,10 +35,10 @@ from .data import BatchSampler, Corpus, validation_batches
 from .model import GPT, restore_scaling, scaling_snapshot
 from .progress import Progress
 
-# fp32 master weights and AdamW state; the model computes in bf16 under torch.autocast (FP8
-# GEMMs where a recipe is on). On the CPU too: te modules run bf16 there, FP8 emulated.
+# fp32 master weights and AdamW state; the model computes in RunConfig.compute_dtype: bf16
+# under torch.autocast, or fp32 with autocast off (te modules then compute in their parameters'
+# dtype), with FP8 GEMMs where a recipe is on (emulated in fp32 on the CPU).
 PARAMS_DTYPE = torch.float32
-COMPUTE_DTYPE = torch.bfloat16
 MIN_LR_FRACTION = 0.1
 GRAD_CLIP = 1.0
 WEIGHT_DECAY = 0.1
@@ -65,14 +69,19 @@ class RunResult:
     """What one recipe's run produced."""
 
     recipe: str
+    """The run's label: the FP8 recipe, or the compute dtype of the run without FP8."""
     rows: list[dict]
-    """Logged rows: recipe, step, train_loss, val_loss, tokens_per_s, elapsed_s (None where
-    not measured)."""
+    """Logged rows: recipe (the label), step, train_loss, val_loss, tokens_per_s, elapsed_s
+    (None where not measured)."""
     steps: int
-    """The step the run stopped at."""
+    """The step the run stopped at (the last one that finished)."""
     tokens_per_s: float
     """Training throughput of this process's steps (the first one, which compiles, left out
     when there are others; nan without steps)."""
+    interrupted: bool = False
+    """Whether Ctrl-C ended the run before config.last_step."""
+    saved: tuple[Path, int] | None = None
+    """(file, step) of the last checkpoint this process wrote; None if it wrote none."""
 
 
 class Throughput:
@@ -118,7 +127,9 @@ class Trainer:
         self, name: str, model_config: ModelConfig, config: RunConfig, corpus: Corpus
     ) -> None:
         self.name, self.config, self.corpus = name, config, corpus
+        self.label = config.label(name)
         self.device = torch.device(config.device)
+        self.autocast_bf16 = config.compute_dtype == "bf16"
         self.recipe = make_recipe(name)
         torch.manual_seed(config.seed)
         self.model = GPT(model_config, PARAMS_DTYPE, self.device)
@@ -140,24 +151,27 @@ class Trainer:
         self.rows: list[dict] = []
         self.window: list[torch.Tensor] = []  # train losses since the last row
         self.elapsed = 0.0
+        self.saved: tuple[Path, int] | None = None
 
     # -- one step, one evaluation -------------------------------------------------------------
 
     def _loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean cross entropy (fp32) of the model on one batch, under the run's recipe."""
+        """Mean cross entropy (fp32) of the model on one batch, under the run's recipe and in
+        its compute dtype."""
         inputs = inputs.to(self.device, non_blocking=True)
         targets = targets.to(self.device, non_blocking=True)
-        with (
-            torch.autocast(self.device.type, dtype=COMPUTE_DTYPE),
-            te.autocast(enabled=self.recipe is not None, recipe=self.recipe),
-        ):
+        with self.autocast(), te.autocast(enabled=self.recipe is not None, recipe=self.recipe):
             logits = self.model(inputs)
         return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
+    def autocast(self) -> torch.autocast:
+        """torch.autocast to bf16 under compute dtype "bf16"; a disabled one under "fp32"."""
+        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast_bf16)
+
     def train_step(self) -> torch.Tensor:
-        """One optimizer step on the next batch; returns its loss (detached)."""
-        self.step += 1
-        lr = learning_rate(self.step, self.config)
+        """One optimizer step on the next batch; returns its loss (detached). self.step counts
+        it once it is done."""
+        lr = learning_rate(self.step + 1, self.config)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         loss = self._loss(*self.sampler.next())
@@ -165,6 +179,7 @@ class Trainer:
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), GRAD_CLIP)
         self.optimizer.step()
+        self.step += 1
         return loss.detach()
 
     def evaluate(self) -> float:
@@ -184,12 +199,26 @@ class Trainer:
 
     def run(self, progress: Progress) -> RunResult:
         """Train from self.step to config.last_step, logging, evaluating and saving on
-        schedule; save at the end when config.save is set."""
-        config = self.config
+        schedule; save at the end when config.save is set. Ctrl-C ends it early (see the
+        module's docstring)."""
         start = time.perf_counter() - self.elapsed
+        meter = Throughput(self.tokens_per_step)
+        interrupted = False
+        try:
+            self._train(progress, start, meter)
+        except KeyboardInterrupt:
+            interrupted = True
+        self.elapsed = time.perf_counter() - start
+        progress.close()
+        return RunResult(self.label, self.rows, self.step, meter.rate(), interrupted, self.saved)
+
+    def _train(self, progress: Progress, start: float, meter: Throughput) -> None:
+        """The body of run(): evaluate step 0 on a fresh run, then train, log and save."""
+        config = self.config
         if self.step == 0:
             self._log(progress, 0, self.evaluate(), None, start)
-        first, meter = self.step + 1, Throughput(self.tokens_per_step)
+        first = self.step + 1
+        meter.restart()
         while self.step < config.last_step:
             loss = self.train_step()
             self.window.append(loss)
@@ -209,18 +238,15 @@ class Trainer:
             if config.save_every and step % config.save_every == 0 and step < config.last_step:
                 self.save(start)
                 meter.restart()
-        self.elapsed = time.perf_counter() - start
         if config.save is not None:
             self.save(start)
-        progress.close()
-        return RunResult(self.name, self.rows, self.step, meter.rate())
 
     def _log(self, progress: Progress, step: int, val, speed, start: float) -> None:
         train = torch.stack(self.window).mean().item() if self.window else None
         self.window = []
         self.elapsed = time.perf_counter() - start
         row = {
-            "recipe": self.name,
+            "recipe": self.label,
             "step": step,
             "train_loss": train,
             "val_loss": val,
@@ -243,10 +269,12 @@ class Trainer:
     def save(self, start: float) -> None:
         """Write the checkpoint of the current step (see checkpoint.py for its contents)."""
         self.elapsed = time.perf_counter() - start
+        path = self.checkpoint_path(self.config.save)
         checkpoint.save_checkpoint(
-            self.checkpoint_path(self.config.save),
+            path,
             {
                 "recipe": self.name,
+                "compute_dtype": self.config.compute_dtype,
                 "step": self.step,
                 "model_config": self.model.config.as_dict(),
                 "corpus": self.corpus.fingerprint(),
@@ -262,15 +290,14 @@ class Trainer:
                 "elapsed_s": self.elapsed,
             },
         )
+        self.saved = (path, self.step)
 
     def resume(self, path: Path) -> None:
         """Continue from the checkpoint of this recipe at `path` (SystemExit if it does not
         fit this run)."""
         path = self.checkpoint_path(path)
         state = checkpoint.load_checkpoint(path)
-        checkpoint.check_compatible(
-            state, path, self.model.config.as_dict(), self.name, self.corpus.fingerprint()
-        )
+        check_resumable(state, path, self.name, self.model.config, self.config, self.corpus)
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.sampler.set_state(checkpoint.restore_rng(state["rng"]))
@@ -278,3 +305,19 @@ class Trainer:
         self.rows = list(state["history"])
         self.window = [torch.tensor(v, device=self.device) for v in state["window"]]
         self.elapsed = float(state["elapsed_s"])
+
+
+def check_resumable(
+    state: dict,
+    path: Path,
+    recipe: str,
+    model_config: ModelConfig,
+    config: RunConfig,
+    corpus: Corpus,
+) -> None:
+    """SystemExit unless the checkpoint `state` (read from `path`) fits this run of `recipe`:
+    the same model, recipe, corpus and compute dtype, and a step within --steps/--stop-at."""
+    checkpoint.check_compatible(
+        state, path, model_config.as_dict(), recipe, corpus.fingerprint(), config.compute_dtype
+    )
+    checkpoint.check_steps(state, path, config.steps, config.stop_at)

@@ -1,9 +1,14 @@
 """The loss-curve plot: train and validation loss per recipe against the step, as a PNG.
 
+The loss is the mean cross entropy of the next byte in nats (natural log) per byte: ln 256 =
+5.55 for a uniform guess. Both axes get round ticks (multiples of 1, 2, 2.5 or 5 times a power
+of ten, from nice_ticks), labels with units and a title.
+
 matplotlib draws it when it imports (Agg backend). Without it a built-in raster writer does:
 an axes box with tick labels, light grid lines, one color per recipe (train thin and pale,
-validation thick with markers) and a legend, in a tiny built-in font, encoded as PNG with zlib
-and struct. Either way the program never fails for want of a plotting library.
+validation thick with markers) and a legend, in a tiny built-in font (capitals only: lowercase
+is drawn in capitals), encoded as PNG with zlib and struct. Either way the program never fails
+for want of a plotting library.
 """
 
 from __future__ import annotations
@@ -18,8 +23,11 @@ from pathlib import Path
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 COLORS = ((31, 119, 180), (255, 127, 14), (44, 160, 44), (214, 39, 40), (148, 103, 189))
 WIDTH, HEIGHT = 800, 480
-LEFT, RIGHT, TOP, BOTTOM = 64, 600, 32, 440  # the plot area's box in pixels
+LEFT, RIGHT, TOP, BOTTOM = 72, 600, 40, 432  # the plot area's box in pixels
 SCALE = 2  # font pixels per glyph pixel
+CHAR_W, CHAR_H = 4 * SCALE, 5 * SCALE  # a character's advance and height in pixels
+X_LABEL, Y_LABEL = "step", "loss (nats/byte)"
+NICE_MANTISSAS = (1.0, 2.0, 2.5, 5.0, 10.0)
 
 # A 3x5 font: 15 bits per glyph, row by row from the top, for the characters the plot writes.
 _GLYPH_ROWS = {
@@ -36,6 +44,9 @@ _GLYPH_ROWS = {
     "R": "110101110101101", "S": "011100010001110", "T": "111010010010010",
     "U": "101101101101111", "V": "101101101101010", "W": "101101111111101",
     "X": "101101010101101", "Y": "101101010010010", "Z": "111001010100111",
+    "(": "010100100100010", ")": "010001001001010", "/": "001001010100100",
+    ":": "000010000010000", ",": "000000000010100", "+": "000010111010000",
+    "=": "000111000111000", "_": "000000000000111", "%": "101001010100101",
 }  # fmt: skip
 
 
@@ -63,8 +74,44 @@ def series_from_rows(rows: list[dict]) -> list[Series]:
     return out
 
 
-def write_plot(path: Path, rows: list[dict]) -> str:
-    """Draw the loss curves of `rows` into the PNG `path`; returns the backend used."""
+def nice_ticks(low: float, high: float, count: int = 5, integer: bool = False) -> list[float]:
+    """About `count` round tick values from at or below `low` to at or above `high`: the
+    multiples of a step of 1, 2, 2.5 or 5 times a power of ten (at least 1 if `integer`)."""
+    if not high > low:
+        low, high = low - 0.5, high + 0.5
+    raw = (high - low) / max(count - 1, 1)
+    power = 10.0 ** math.floor(math.log10(raw))
+    step = next(m * power for m in NICE_MANTISSAS if m * power >= raw * (1 - 1e-9))
+    if integer:
+        step = max(step, 1.0)
+    first = math.floor(low / step + 1e-9)
+    last = math.ceil(high / step - 1e-9)
+    digits = tick_decimals(step)
+    return [round(k * step, digits) for k in range(first, last + 1)]
+
+
+def tick_decimals(step: float) -> int:
+    """The decimals that write every multiple of `step` exactly (0.25 -> 2, 0.5 -> 1, 5 -> 0)."""
+    return next(d for d in range(12) if abs(round(step, d) - step) <= step * 1e-6)
+
+
+def tick_labels(ticks: list[float]) -> list[str]:
+    """The ticks written with the decimals their spacing needs, all alike."""
+    digits = tick_decimals(ticks[1] - ticks[0]) if len(ticks) > 1 else 0
+    return [f"{t:.{digits}f}" for t in ticks]
+
+
+def axis_ticks(series: list[Series]) -> tuple[list[float], list[float]]:
+    """(x ticks, y ticks) spanning the finite points of `series`; the axes run from each
+    list's first tick to its last."""
+    points = [p for s in series for p in s.points if math.isfinite(p[1])]
+    xs, ys = [p[0] for p in points] or [0.0, 1.0], [p[1] for p in points] or [0.0, 1.0]
+    return nice_ticks(min(xs), max(xs), integer=True), nice_ticks(min(ys), max(ys))
+
+
+def write_plot(path: Path, rows: list[dict], title: str = "") -> str:
+    """Draw the loss curves of `rows` into the PNG `path`, with `title` over them; returns
+    the backend used."""
     path.parent.mkdir(parents=True, exist_ok=True)
     series = series_from_rows(rows)
     try:
@@ -73,7 +120,7 @@ def write_plot(path: Path, rows: list[dict]) -> str:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        path.write_bytes(render_png(series))
+        path.write_bytes(render_png(series, title))
         return "built-in"
     fig, ax = plt.subplots(figsize=(8, 4.8))
     for s in series:
@@ -81,8 +128,14 @@ def write_plot(path: Path, rows: list[dict]) -> str:
         color = tuple(c / 255 for c in s.color)
         style = {"marker": "o", "linewidth": 2} if s.validation else {"alpha": 0.5}
         ax.plot(xs, ys, color=color, label=s.label, **style)
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss")
+    x_ticks, y_ticks = axis_ticks(series)
+    ax.set_xticks(x_ticks, tick_labels(x_ticks))
+    ax.set_yticks(y_ticks, tick_labels(y_ticks))
+    ax.set_xlim(x_ticks[0], x_ticks[-1])
+    ax.set_ylim(y_ticks[0], y_ticks[-1])
+    ax.set_xlabel(X_LABEL)
+    ax.set_ylabel(Y_LABEL)
+    ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -121,14 +174,17 @@ class Canvas:
             if e2 <= dx:
                 err, y0 = err + dx, y0 + sy
 
-    def text(self, x: int, y: int, text: str, color=(0, 0, 0)) -> None:
-        """`text` (upper-cased; unknown characters as spaces) with its top left at (x, y)."""
+    def text(self, x: int, y: int, text: str, color=(0, 0, 0), upward: bool = False) -> None:
+        """`text` (upper-cased; unknown characters as spaces) with its top left at (x, y); or
+        with `upward`, turned a quarter left to read from the bottom up, (x, y) its bottom left."""
         for n, char in enumerate(text.upper()):
             bits = _GLYPH_ROWS.get(char, _GLYPH_ROWS[" "])
             for k, bit in enumerate(bits):
-                if bit == "1":
-                    gx, gy = x + n * 4 * SCALE + (k % 3) * SCALE, y + (k // 3) * SCALE
-                    self.dot(gx + SCALE // 2, gy + SCALE // 2, color, SCALE)
+                if bit != "1":
+                    continue
+                along, across = n * CHAR_W + (k % 3) * SCALE, (k // 3) * SCALE
+                gx, gy = (x + across, y - along - SCALE) if upward else (x + along, y + across)
+                self.dot(gx + SCALE // 2, gy + SCALE // 2, color, SCALE)
 
     def png(self) -> bytes:
         """The canvas as PNG bytes (8-bit RGB, no filtering)."""
@@ -149,40 +205,30 @@ def _chunk(kind: bytes, data: bytes) -> bytes:
     return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
 
 
-def _ticks(low: float, high: float, count: int = 5) -> list[float]:
-    return [low + (high - low) * i / (count - 1) for i in range(count)]
+def _text_width(text: str) -> int:
+    return len(text) * CHAR_W - SCALE
 
 
-def render_png(series: list[Series]) -> bytes:
+def render_png(series: list[Series], title: str = "") -> bytes:
     """The plot drawn by the built-in writer, as PNG bytes."""
     canvas = Canvas(WIDTH, HEIGHT)
-    points = [p for s in series for p in s.points if math.isfinite(p[1])]
-    xs, ys = [p[0] for p in points] or [0.0, 1.0], [p[1] for p in points] or [0.0, 1.0]
-    x_lo, x_hi = min(xs), max(max(xs), min(xs) + 1)
-    pad = (max(ys) - min(ys)) * 0.05 or 0.5
-    y_lo, y_hi = min(ys) - pad, max(ys) + pad
+    x_ticks, y_ticks = axis_ticks(series)
+    (x_lo, x_hi), (y_lo, y_hi) = (x_ticks[0], x_ticks[-1]), (y_ticks[0], y_ticks[-1])
 
     def to_px(x: float, y: float) -> tuple[int, int]:
         px = LEFT + (x - x_lo) / (x_hi - x_lo) * (RIGHT - LEFT)
         py = BOTTOM - (y - y_lo) / (y_hi - y_lo) * (BOTTOM - TOP)
         return round(px), round(py)
 
-    grid, black = (225, 225, 225), (0, 0, 0)
-    for y in _ticks(y_lo, y_hi):
-        _, py = to_px(x_lo, y)
-        canvas.line(LEFT, py, RIGHT, py, grid)
-        canvas.text(6, py - 5, f"{y:.2f}")
-    for x in _ticks(x_lo, x_hi):
-        px, _ = to_px(x, y_lo)
-        canvas.line(px, TOP, px, BOTTOM, grid)
-        label = f"{x:.0f}"
-        canvas.text(px - len(label) * 4, BOTTOM + 8, label)
-    for x0, y0, x1, y1 in ((LEFT, TOP, RIGHT, TOP), (LEFT, BOTTOM, RIGHT, BOTTOM)):
-        canvas.line(x0, y0, x1, y1, black)
-    for x0, y0, x1, y1 in ((LEFT, TOP, LEFT, BOTTOM), (RIGHT, TOP, RIGHT, BOTTOM)):
-        canvas.line(x0, y0, x1, y1, black)
-    canvas.text((LEFT + RIGHT) // 2 - 16, BOTTOM + 26, "STEP")
-    canvas.text(6, 8, "LOSS")
+    _draw_axes(canvas, [to_px(x_lo, y)[1] for y in y_ticks], [to_px(x, y_lo)[0] for x in x_ticks])
+    for py, label in zip((to_px(x_lo, y)[1] for y in y_ticks), tick_labels(y_ticks), strict=True):
+        canvas.text(LEFT - 6 - _text_width(label), py - CHAR_H // 2, label)
+    for px, label in zip((to_px(x, y_lo)[0] for x in x_ticks), tick_labels(x_ticks), strict=True):
+        canvas.text(px - _text_width(label) // 2, BOTTOM + 8, label)
+    canvas.text((LEFT + RIGHT - _text_width(X_LABEL)) // 2, BOTTOM + 28, X_LABEL)
+    canvas.text(8, (TOP + BOTTOM + _text_width(Y_LABEL)) // 2, Y_LABEL, upward=True)
+    title = title[: (WIDTH - 16) // CHAR_W]
+    canvas.text((WIDTH - _text_width(title)) // 2, (TOP - CHAR_H) // 2, title)
     for n, s in enumerate(series):
         color = s.color if s.validation else tuple((c + 255) // 2 for c in s.color)
         pixels = [to_px(x, y) for x, y in s.points if math.isfinite(y)]
@@ -195,3 +241,16 @@ def render_png(series: list[Series]) -> bytes:
         canvas.line(RIGHT + 16, legend_y + 4, RIGHT + 40, legend_y + 4, color, 3)
         canvas.text(RIGHT + 48, legend_y, s.label)
     return canvas.png()
+
+
+def _draw_axes(canvas: Canvas, y_pixels: list[int], x_pixels: list[int]) -> None:
+    """Grid lines at the ticks' pixels and the black box around the plot area."""
+    grid, black = (225, 225, 225), (0, 0, 0)
+    for py in y_pixels:
+        canvas.line(LEFT, py, RIGHT, py, grid)
+    for px in x_pixels:
+        canvas.line(px, TOP, px, BOTTOM, grid)
+    for x0, y0, x1, y1 in ((LEFT, TOP, RIGHT, TOP), (LEFT, BOTTOM, RIGHT, BOTTOM)):
+        canvas.line(x0, y0, x1, y1, black)
+    for x0, y0, x1, y1 in ((LEFT, TOP, LEFT, BOTTOM), (RIGHT, TOP, RIGHT, BOTTOM)):
+        canvas.line(x0, y0, x1, y1, black)

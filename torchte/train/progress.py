@@ -1,4 +1,8 @@
-"""A progress bar on stderr: step/total, loss, tokens/s, ETA.
+"""A progress bar on stderr: step/total, loss, tokens/s, ETA of the whole run.
+
+The ETA counts the steps left in this recipe's run and in the recipes still to run after it,
+at the wall time per step of this run so far (evaluation included): the recipes after it are
+assumed to run at its pace until they start and measure their own.
 
 On a terminal the bar redraws in place at most `REFRESH_PER_S` times a second (reading the
 loss only then, so a GPU is not made to wait every step). Elsewhere (a file, a pipe, CI) it
@@ -26,12 +30,21 @@ def format_duration(seconds: float) -> str:
 
 
 class Progress:
-    """The progress of one recipe's run, steps first_step+1 .. total."""
+    """The progress of one recipe's run, steps first_step+1 .. end (end = total unless it stops
+    early), with `later_steps` steps of other recipes to run after it."""
 
     def __init__(
-        self, label: str, total: int, first_step: int, stream: TextIO | None = None
+        self,
+        label: str,
+        total: int,
+        first_step: int,
+        stream: TextIO | None = None,
+        end: int | None = None,
+        later_steps: int = 0,
     ) -> None:
         self.label, self.total, self.first_step = label, total, first_step
+        self.end = total if end is None else end
+        self.later_steps = later_steps
         self.stream = sys.stderr if stream is None else stream
         isatty = getattr(self.stream, "isatty", None)
         self.interactive = bool(isatty and isatty())
@@ -40,18 +53,20 @@ class Progress:
         self.val_loss: float | None = None
 
     def eta(self, step: int) -> float:
-        """Seconds left, at the rate of the steps run so far in this process."""
+        """Seconds left in the whole run (this recipe's steps to `end` and the later recipes'),
+        at the wall time per step of the steps run so far in this process."""
         done = step - self.first_step
         if done <= 0:
             return float("nan")
-        return (time.perf_counter() - self.start) / done * (self.total - step)
+        left = self.end - step + self.later_steps
+        return (time.perf_counter() - self.start) / done * left
 
     def update(self, step: int, loss: Callable[[], float], tokens_per_s: float) -> None:
         """Redraw the bar (on a terminal, when due); `loss` is read only when drawn."""
         if not self.interactive:
             return
         now = time.perf_counter()
-        if now - self.last_draw < 1.0 / REFRESH_PER_S and step != self.total:
+        if now - self.last_draw < 1.0 / REFRESH_PER_S and step != self.end:
             return
         self.last_draw = now
         filled = int(BAR_WIDTH * step / self.total)

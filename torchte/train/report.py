@@ -1,4 +1,5 @@
-"""What a run leaves behind: the summary table (stdout), the CSV of logged rows, peak memory.
+"""What a run leaves behind: the summary table (stdout), the CSV of logged rows, peak memory;
+and the check, before training, that its output folders can be written.
 
 Peak memory is torch.cuda.max_memory_allocated on a GPU (reset before each recipe, so it is
 that recipe's own) and the process's maximum resident set size on the CPU (which only grows:
@@ -11,6 +12,7 @@ import csv
 import math
 import resource
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,6 +51,9 @@ class Summary:
     """One recipe's line of the table."""
 
     recipe: str
+    """The run's label (loop.RunResult.recipe)."""
+    compute: str
+    """What it computed in: "bf16", "fp32", or "fp8+" either (FP8 GEMMs, the rest in it)."""
     steps: int
     train_loss: float | None
     first_val_loss: float | None
@@ -59,13 +64,15 @@ class Summary:
     peak_kind: str
 
 
-def summarize(result: RunResult, peak: tuple[int, str]) -> Summary:
-    """The table line of a finished run: last train and first/last validation losses."""
+def summarize(result: RunResult, peak: tuple[int, str], compute: str) -> Summary:
+    """The table line of a finished run: last train and first/last validation losses;
+    `compute` says what it computed in (RunConfig.computes)."""
     rows = result.rows
     train = [r["train_loss"] for r in rows if r["train_loss"] is not None]
     val_rows = [r for r in rows if r["val_loss"] is not None]
     return Summary(
         result.recipe,
+        compute,
         result.steps,
         train[-1] if train else None,
         val_rows[0]["val_loss"] if val_rows else None,
@@ -80,12 +87,21 @@ def _loss(value: float | None) -> str:
     return "-" if value is None else f"{value:.4f}"
 
 
-def format_table(summaries: list[Summary]) -> str:
-    """The summary table, one line per recipe."""
-    header = ("recipe", "steps", "train loss", "val loss (first -> last)", "tokens/s", "peak mem")
+def format_table(summaries: list[Summary], note: str = "") -> str:
+    """The summary table, one line per recipe, and `note` under it."""
+    header = (
+        "recipe",
+        "compute",
+        "steps",
+        "train loss",
+        "val loss (first -> last)",
+        "tokens/s",
+        "peak mem",
+    )
     lines = [
         (
             s.recipe,
+            s.compute,
             str(s.steps),
             _loss(s.train_loss),
             f"{_loss(s.first_val_loss)} -> {_loss(s.val_loss)}",
@@ -97,13 +113,39 @@ def format_table(summaries: list[Summary]) -> str:
     widths = [max(len(row[i]) for row in (header, *lines)) for i in range(len(header))]
 
     def fmt(row) -> str:
-        cells = [row[0].ljust(widths[0])] + [
-            c.rjust(w) for c, w in zip(row[1:], widths[1:], strict=True)
+        cells = [row[0].ljust(widths[0]), row[1].ljust(widths[1])] + [
+            c.rjust(w) for c, w in zip(row[2:], widths[2:], strict=True)
         ]
         return "  ".join(cells)
 
     rule = "-" * len(fmt(header))
-    return "\n".join([fmt(header), rule, *(fmt(row) for row in lines)])
+    return "\n".join([fmt(header), rule, *(fmt(row) for row in lines), *([note] if note else [])])
+
+
+def compute_note(compute_dtype: str, reason: str) -> str:
+    """The line under the table: the compute dtype, why, and what "fp8+" means."""
+    return (
+        f"compute {compute_dtype} ({reason}); fp8+{compute_dtype}: FP8 GEMMs, the rest in "
+        f"{compute_dtype}; --compute-dtype bf16|fp32 chooses"
+    )
+
+
+def check_writable(folder: Path, what: str) -> None:
+    """SystemExit naming `what` (the option and its value) unless `folder` exists or can be
+    made and a file can be created in it (one is, then removed)."""
+    existing = next(p for p in (folder, *folder.parents) if p.exists())
+    try:
+        if not existing.is_dir():
+            raise NotADirectoryError(f"{existing} is a file, not a folder")
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".write-check-"):
+            pass
+    except OSError as err:
+        problem = err.strerror or str(err)
+        raise SystemExit(
+            f"{what}: cannot write to the folder {folder}: {problem}; give a path in a folder "
+            "you can write to"
+        ) from None
 
 
 def write_csv(path: Path, rows: list[dict]) -> None:
