@@ -19,6 +19,7 @@ from torchte.quantization.float8_tensor import Float8Tensor
 from torchte.quantization.model_init import make_fp8_parameter, model_init_settings
 
 from ._common import MainGradTarget, NoopCat, should_overwrite, split_parameter_names
+from ._functorch import apply
 from ._lifecycle import ParameterInit, fill
 from .base import (
     FP8Setup,
@@ -147,14 +148,18 @@ class GemmRecord:
         "weight_shape",
     )
 
-    def __init__(self, inp_shape, weight, bias, plan, need_dgrad: bool, need_wgrad: bool) -> None:
+    def __init__(
+        self, inp_shape, weight, bias, plan, need_dgrad: bool, need_wgrad: bool, param_grads
+    ) -> None:
+        """param_grads: (weight, bias) needs_input_grad of the Function (from ctx, not from the
+        tensors: under torch.func a forward sees tensors that do not require grad)."""
         self.plan = plan
         self.inp_shape = inp_shape
         self.weight_shape, self.weight_dtype = weight.shape, weight.dtype
         self.weight_device = weight.device
-        self.weight_requires_grad = weight.requires_grad
+        self.weight_requires_grad = bool(param_grads[0])
         self.has_bias = bias is not None
-        self.bias_requires_grad = bias is not None and bias.requires_grad
+        self.bias_requires_grad = bias is not None and bool(param_grads[1])
         self.need_dgrad, self.need_wgrad = need_dgrad, need_wgrad
 
 
@@ -350,25 +355,23 @@ class LinearCore(TransformerEngineBaseModule):
         params = self._parameters
         if len(names) == 1:
             return params[names[0]]
-        return NoopCat.apply(*[params[n] for n in names])
+        return apply(NoopCat, *[params[n] for n in names])
 
     def _forward_function(self, inp, weight, bias, plan: LinearPlan, is_first_microbatch):
         """The autograd.Function path (FP8, calibration, fused wgrad), exception-safe."""
 
         def run():
             w_fp8 = self._fp8_weight(
-                weight, plan, is_first_microbatch, self._needs_dgrad(inp), self._version_of(weight)
+                weight, plan, is_first_microbatch, self._needs_dgrad(inp), self._weight_params()
             )
             return self._apply_function(inp, weight, bias, w_fp8, plan)
 
         return self._guarded_forward(plan.setup, plan.recipe, plan.group, run)
 
-    def _version_of(self, weight: torch.Tensor):
-        names = self.weight_names
-        if len(names) == 1:
-            return weight._version
+    def _weight_params(self) -> list[torch.Tensor]:
+        """The parameters the weight is made of (one, or the parameters_split parts)."""
         params = self._parameters
-        return tuple(params[n]._version for n in names)
+        return [params[n] for n in self.weight_names]
 
     def extra_repr(self) -> str:
         return (

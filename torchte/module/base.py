@@ -5,9 +5,9 @@
   .cuda(), to_empty()); capability checks are cached per device.
 - Quantizers are built once per recipe (`FP8Setup`), delayed-scaling state lives per module and
   goes into the state_dict as extra state.
-- A weight is quantized once per change: the FP8 copy is cached by the parameter's `_version`,
-  the autocast step (a write through `.data` does not move `_version`) and the generation of
-  its delayed scale.
+- A weight is quantized once per change: the FP8 copy is cached by the parameter (identity and
+  `_version`), the autocast step (a write through `.data` does not move `_version`) and the
+  generation of its delayed scale.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from torchte.quantization.float8_tensor import Float8Tensor
 from torchte.quantization.model_init import model_init_settings
 from torchte.recipe import DelayedScaling, Float8CurrentScaling, Recipe
 
+from ._functorch import transforms_active
 from ._lifecycle import (
     ExtraStateError,
     ParameterInit,
@@ -357,6 +358,13 @@ class TransformerEngineBaseModule(nn.Module):
         """run() inside an NVTX range; a failure drops the step's recorded amaxes of this
         module (rule 2: nothing half-recorded survives), success registers the scale update."""
         fwd_state = setup.fwd_state if setup is not None else None
+        if fwd_state is not None and transforms_active():
+            raise NotImplementedError(
+                f"te.{type(self).__name__}: delayed scaling (and calibration) record amaxes into "
+                "the module's scaling state in place, which torch.func transforms (grad, vjp, "
+                "vmap, ...) do not allow; under torch.func use recipe.Float8CurrentScaling, or "
+                "run without FP8"
+            )
         _nvtx.range_push(self._nvtx_name)
         try:
             out = run()
@@ -371,9 +379,10 @@ class TransformerEngineBaseModule(nn.Module):
             self.__dict__["_saved_history_len"] = recipe.amax_history_len
         return out
 
-    def _fp8_weight(self, weight, plan, is_first_microbatch, need_columnwise, version):
+    def _fp8_weight(self, weight, plan, is_first_microbatch, need_columnwise, params):
         """The FP8 weight of GEMM plan.gemm: a Float8Tensor parameter's own storage, or the
-        cached quantized copy (requantized when `version` or the step's scale moved)."""
+        cached quantized copy (requantized when one of `params`, the parameters the weight is
+        made of, changed, or the step's scale moved)."""
         if not plan.fp8:
             return None
         if isinstance(weight, Float8Tensor):
@@ -384,9 +393,10 @@ class TransformerEngineBaseModule(nn.Module):
                 mark_not_offload(storage)  # a parameter's data: saving it moves nothing
             return storage
         setup = plan.setup
-        if torch.compiler.is_compiling():
-            # A traced graph quantizes the weight at every call: a cache read there would be a
-            # guard on the weight's version, failing (recompiling) at every step.
+        if torch.compiler.is_compiling() or transforms_active():
+            # A traced graph quantizes the weight at every call (a cache read there would be a
+            # guard on the weight's version, failing at every step); under torch.func the
+            # cache would keep the transform's tensors.
             with torch.no_grad():
                 return setup.weight[plan.gemm].quantize(weight, columnwise=need_columnwise)
         generation = (_STATE.step, setup.fwd_state.generation if setup.fwd_state else 0)
@@ -394,7 +404,7 @@ class TransformerEngineBaseModule(nn.Module):
             setup.weight_cache[plan.gemm],
             weight,
             setup.weight[plan.gemm],
-            version,
+            weight_version(params),
             generation,
             is_first_microbatch,
             need_columnwise,
@@ -441,6 +451,12 @@ def _autocast_type(device: torch.device) -> str | None:
     return device.type if torch.amp.is_autocast_available(device.type) else None
 
 
+def weight_version(params) -> tuple:
+    """What a cached FP8 weight is keyed by: each parameter's identity and _version counter (a
+    functional_call with other tensors of the same version must not get the cached copy)."""
+    return tuple((id(p), p._version) for p in params)
+
+
 def check_fp8_dims(module: str, **dims: int) -> None:
     """FP8 GEMMs need every named dimension divisible by 16."""
     for name, size in dims.items():
@@ -479,8 +495,8 @@ def fp8_weight_cached(
 
     cache is a one-element list [(key, storage)] owned by the caller. is_first_microbatch=True
     forces a requantize; False reuses any cached copy; None decides by `version` (the weight
-    parameters' _version counters) and `generation` (the autocast step and the delayed scale's
-    generation).
+    parameters' identities and _version counters, see weight_version) and `generation` (the
+    autocast step and the delayed scale's generation).
     """
     key = (version, generation)
 

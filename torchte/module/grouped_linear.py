@@ -38,6 +38,7 @@ from torchte.gemm import (
 from torchte.quantization.model_init import model_init_settings
 
 from ._common import restore_saved, save_for_backward, stack_parameters
+from ._functorch import apply
 from ._group_splits import GroupSplits, group_splits
 from ._grouped_fp8 import fp8_backward, fp8_forward, grouped_fp8_weights
 from ._lifecycle import ParameterInit, fill
@@ -51,7 +52,7 @@ from ._linear_core import (
     linear_backward,
     linear_forward,
 )
-from .base import TransformerEngineBaseModule, check_fp8_dims
+from .base import TransformerEngineBaseModule, check_fp8_dims, weight_version
 
 __all__ = ["GroupedLinear"]
 
@@ -117,7 +118,10 @@ def _per_group_forward(ctx, x, splits: GroupSplits, plan: GroupedPlan, params, w
         )
         ys.append(y)
         saved += [x_saved, w_saved]
-        records.append(GemmRecord(xs[g].shape, weights[g], bias, gemm, need_dgrad, need_wgrad))
+        grads = (weights[g].requires_grad, bias is not None and bias.requires_grad)
+        records.append(
+            GemmRecord(xs[g].shape, weights[g], bias, gemm, need_dgrad, need_wgrad, grads)
+        )
     save_for_backward(ctx, *saved)
     ctx.records = records
     return torch.cat(ys)
@@ -310,7 +314,7 @@ class GroupedLinear(TransformerEngineBaseModule):
             if plan.mode == "fp8":
                 setup = first.setup
                 key = (
-                    tuple(w._version for w in weights),
+                    weight_version(weights),
                     (_STATE.step, setup.fwd_state.generation if setup.fwd_state else 0),
                 )
                 w_fp8 = grouped_fp8_weights(
@@ -318,13 +322,13 @@ class GroupedLinear(TransformerEngineBaseModule):
                 )
             elif first.fp8:
                 w_fp8 = [
-                    self._fp8_weight(w, gemm, is_first_microbatch, inp.requires_grad, w._version)
+                    self._fp8_weight(w, gemm, is_first_microbatch, inp.requires_grad, (w,))
                     for w, gemm in zip(weights, plan.gemms, strict=True)
                 ]
             call = GroupedCall(plan, splits, w_fp8, len(biases))
             params = (*weights, *biases)
             if torch.is_grad_enabled():
-                return _GroupedLinearFunction.apply(x, call, *params)
+                return apply(_GroupedLinearFunction, x, call, *params)
             return _forward(_NoGradContext(), x, call, params, (False,) * (len(params) + 2))
 
         y = self._guarded_forward(first.setup, first.recipe, first.group, run)

@@ -20,6 +20,7 @@ from torchte.kernels import norm_fp8 as norm_fp8_kernels
 from torchte.quantization.float8 import Float8Storage
 
 from ._common import absent_output, given_grad, restore_saved, save_for_backward
+from ._functorch import apply
 from ._lifecycle import ParameterInit, fill
 from ._linear_core import (
     GemmRecord,
@@ -147,7 +148,8 @@ class _LayerNormLinearFunction(torch.autograd.Function):
             inp, ln_weight, ln_bias, weight, bias, w_fp8, plan, norm, need_dgrad, need_wgrad
         )
         save_for_backward(ctx, x2d, ln_weight, mean, rstd, z_saved, w_saved)
-        ctx.gemm = GemmRecord(inp.shape, weight, bias, plan, need_dgrad, need_wgrad)
+        grads = ctx.needs_input_grad[3:5]
+        ctx.gemm = GemmRecord(inp.shape, weight, bias, plan, need_dgrad, need_wgrad, grads)
         ctx.norm = norm
         return y, (absent_output(y) if z is None else z)
 
@@ -254,7 +256,7 @@ class LayerNormLinear(LinearCore):
         params = self._parameters
         args = (params["layer_norm_weight"], params["layer_norm_bias"], weight, bias, w_fp8)
         if torch.is_grad_enabled():
-            return _LayerNormLinearFunction.apply(inp, *args, plan, self._norm)
+            return apply(_LayerNormLinearFunction, inp, *args, plan, self._norm)
         y, z, _ = _ln_linear_forward(inp, *args, plan, self._norm, False, False)
         return y, z
 

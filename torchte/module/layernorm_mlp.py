@@ -23,6 +23,7 @@ from torchte.quantization.float8 import Float8Storage
 from torchte.quantization.model_init import make_fp8_parameter, model_init_settings
 
 from ._common import absent_output, restore_saved, save_for_backward
+from ._functorch import apply
 from ._lifecycle import ParameterInit, fill
 from ._linear_core import (
     GemmRecord,
@@ -142,9 +143,9 @@ class _LayerNormMLPFunction(torch.autograd.Function):
         needs = (need_d1, need_w1, need_d2, need_w2)
         y, z, saved = _mlp_forward(inp, params, (w1_fp8, w2_fp8), plans, spec, needs)
         save_for_backward(ctx, ln_w, fc1_b, *saved)
-        ctx.gemm1 = GemmRecord(inp.shape, fc1_w, fc1_b, plans.fc1, need_d1, need_w1)
+        ctx.gemm1 = GemmRecord(inp.shape, fc1_w, fc1_b, plans.fc1, need_d1, need_w1, grads[3:5])
         a_shape = (*inp.shape[:-1], fc2_w.shape[1])
-        ctx.gemm2 = GemmRecord(a_shape, fc2_w, fc2_b, plans.fc2, need_d2, need_w2)
+        ctx.gemm2 = GemmRecord(a_shape, fc2_w, fc2_b, plans.fc2, need_d2, need_w2, grads[5:7])
         ctx.plans, ctx.spec, ctx.h_cols = plans, spec, fc1_w.shape[0]
         return y, (absent_output(y) if z is None else z)
 
@@ -334,13 +335,11 @@ class LayerNormMLP(TransformerEngineBaseModule):
                 t is not None and t.requires_grad for t in params[:2]
             )
             w1 = self._fp8_weight(
-                params[2], plans.fc1, is_first_microbatch, need_dgrad, params[2]._version
+                params[2], plans.fc1, is_first_microbatch, need_dgrad, params[2:3]
             )
-            w2 = self._fp8_weight(
-                params[4], plans.fc2, is_first_microbatch, True, params[4]._version
-            )
+            w2 = self._fp8_weight(params[4], plans.fc2, is_first_microbatch, True, params[4:5])
             if torch.is_grad_enabled():
-                return _LayerNormMLPFunction.apply(inp, *params, w1, w2, plans, self._spec)
+                return apply(_LayerNormMLPFunction, inp, *params, w1, w2, plans, self._spec)
             needs = (False, False, False, False)
             return _mlp_forward(inp, params, (w1, w2), plans, self._spec, needs)[:2]
 

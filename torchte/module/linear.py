@@ -15,6 +15,7 @@ from torchte.autocast import autocast_state
 from torchte.quantization.float8_tensor import Float8Tensor
 
 from ._common import restore_saved, save_for_backward
+from ._functorch import apply
 from ._linear_core import (
     GemmRecord,
     LinearCore,
@@ -39,7 +40,8 @@ class _LinearFunction(torch.autograd.Function):
         need_wgrad = ctx.needs_input_grad[1] or plan.main_grad is not None
         y, x_saved, w_saved = linear_forward(inp, weight, bias, w_fp8, plan, need_dgrad, need_wgrad)
         save_for_backward(ctx, x_saved, w_saved)
-        ctx.gemm = GemmRecord(inp.shape, weight, bias, plan, need_dgrad, need_wgrad)
+        grads = ctx.needs_input_grad[1:3]
+        ctx.gemm = GemmRecord(inp.shape, weight, bias, plan, need_dgrad, need_wgrad, grads)
         return y
 
     @staticmethod
@@ -137,5 +139,5 @@ class Linear(LinearCore):
 
     def _apply_function(self, inp, weight, bias, w_fp8, plan: LinearPlan):
         if torch.is_grad_enabled():
-            return _LinearFunction.apply(inp, weight, bias, w_fp8, plan)
+            return apply(_LinearFunction, inp, weight, bias, w_fp8, plan)
         return linear_forward(inp, weight, bias, w_fp8, plan, False, False)[0]

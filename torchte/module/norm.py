@@ -21,6 +21,7 @@ from torchte.kernels.norm import (
     rmsnorm_forward,
 )
 
+from ._functorch import apply
 from ._lifecycle import ParameterInit, fill
 from .base import TransformerEngineBaseModule
 
@@ -205,7 +206,7 @@ class LayerNorm(_Norm):
         if torch.is_grad_enabled() and (
             x.requires_grad or weight.requires_grad or bias.requires_grad
         ):
-            return _LayerNormFunction.apply(x, weight, bias, self._settings)
+            return apply(_LayerNormFunction, x, weight, bias, self._settings)
         settings = self._settings
         y = layernorm_forward(_rows(x), weight, bias, settings.eps, settings.zero_centered_gamma)
         return y[0].view(x.shape)
@@ -240,7 +241,7 @@ class RMSNorm(_Norm):
         x = self._input(inp)
         weight = self._parameters["weight"]
         if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
-            return _RMSNormFunction.apply(x, weight, self._settings)
+            return apply(_RMSNormFunction, x, weight, self._settings)
         settings = self._settings
         y, _ = rmsnorm_forward(_rows(x), weight, settings.eps, settings.zero_centered_gamma)
         return y.view(x.shape)
