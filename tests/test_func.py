@@ -24,15 +24,23 @@ def builders() -> dict:
         "LayerNormLinear": lambda: te.LayerNormLinear(H, H),
         "LayerNormMLP": lambda: te.LayerNormMLP(H, 2 * H, activation="swiglu"),
         "LayerNormMLP-checkpoint": lambda: te.LayerNormMLP(H, 2 * H, checkpoint=True),
+        "GroupedLinear": lambda: te.GroupedLinear(2, H, H),
         "LayerNorm": lambda: te.LayerNorm(H),
         "RMSNorm": lambda: te.RMSNorm(H),
     }
 
 
+def inputs(module, x) -> tuple:
+    """The forward's arguments for x: with the split of a grouped module's tokens."""
+    if isinstance(module, te.GroupedLinear):
+        return x, [x.shape[0] // 2, x.shape[0] - x.shape[0] // 2]
+    return (x,)
+
+
 def loss_of(module, recipe):
     def loss(params, x):
         with te.autocast(enabled=recipe is not None, recipe=recipe):
-            y = functional_call(module, params, (x,))
+            y = functional_call(module, params, inputs(module, x))
         return y.float().square().mean()
 
     return loss
@@ -53,7 +61,7 @@ def test_grad_through_functional_call_equals_autograd(name, recipe):
     params = {k: v.detach() for k, v in module.named_parameters()}
     grads = grad(loss_of(module, recipe))(params, x)
     with te.autocast(enabled=recipe is not None, recipe=recipe):
-        module(x).float().square().mean().backward()
+        module(*inputs(module, x)).float().square().mean().backward()
     for k, p in module.named_parameters():
         assert torch.equal(grads[k], p.grad), k
 
@@ -111,3 +119,21 @@ def test_vmap_is_refused_clearly():
     per_sample = vmap(grad(loss_of(module, None)), in_dims=(None, 0))
     with pytest.raises(NotImplementedError, match="vmap over a te module"):
         per_sample(params, torch.randn(4, TOKENS, H))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["Linear", "LayerNormMLP", "GroupedLinear"])
+def test_grad_under_current_scaling_on_gpu(name):
+    """On a GPU the FP8 weight is quantized by the Triton kernels from the plain tensor under
+    the transform's wrappers; the gradients are eager autograd's."""
+    torch.manual_seed(4)
+    with torch.device("cuda"):
+        module = builders()[name]()
+        x = torch.randn(TOKENS, H)
+    recipe = Float8CurrentScaling()
+    params = {k: v.detach() for k, v in module.named_parameters()}
+    grads = grad(loss_of(module, recipe))(params, x)
+    with te.autocast(recipe=recipe):
+        module(*inputs(module, x)).float().square().mean().backward()
+    for k, p in module.named_parameters():
+        assert torch.equal(grads[k], p.grad), k

@@ -7,8 +7,9 @@ it, and `apply` runs them through `FuncAdapter` only while a torch.func transfor
 the Function's forward runs against a recorder standing in for ctx, and setup_context moves
 what it recorded (saved tensors, attributes) onto the real ctx; backward is the Function's own.
 
-While a transform is active the FP8 weight is quantized afresh at each call (no cache: its
-tensors would belong to the transform), as under torch.compile.
+While a transform is active the FP8 weight is quantized afresh at each call, from the plain
+tensor under the transform's wrappers (no gradient flows through it; a cache would keep the
+transform's tensors), as under torch.compile.
 """
 
 from __future__ import annotations
@@ -17,12 +18,21 @@ from typing import Any
 
 import torch
 
-__all__ = ["FuncAdapter", "apply", "transforms_active"]
+__all__ = ["FuncAdapter", "apply", "plain", "transforms_active"]
 
 
 def transforms_active() -> bool:
     """Whether a torch.func transform (grad, vjp, vmap, ...) is running."""
     return torch._C._are_functorch_transforms_active()
+
+
+def plain(tensor: torch.Tensor) -> torch.Tensor:
+    """The plain tensor under a torch.func transform's wrappers (the same values): what a value
+    that no gradient flows through, such as an FP8 copy of a weight, is made from, so that
+    kernels reading data pointers can take it."""
+    while torch._C._functorch.is_functorch_wrapped_tensor(tensor):
+        tensor = torch._C._functorch.get_unwrapped(tensor)
+    return tensor
 
 
 def apply(function: type[torch.autograd.Function], *args: Any):
@@ -95,7 +105,10 @@ class FuncAdapter(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        grads_in = ctx.function.backward(ctx, *grads[:-1])
+        # As autograd runs a backward (no graph of the backward itself: te's backward kernels
+        # write into preallocated outputs, which autograd cannot differentiate).
+        with torch.no_grad():
+            grads_in = ctx.function.backward(ctx, *grads[:-1])
         if not isinstance(grads_in, tuple):
             grads_in = (grads_in,)
         return (*grads_in, None, None)

@@ -30,7 +30,7 @@ from torchte.quantization.float8_tensor import Float8Tensor
 from torchte.quantization.model_init import model_init_settings
 from torchte.recipe import DelayedScaling, Float8CurrentScaling, Recipe
 
-from ._functorch import transforms_active
+from ._functorch import plain, transforms_active
 from ._lifecycle import (
     ExtraStateError,
     ParameterInit,
@@ -397,6 +397,8 @@ class TransformerEngineBaseModule(nn.Module):
             # A traced graph quantizes the weight at every call (a cache read there would be a
             # guard on the weight's version, failing at every step); under torch.func the
             # cache would keep the transform's tensors.
+            if not torch.compiler.is_compiling():
+                weight = plain(weight)
             with torch.no_grad():
                 return setup.weight[plan.gemm].quantize(weight, columnwise=need_columnwise)
         generation = (_STATE.step, setup.fwd_state.generation if setup.fwd_state else 0)

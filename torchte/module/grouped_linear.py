@@ -106,7 +106,10 @@ def _group_sums(dy: torch.Tensor, splits: GroupSplits) -> torch.Tensor:
     return fp32_mm(one_hot.float(), dy.float())
 
 
-def _per_group_forward(ctx, x, splits: GroupSplits, plan: GroupedPlan, params, w_fp8, needs):
+def _per_group_forward(
+    ctx, x, splits: GroupSplits, plan: GroupedPlan, params, w_fp8, needs, param_grads
+):
+    """param_grads: per group, the (weight, bias) needs_input_grad of the Function."""
     weights, biases = params
     need_dgrad, need_wgrad = needs
     xs = x.split(splits.sizes())
@@ -118,9 +121,8 @@ def _per_group_forward(ctx, x, splits: GroupSplits, plan: GroupedPlan, params, w
         )
         ys.append(y)
         saved += [x_saved, w_saved]
-        grads = (weights[g].requires_grad, bias is not None and bias.requires_grad)
         records.append(
-            GemmRecord(xs[g].shape, weights[g], bias, gemm, need_dgrad, need_wgrad, grads)
+            GemmRecord(xs[g].shape, weights[g], bias, gemm, need_dgrad, need_wgrad, param_grads[g])
         )
     save_for_backward(ctx, *saved)
     ctx.records = records
@@ -173,7 +175,9 @@ def _forward(ctx, inp, call: GroupedCall, params, grads):
         return _grouped_forward(ctx, inp, splits, first.dtype, weights, biases, needs)
     if plan.mode == "fp8":
         return fp8_forward(ctx, inp, splits, plan, biases, w_fp8, needs)
-    return _per_group_forward(ctx, inp, splits, plan, (weights, biases), w_fp8, needs)
+    bias_grads = grads[2 + num_gemms :] if biases else (False,) * num_gemms
+    param_grads = list(zip(grads[2 : 2 + num_gemms], bias_grads, strict=True))
+    return _per_group_forward(ctx, inp, splits, plan, (weights, biases), w_fp8, needs, param_grads)
 
 
 class _NoGradContext:
