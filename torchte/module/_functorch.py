@@ -5,20 +5,25 @@ setup_context(ctx, inputs, output). te's Functions take ctx in forward (what the
 on which inputs need gradients), which is also the cheaper form on the hot path. So they keep
 it, and `apply` runs them through `FuncAdapter` only while a torch.func transform is active:
 the Function's forward runs against a recorder standing in for ctx, and setup_context moves
-what it recorded (saved tensors, attributes) onto the real ctx; backward is the Function's own.
+what it recorded (saved tensors, attributes) onto the real ctx; backward is the Function's own,
+run below the transform on the plain gradients (through torch's functorch internals).
 
-While a transform is active the FP8 weight is quantized afresh at each call, from the plain
-tensor under the transform's wrappers (no gradient flows through it; a cache would keep the
-transform's tensors), as under torch.compile.
+While a transform is active the FP8 weight is quantized afresh at each call (a cache would keep
+the transform's tensors), as under torch.compile, and inside the adapted forward: a module
+passes a `Deferred` quantization, which FuncAdapter runs below the transforms, where the
+tensors it reads and makes are plain ones that the kernels (reading data pointers) can take.
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
+from torch._C import _functorch
+from torch._functorch.pyfunctorch import retrieve_current_functorch_interpreter
 
-__all__ = ["FuncAdapter", "apply", "plain", "transforms_active"]
+__all__ = ["Deferred", "FuncAdapter", "apply", "plain", "transforms_active"]
 
 
 def transforms_active() -> bool:
@@ -33,6 +38,16 @@ def plain(tensor: torch.Tensor) -> torch.Tensor:
     while torch._C._functorch.is_functorch_wrapped_tensor(tensor):
         tensor = torch._C._functorch.get_unwrapped(tensor)
     return tensor
+
+
+class Deferred:
+    """A value an adapted Function's input stands for, made by `make()` when its forward runs
+    (below the transforms). Only ever passed through `apply` while a transform is active."""
+
+    __slots__ = ("make",)
+
+    def __init__(self, make) -> None:
+        self.make = make
 
 
 def apply(function: type[torch.autograd.Function], *args: Any):
@@ -82,6 +97,7 @@ class FuncAdapter(torch.autograd.Function):
     @staticmethod
     def forward(*args):
         *inputs, function, needs = args
+        inputs = [a.make() if isinstance(a, Deferred) else a for a in inputs]
         recorder = _Recorder(needs)
         out = function.forward(recorder, *inputs)
         return (*out, recorder) if isinstance(out, tuple) else (out, recorder)
@@ -105,10 +121,22 @@ class FuncAdapter(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        # As autograd runs a backward (no graph of the backward itself: te's backward kernels
-        # write into preallocated outputs, which autograd cannot differentiate).
-        with torch.no_grad():
+        # Like the forward, the Function's backward runs below the transform: on the plain
+        # gradients, making plain tensors (kernels read their data pointers), and without a
+        # graph of itself, as autograd runs a backward; the results are wrapped back. (vjp's
+        # pullback runs after its transform returned: no transform is active then.)
+        level = None
+        if transforms_active():
+            interpreter = retrieve_current_functorch_interpreter()
+            level = interpreter.level()
+            grads = [None if g is None else _functorch._unwrap_for_grad(g, level) for g in grads]
+        below = interpreter.lower() if level is not None else contextlib.nullcontext()
+        with below, torch.no_grad():
             grads_in = ctx.function.backward(ctx, *grads[:-1])
         if not isinstance(grads_in, tuple):
             grads_in = (grads_in,)
+        if level is not None:
+            grads_in = [
+                None if g is None else _functorch._wrap_for_grad(g, level) for g in grads_in
+            ]
         return (*grads_in, None, None)

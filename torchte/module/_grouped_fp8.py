@@ -20,7 +20,6 @@ from torchte.quantization.grouped import GroupedStorage
 from torchte.recipe import Float8CurrentScaling
 
 from ._common import restore_saved, save_for_backward, stack_parameters
-from ._functorch import plain, transforms_active
 from ._group_splits import GroupSplits
 from ._linear_core import cast_to
 from .base import cached_quantization
@@ -57,16 +56,13 @@ def grouped_fp8_weights(weights, setup, key, is_first_microbatch, columnwise) ->
     te.Linear's FP8 weight (base.cached_quantization): requantized when a weight or the
     scales moved."""
 
-    def quantize(parts=weights) -> GroupedStorage:
-        stacked = stack_parameters(parts)
+    def quantize() -> GroupedStorage:
+        stacked = stack_parameters(weights)
         sizes = [stacked.shape[1]] * stacked.shape[0]
         return quantize_groups(
             stacked.reshape(-1, stacked.shape[2]), sizes, setup, "weight", True, (True, columnwise)
         )
 
-    if transforms_active():  # no cache, the plain tensors (see module/_functorch.py)
-        with torch.no_grad():
-            return quantize([plain(w) for w in weights])
     capturing = graph_capturing(weights[0])
     cache = setup.grouped_weight_cache
     return cached_quantization(cache, key, is_first_microbatch, capturing, quantize, columnwise)

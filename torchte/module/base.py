@@ -30,7 +30,7 @@ from torchte.quantization.float8_tensor import Float8Tensor
 from torchte.quantization.model_init import model_init_settings
 from torchte.recipe import DelayedScaling, Float8CurrentScaling, Recipe
 
-from ._functorch import plain, transforms_active
+from ._functorch import Deferred, plain, transforms_active
 from ._lifecycle import (
     ExtraStateError,
     ParameterInit,
@@ -393,19 +393,24 @@ class TransformerEngineBaseModule(nn.Module):
                 mark_not_offload(storage)  # a parameter's data: saving it moves nothing
             return storage
         setup = plan.setup
-        if torch.compiler.is_compiling() or transforms_active():
-            # A traced graph quantizes the weight at every call (a cache read there would be a
-            # guard on the weight's version, failing at every step); under torch.func the
-            # cache would keep the transform's tensors.
-            if not torch.compiler.is_compiling():
-                weight = plain(weight)
+        quantizer = setup.weight[plan.gemm]
+        if torch.compiler.is_compiling():
+            # A traced graph quantizes the weight at every call: a cache read there would be a
+            # guard on the weight's version, failing (recompiling) at every step.
             with torch.no_grad():
-                return setup.weight[plan.gemm].quantize(weight, columnwise=need_columnwise)
+                return quantizer.quantize(weight, columnwise=need_columnwise)
+        if torch.is_grad_enabled() and transforms_active():  # see module/_functorch.py
+
+            def quantize_plain() -> Float8Storage:
+                with torch.no_grad():
+                    return quantizer.quantize(plain(weight), columnwise=need_columnwise)
+
+            return Deferred(quantize_plain)
         generation = (_STATE.step, setup.fwd_state.generation if setup.fwd_state else 0)
         return fp8_weight_cached(
             setup.weight_cache[plan.gemm],
             weight,
-            setup.weight[plan.gemm],
+            quantizer,
             weight_version(params),
             generation,
             is_first_microbatch,

@@ -38,7 +38,7 @@ from torchte.gemm import (
 from torchte.quantization.model_init import model_init_settings
 
 from ._common import restore_saved, save_for_backward, stack_parameters
-from ._functorch import apply
+from ._functorch import apply, transforms_active
 from ._group_splits import GroupSplits, group_splits
 from ._grouped_fp8 import fp8_backward, fp8_forward, grouped_fp8_weights
 from ._lifecycle import ParameterInit, fill
@@ -315,6 +315,12 @@ class GroupedLinear(TransformerEngineBaseModule):
 
         def run():
             w_fp8 = None
+            if first.fp8 and transforms_active():
+                raise NotImplementedError(
+                    "te.GroupedLinear under torch.func runs in high precision only: its FP8 "
+                    "path quantizes the experts' weights and splits outside its autograd "
+                    "Function; run it outside te.autocast there, or use te.Linear per expert"
+                )
             if plan.mode == "fp8":
                 setup = first.setup
                 key = (
