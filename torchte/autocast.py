@@ -106,7 +106,7 @@ class BackwardUpdates:
 
     def __init__(self) -> None:
         # graph task id -> {state: (state, recipe, group)}
-        self.pending: dict[int, dict[int, tuple]] = {}
+        self.pending: dict[int, dict[DelayedScalingState, tuple]] = {}
 
     def register(self, state: DelayedScalingState, recipe, group) -> None:
         """Update `state` once the running backward pass ends (one callback per pass)."""
@@ -133,7 +133,7 @@ def autocast_state() -> AutocastState:
     return _STATE
 
 
-def pending_backward_updates() -> dict[int, dict[int, tuple]]:
+def pending_backward_updates() -> dict[int, dict[DelayedScalingState, tuple]]:
     """Backward scale updates not yet made, by autograd graph task (empty between passes)."""
     return _BACKWARD.pending
 
