@@ -259,3 +259,16 @@ def test_extra_state_in_transformer_engine_tensor_form():
     assert layer.get_extra_state() == {}
     with pytest.raises(ExtraStateError, match="Transformer Engine's format"):
         layer.set_extra_state(torch.zeros(10, dtype=torch.uint8))
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=["delayed", "current"])
+def test_fp8_weight_module_moves_to_meta(recipe):
+    """Moving a module with FP8 weights to the meta device (which runs no FP8) works; FP8 there
+    is refused when a forward asks for it, naming the device."""
+    with te.quantized_model_init(recipe=recipe):
+        layer = te.Linear(H, H)
+    layer.to("meta")
+    assert layer.device == torch.device("meta") and layer.weight.is_meta
+    assert layer.weight._quantizer is not None
+    with pytest.raises(RuntimeError, match="device type 'meta'"), te.autocast(recipe=recipe):
+        layer(torch.randn(16, H, device="meta"))

@@ -54,7 +54,6 @@ def compiled_as_op(schema: str) -> Callable[[Callable], Callable]:
                 return _without_placeholders(op(*args, **kwargs))
             return launcher(*args, **kwargs)
 
-        dispatch.op = op
         return dispatch
 
     return decorate

@@ -103,11 +103,8 @@ def moved_state(state: DelayedScalingState, device: torch.device) -> None:
     fresh = state.amax_history.is_meta
     for name in ("amax_history", "scale", "nonfinite"):
         tensor = getattr(state, name)
-        if fresh:
-            moved = torch.empty_like(tensor, device=device)
-            moved.fill_(1 if name == "scale" else 0)
-        else:
-            moved = tensor.to(device)
+        value = 1 if name == "scale" else 0
+        moved = torch.full_like(tensor, value, device=device) if fresh else tensor.to(device)
         setattr(state, name, moved)
     state.generation += 1
 

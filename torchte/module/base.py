@@ -247,7 +247,8 @@ class TransformerEngineBaseModule(nn.Module):
         recipe = self._model_init_recipe
         if recipe is None:
             return
-        setup = self._fp8_setup(recipe)
+        # Not _fp8_setup: the recipe need not run where the module now is (the meta device).
+        setup = self._fp8_setups.get(recipe) or self._new_fp8_setup(recipe)
         for name, gemm in self._fp8_weight_slots():
             param = self._parameters.get(name)
             if isinstance(param, Float8Tensor):
@@ -260,12 +261,15 @@ class TransformerEngineBaseModule(nn.Module):
         setup = self._fp8_setups.get(recipe)
         if setup is None:
             check_recipe(recipe, self.device)
-            states = None
-            if isinstance(recipe, DelayedScaling):
-                states = self._delayed_state_pair(recipe.amax_history_len)
-            setup = FP8Setup(recipe, self.num_gemms, states)
-            self._fp8_setups[recipe] = setup
+            setup = self._fp8_setups[recipe] = self._new_fp8_setup(recipe)
         return setup
+
+    def _new_fp8_setup(self, recipe: Recipe) -> FP8Setup:
+        """Quantizers for `recipe` over this module's scaling state (the recipe unchecked)."""
+        states = None
+        if isinstance(recipe, DelayedScaling):
+            states = self._delayed_state_pair(recipe.amax_history_len)
+        return FP8Setup(recipe, self.num_gemms, states)
 
     def _delayed_state_pair(self, history_len: int):
         pair = self._delayed_states.get(history_len)
