@@ -32,6 +32,7 @@ __all__ = [
     "keeping_out_of_inference",
     "load_counts",
     "moved_state",
+    "norm_inits",
     "read_extra_state",
     "reinitialize",
 ]
@@ -55,6 +56,13 @@ def fill(value: float) -> Callable[[torch.Tensor], torch.Tensor]:
         return t.fill_(value)
 
     return init
+
+
+def norm_inits(weight: str, bias: str, zero_centered_gamma: bool) -> list[ParameterInit]:
+    """A norm's parameters: the gain `weight` (0 under zero_centered_gamma, else 1) and the
+    `bias` (0; skipped where the module has none)."""
+    gamma = 0.0 if zero_centered_gamma else 1.0
+    return [ParameterInit((weight,), fill(gamma)), ParameterInit((bias,), fill(0.0))]
 
 
 def reinitialize(module, inits: Sequence[ParameterInit], prime: Callable | None) -> None:

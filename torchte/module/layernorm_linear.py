@@ -21,7 +21,7 @@ from torchte.quantization.float8 import Float8Storage
 
 from ._common import absent_output, given_grad, restore_saved, save_for_backward
 from ._functorch import apply
-from ._lifecycle import ParameterInit, fill
+from ._lifecycle import ParameterInit, norm_inits
 from ._linear_core import (
     GemmRecord,
     LinearCore,
@@ -236,12 +236,8 @@ class LayerNormLinear(LinearCore):
         self._finish_init()
 
     def _parameter_inits(self) -> list[ParameterInit]:
-        gamma = 0.0 if self.zero_centered_gamma else 1.0
-        return [
-            ParameterInit(("layer_norm_weight",), fill(gamma)),
-            ParameterInit(("layer_norm_bias",), fill(0.0)),
-            *super()._parameter_inits(),
-        ]
+        norm = norm_inits("layer_norm_weight", "layer_norm_bias", self.zero_centered_gamma)
+        return norm + super()._parameter_inits()
 
     def _needs_dgrad(self, inp: torch.Tensor) -> bool:
         params = self._parameters

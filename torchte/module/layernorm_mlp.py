@@ -24,7 +24,7 @@ from torchte.quantization.model_init import make_fp8_parameter, model_init_setti
 
 from ._common import absent_output, restore_saved, save_for_backward
 from ._functorch import apply
-from ._lifecycle import ParameterInit, fill
+from ._lifecycle import ParameterInit, fill, norm_inits
 from ._linear_core import (
     GemmRecord,
     LinearPlan,
@@ -263,10 +263,8 @@ class LayerNormMLP(TransformerEngineBaseModule):
         self._finish_init()
 
     def _parameter_inits(self) -> list[ParameterInit]:
-        gamma = 0.0 if self.zero_centered_gamma else 1.0
         return [
-            ParameterInit(("layer_norm_weight",), fill(gamma)),
-            ParameterInit(("layer_norm_bias",), fill(0.0)),
+            *norm_inits("layer_norm_weight", "layer_norm_bias", self.zero_centered_gamma),
             ParameterInit(("fc1_weight",), self._init_fc1, gemm=0),
             ParameterInit(("fc1_bias",), fill(0.0)),
             ParameterInit(("fc2_weight",), self._init_fc2, gemm=1),

@@ -22,7 +22,7 @@ from torchte.kernels.norm import (
 )
 
 from ._functorch import apply
-from ._lifecycle import ParameterInit, fill
+from ._lifecycle import ParameterInit, norm_inits
 from .base import TransformerEngineBaseModule
 
 __all__ = ["LayerNorm", "RMSNorm"]
@@ -152,8 +152,7 @@ class _Norm(TransformerEngineBaseModule):
 
     def _parameter_inits(self) -> list[ParameterInit]:
         """weight = 0 under zero_centered_gamma, else 1; bias = 0."""
-        gamma = 0.0 if self.zero_centered_gamma else 1.0
-        return [ParameterInit(("weight",), fill(gamma)), ParameterInit(("bias",), fill(0.0))]
+        return norm_inits("weight", "bias", self.zero_centered_gamma)
 
     def _input(self, inp: torch.Tensor) -> torch.Tensor:
         """inp checked and cast to the compute dtype (see the module docstring)."""
