@@ -14,8 +14,8 @@ import torch
 from tolerances import assert_close_to_scale, representable
 
 import torchte as te
+from torchte._group_splits import GroupSplits
 from torchte.module import grouped_linear as grouped_module
-from torchte.module._group_splits import GroupSplits
 from torchte.recipe import DelayedScaling, Float8CurrentScaling
 
 pytestmark = pytest.mark.usefixtures("cpu_default_device")

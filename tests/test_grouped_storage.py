@@ -12,8 +12,8 @@ import pytest
 import torch
 from tolerances import assert_close, representable
 
+from torchte._sizes import round_up
 from torchte.module._common import restore_saved, save_for_backward
-from torchte.quantization.base import round_up
 from torchte.quantization.float8 import (
     Float8CurrentScalingQuantizer,
     Float8Quantizer,

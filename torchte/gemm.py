@@ -20,6 +20,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from ._group_splits import GroupSplits
+
 __all__ = [
     "fp8_gemm",
     "fp32_mm",
@@ -228,8 +230,7 @@ def scaled_grouped_mm_supported(device: torch.device, a_dtype, b_dtype, ragged=T
 
 
 def _scaled_grouped_agrees(device, a_dtype, b_dtype, sizes: list[int]) -> bool:
-    from torchte.module._group_splits import GroupSplits
-    from torchte.quantization.grouped import GroupedStorage
+    from torchte.quantization.grouped import GroupedStorage  # gemm's operands: imported late
 
     gen = torch.Generator().manual_seed(0)
     k, n = 64, 48

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import torch
 
-from torchte.quantization.base import round_up
+from torchte._sizes import round_up
 
 from ._compile import compiled_as_op
 from ._triton import FastLaunch, triton_available

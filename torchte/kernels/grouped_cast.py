@@ -31,7 +31,7 @@ import functools
 
 import torch
 
-from torchte.quantization.base import check_splits, round_up
+from torchte._sizes import check_splits, round_up
 
 from ._triton import FastLaunch, int_key, triton_available
 from .cast_transpose import (

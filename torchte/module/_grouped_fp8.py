@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from torchte._device import graph_capturing
+from torchte._group_splits import GroupSplits
 from torchte.autocast import autocast_state
 from torchte.gemm import fp8_gemm, scaled_grouped_fprop, scaled_grouped_mm_supported
 from torchte.kernels import grouped_cast
@@ -20,7 +21,6 @@ from torchte.quantization.grouped import GroupedStorage
 from torchte.recipe import Float8CurrentScaling
 
 from ._common import restore_saved, save_for_backward, stack_parameters
-from ._group_splits import GroupSplits
 from ._linear_core import cast_to
 from .base import cached_quantization
 

@@ -27,6 +27,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from torchte._group_splits import GroupSplits, group_splits
 from torchte.autocast import autocast_state
 from torchte.gemm import (
     fp32_mm,
@@ -39,7 +40,6 @@ from torchte.quantization.model_init import model_init_settings
 
 from ._common import restore_saved, save_for_backward, stack_parameters
 from ._functorch import apply, transforms_active
-from ._group_splits import GroupSplits, group_splits
 from ._grouped_fp8 import fp8_backward, fp8_forward, grouped_fp8_weights
 from ._lifecycle import ParameterInit, fill
 from ._linear_core import (

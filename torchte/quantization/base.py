@@ -12,23 +12,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-__all__ = ["QuantizedStorage", "Quantizer", "TwoUsageStorage", "check_splits", "round_up"]
-
-
-def round_up(value: int, multiple: int) -> int:
-    """The smallest multiple of `multiple` that is >= value."""
-    return (value + multiple - 1) // multiple * multiple
-
-
-def check_splits(m_splits, total: int) -> None:
-    """ValueError unless the group sizes m_splits are non-negative and sum to total (the rows
-    of the grouped tensor): the one check of a split for layers, kernels and storages."""
-    if any(m < 0 for m in m_splits):
-        raise ValueError(f"m_splits must be non-negative, got {list(m_splits)}")
-    if sum(m_splits) != total:
-        raise ValueError(
-            f"m_splits sum to {sum(m_splits)}, not to the token count {total}: {list(m_splits)}"
-        )
+__all__ = ["QuantizedStorage", "Quantizer", "TwoUsageStorage"]
 
 
 @runtime_checkable

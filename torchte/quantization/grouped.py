@@ -20,9 +20,10 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_map_only
 
+from torchte._sizes import check_splits, round_up
 from torchte.kernels.cast_transpose import COLUMNWISE_ALIGN
 
-from .base import TwoUsageStorage, check_splits, round_up
+from .base import TwoUsageStorage
 from .float8 import Float8Storage
 from .float8_tensor import Float8Tensor, _Dequantize, _written_args
 

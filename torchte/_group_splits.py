@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
-from torchte.quantization.base import check_splits
+from torchte._sizes import check_splits
 
 __all__ = ["GroupSplits", "group_splits"]
 
