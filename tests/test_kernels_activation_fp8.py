@@ -21,6 +21,7 @@ from tolerances import assert_close, assert_close_to_scale
 from torchte.kernels import activation as act
 from torchte.kernels import activation_fp8 as afp8
 from torchte.kernels._triton import triton_available
+from torchte.kernels.cast_spec import CastSpec
 from torchte.quantization.float8 import Float8Quantizer
 
 FP8_DTYPES = [torch.float8_e4m3fn, torch.float8_e5m2]
@@ -46,10 +47,10 @@ def draw(name: str, m: int, n: int, dtype: torch.dtype, device="cpu", seed: int 
 
 
 def quant_state(fp8_dtype: torch.dtype, device="cpu", amax0: float = 0.25):
-    """(scale, amax, scale_inv), each (1,) fp32."""
+    """(scale, amax), each (1,) fp32."""
     scale = torch.tensor([SCALE_OF[fp8_dtype]], device=device)
     amax = torch.tensor([amax0], device=device)
-    return scale, amax, torch.empty(1, device=device)
+    return scale, amax
 
 
 def u8(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -89,20 +90,21 @@ def unfused_backward(dy, h, name, scale, amax, fp8_dtype, rowwise, columnwise):
 
 
 def fused_forward(h, name, fp8_dtype, columnwise, device="cpu"):
-    scale, amax, scale_inv = quant_state(fp8_dtype, device)
-    out = afp8.activation_forward_fp8(
-        h, name, PARAMS["limit"], PARAMS["alpha"], scale, amax, scale_inv, fp8_dtype, columnwise
+    scale, amax = quant_state(fp8_dtype, device)
+    spec = CastSpec(fp8_dtype, True, columnwise, scale, amax)
+    data, data_t, scale_inv = afp8.activation_forward_fp8(
+        h, name, PARAMS["limit"], PARAMS["alpha"], spec
     )
-    return out, amax, scale_inv
+    return (data, data_t), amax, scale_inv
 
 
 def fused_backward(dy, h, name, fp8_dtype, rowwise, columnwise, device="cpu"):
-    scale, amax, scale_inv = quant_state(fp8_dtype, device)
-    *out, dbias = afp8.activation_backward_fp8(
-        dy, h, name, PARAMS["limit"], PARAMS["alpha"], scale, amax, scale_inv, fp8_dtype,
-        rowwise, columnwise,
-    )  # fmt: skip
-    return tuple(out), amax, scale_inv, dbias
+    scale, amax = quant_state(fp8_dtype, device)
+    spec = CastSpec(fp8_dtype, rowwise, columnwise, scale, amax)
+    data, data_t, scale_inv, dbias = afp8.activation_backward_fp8(
+        dy, h, name, PARAMS["limit"], PARAMS["alpha"], spec
+    )
+    return (data, data_t), amax, scale_inv, dbias
 
 
 # ----------------------------------------------------------------------------------------------
@@ -121,7 +123,7 @@ def test_reference_forward_equals_unfused(name, m, n, dtype, fp8_dtype):
     where = (name, m, n, dtype, fp8_dtype)
     for columnwise in (True, False):
         out, amax, scale_inv = fused_forward(h, name, fp8_dtype, columnwise)
-        scale, amax_ref, _ = quant_state(fp8_dtype)
+        scale, amax_ref = quant_state(fp8_dtype)
         ref, scale_inv_ref = unfused_forward(h, name, scale, amax_ref, fp8_dtype, columnwise)
         assert_same_bytes(out, ref, where)
         assert out[0].shape == (m, n) and (out[1] is None) == (not columnwise)
@@ -136,7 +138,7 @@ def test_reference_backward_equals_unfused(name, m, n, dtype, fp8_dtype):
     h, dy = draw(name, m, n, dtype, seed=m * 31 + n)
     where = (name, m, n, dtype, fp8_dtype)
     out, amax, scale_inv, dbias = fused_backward(dy, h, name, fp8_dtype, True, True)
-    scale, amax_ref, _ = quant_state(fp8_dtype)
+    scale, amax_ref = quant_state(fp8_dtype)
     ref, scale_inv_ref, dbias_ref = unfused_backward(
         dy, h, name, scale, amax_ref, fp8_dtype, True, True
     )
@@ -152,7 +154,7 @@ def test_reference_backward_usage(rowwise, columnwise):
     h, dy = draw("swiglu", 33, 20, torch.bfloat16)
     fp8 = torch.float8_e4m3fn
     out, amax, _, dbias = fused_backward(dy, h, "swiglu", fp8, rowwise, columnwise)
-    scale, amax_ref, _ = quant_state(fp8)
+    scale, amax_ref = quant_state(fp8)
     ref, _, dbias_ref = unfused_backward(dy, h, "swiglu", scale, amax_ref, fp8, rowwise, columnwise)
     assert_same_bytes(out, ref, (rowwise, columnwise))
     assert torch.equal(amax, amax_ref) and torch.equal(dbias, dbias_ref)
@@ -161,13 +163,13 @@ def test_reference_backward_usage(rowwise, columnwise):
 def test_reference_amax_accumulates_and_leading_dims():
     h, dy = draw("geglu", 6, 10, torch.float32)
     fp8 = torch.float8_e4m3fn
-    scale, amax, scale_inv = quant_state(fp8, amax0=1e6)  # above every |a|: kept
-    args = (PARAMS["limit"], PARAMS["alpha"], scale, amax, scale_inv, fp8)
-    data, data_t = afp8.activation_forward_fp8(h.view(2, 3, 20), "geglu", *args, True)
+    scale, amax = quant_state(fp8, amax0=1e6)  # above every |a|: kept
+    args = (PARAMS["limit"], PARAMS["alpha"], CastSpec(fp8, True, True, scale, amax))
+    data, data_t, _ = afp8.activation_forward_fp8(h.view(2, 3, 20), "geglu", *args)
     assert amax.item() == 1e6 and data.shape == (6, 10) and data_t.shape == (10, 16)
     h3, dy3 = h.view(2, 3, 20), dy.view(2, 3, 10)
-    out = afp8.activation_backward_fp8(dy3, h3, "geglu", *args, True, True)
-    assert out[0].shape == (6, 20) and out[1].shape == (20, 16) and out[2].shape == (20,)
+    data, data_t, _, dbias = afp8.activation_backward_fp8(dy3, h3, "geglu", *args)
+    assert data.shape == (6, 20) and data_t.shape == (20, 16) and dbias.shape == (20,)
     assert amax.item() == 1e6
 
 
@@ -183,16 +185,34 @@ def test_reference_zero_rows():
 
 def test_bad_inputs_raise():
     h, _ = draw("swiglu", 3, 4, torch.float32)
-    scale, amax, scale_inv = quant_state(torch.float8_e4m3fn)
+    scale, amax = quant_state(torch.float8_e4m3fn)
+    spec = CastSpec(torch.float8_e4m3fn, True, True, scale, amax)
     with pytest.raises(ValueError, match="unknown activation 'gelu_tanh'"):
-        afp8.activation_forward_fp8(h, "gelu_tanh", 7.0, 1.7, scale, amax, scale_inv,
-                                    torch.float8_e4m3fn, True)  # fmt: skip
+        afp8.activation_forward_fp8(h, "gelu_tanh", 7.0, 1.7, spec)
     with pytest.raises(TypeError, match="fp8_dtype"):
-        afp8.activation_forward_fp8(h, "swiglu", 7.0, 1.7, scale, amax, scale_inv,
-                                    torch.bfloat16, True)  # fmt: skip
+        afp8.activation_forward_fp8(
+            h, "swiglu", 7.0, 1.7, CastSpec(torch.bfloat16, True, True, scale, amax)
+        )
     with pytest.raises(ValueError, match=r"dy must have shape \(3, 4\)"):
-        afp8.activation_backward_fp8(h, h, "swiglu", 7.0, 1.7, scale, amax, scale_inv,
-                                     torch.float8_e4m3fn, True, True)  # fmt: skip
+        afp8.activation_backward_fp8(h, h, "swiglu", 7.0, 1.7, spec)
+
+
+def test_spec_without_scale_or_rowwise_raises():
+    """Both kernels write with a scale known before the values exist (delayed scaling); the
+    forward always writes the rowwise data. A current-scaling spec is refused by both, a
+    columnwise-only spec by the forward (the backward takes it: test_reference_backward_usage).
+    """
+    h, dy = draw("swiglu", 3, 4, torch.float32)
+    fp8 = torch.float8_e4m3fn
+    scale, amax = quant_state(fp8)
+    current = CastSpec(fp8, True, True, amax=amax)
+    with pytest.raises(ValueError, match="delayed scaling only"):
+        afp8.activation_forward_fp8(h, "swiglu", 7.0, 1.7, current)
+    with pytest.raises(ValueError, match="delayed scaling only"):
+        afp8.activation_backward_fp8(dy, h, "swiglu", 7.0, 1.7, current)
+    with pytest.raises(ValueError, match="always writes rowwise data"):
+        afp8.activation_forward_fp8(h, "swiglu", 7.0, 1.7, CastSpec(fp8, False, True, scale, amax))
+    assert amax.item() == 0.25  # refused before anything was written
 
 
 # ----------------------------------------------------------------------------------------------
@@ -214,14 +234,14 @@ def test_triton_forward(name, m, n, dtype, fp8_dtype):
     where = (name, m, n, dtype, fp8_dtype)
     out, amax, scale_inv = fused_forward(h, name, fp8_dtype, True, device="cuda")
     # The unfused Triton path: the same bytes and amax bits.
-    scale, amax_unf, _ = quant_state(fp8_dtype, "cuda")
+    scale, amax_unf = quant_state(fp8_dtype, "cuda")
     unf, scale_inv_unf = unfused_forward(h, name, scale, amax_unf, fp8_dtype, True)
     assert_same_bytes(out, unf, where)
     assert torch.equal(amax, amax_unf) and torch.equal(scale_inv, scale_inv_unf), where
     # The torch reference: the same bytes where the math has no exp, else one FP8 step.
-    scale, amax_ref, scale_inv_ref = quant_state(fp8_dtype, "cuda")
-    ref = afp8.activation_forward_fp8_reference(
-        h, name, PARAMS["limit"], PARAMS["alpha"], scale, amax_ref, scale_inv_ref, fp8_dtype, True
+    scale, amax_ref = quant_state(fp8_dtype, "cuda")
+    *ref, scale_inv_ref = afp8.activation_forward_fp8_reference(
+        h, name, PARAMS["limit"], PARAMS["alpha"], CastSpec(fp8_dtype, True, True, scale, amax_ref)
     )
     assert torch.equal(scale_inv, scale_inv_ref), where
     if name in EXACT:
@@ -242,7 +262,7 @@ def test_triton_backward(name, m, n, dtype, fp8_dtype):
     h, dy = draw(name, m, n, dtype, device="cuda", seed=m + n)
     where = (name, m, n, dtype, fp8_dtype)
     out, amax, scale_inv, dbias = fused_backward(dy, h, name, fp8_dtype, True, True, "cuda")
-    scale, amax_unf, _ = quant_state(fp8_dtype, "cuda")
+    scale, amax_unf = quant_state(fp8_dtype, "cuda")
     unf, scale_inv_unf, dbias_unf = unfused_backward(
         dy, h, name, scale, amax_unf, fp8_dtype, True, True
     )
@@ -250,11 +270,11 @@ def test_triton_backward(name, m, n, dtype, fp8_dtype):
     assert torch.equal(amax, amax_unf) and torch.equal(scale_inv, scale_inv_unf), where
     assert dbias.dtype == dy.dtype and dbias.shape == (h.shape[1],)
     assert_close_to_scale(dbias, dbias_unf, dtype, msg=str(where))
-    scale, amax_ref, scale_inv_ref = quant_state(fp8_dtype, "cuda")
-    *ref, dbias_ref = afp8.activation_backward_fp8_reference(
-        dy, h, name, PARAMS["limit"], PARAMS["alpha"], scale, amax_ref, scale_inv_ref,
-        fp8_dtype, True, True,
-    )  # fmt: skip
+    scale, amax_ref = quant_state(fp8_dtype, "cuda")
+    spec_ref = CastSpec(fp8_dtype, True, True, scale, amax_ref)
+    *ref, scale_inv_ref, dbias_ref = afp8.activation_backward_fp8_reference(
+        dy, h, name, PARAMS["limit"], PARAMS["alpha"], spec_ref
+    )
     assert torch.equal(scale_inv, scale_inv_ref), where
     if name in EXACT:
         assert_same_bytes(out, ref, where)
@@ -272,7 +292,7 @@ def test_triton_backward_usage(rowwise, columnwise):
     h, dy = draw("swiglu", 33, 65, torch.bfloat16, device="cuda")
     fp8 = torch.float8_e4m3fn
     out, amax, _, dbias = fused_backward(dy, h, "swiglu", fp8, rowwise, columnwise, "cuda")
-    scale, amax_unf, _ = quant_state(fp8, "cuda")
+    scale, amax_unf = quant_state(fp8, "cuda")
     unf, _, dbias_unf = unfused_backward(dy, h, "swiglu", scale, amax_unf, fp8, rowwise, columnwise)
     assert_same_bytes(out, unf, (rowwise, columnwise))
     assert torch.equal(amax, amax_unf)
@@ -285,14 +305,14 @@ def test_triton_backward_usage(rowwise, columnwise):
 def test_triton_one_launch_per_call(name):
     h, dy = draw(name, 16, 4096, torch.bfloat16, device="cuda")
     fp8 = torch.float8_e4m3fn
-    scale, amax, scale_inv = quant_state(fp8, "cuda")
-    args = (PARAMS["limit"], PARAMS["alpha"], scale, amax, scale_inv, fp8)
+    scale, amax = quant_state(fp8, "cuda")
+    args = (PARAMS["limit"], PARAMS["alpha"], CastSpec(fp8, True, True, scale, amax))
 
     def forward():
-        afp8.activation_forward_fp8(h, name, *args, True)
+        afp8.activation_forward_fp8(h, name, *args)
 
     def backward():
-        afp8.activation_backward_fp8(dy, h, name, *args, True, True)
+        afp8.activation_backward_fp8(dy, h, name, *args)
 
     forward()  # compile outside the profile
     backward()
@@ -334,13 +354,14 @@ from tolerances import assert_close, assert_close_to_scale
 from torchte.kernels import activation as act
 from torchte.kernels import activation_fp8 as afp8
 from torchte.kernels import cast_transpose as ct
+from torchte.kernels.cast_spec import CastSpec
 
 LIMIT, ALPHA = 7.0, 1.702
 EXACT = {"relu", "reglu", "srelu", "sreglu"}
 SCALE_OF = {torch.float8_e4m3fn: 56.0, torch.float8_e5m2: 7168.0}
 
 def state(fp8):
-    return torch.tensor([SCALE_OF[fp8]]), torch.tensor([0.25]), torch.empty(1)
+    return torch.tensor([SCALE_OF[fp8]]), torch.tensor([0.25])
 
 def same(got, want, where):
     for g, w in zip(got, want):
@@ -358,38 +379,40 @@ def near(got, want, name, fp8, where):
             assert_close(g.float(), w.float(), fp8, msg=str(where))
 
 def check(h, dy, name, fp8, configs, usage=(True, True)):
-    spec, gated = act._SPECS[name]
+    kind, gated = act._SPECS[name]
     n = dy.shape[1]
     where = (name, tuple(h.shape), h.dtype, fp8, configs, usage)
     fwd_config, bwd_config = configs
     # Forward.
-    scale, amax, scale_inv = state(fp8)
-    out = afp8._forward_fp8_triton(h, n, spec, gated, LIMIT, ALPHA, scale, amax, scale_inv, fp8,
-                                   usage[1], fwd_config)
+    scale, amax = state(fp8)
+    *out, scale_inv = afp8._forward_fp8_triton(h, n, kind, gated, LIMIT, ALPHA,
+                                               CastSpec(fp8, True, usage[1], scale, amax),
+                                               fwd_config)
     a = act._forward_triton(h.float(), name, LIMIT, ALPHA).to(h.dtype)
-    _, amax_unf, scale_inv_unf = state(fp8)
-    same(out, ct.quantize_delayed_reference(a, scale, amax_unf, scale_inv_unf, fp8, True,
-                                            usage[1]), where)
+    _, amax_unf = state(fp8)
+    *unf, scale_inv_unf = ct.quantize_reference(a, CastSpec(fp8, True, usage[1], scale, amax_unf))
+    same(out, unf, where)
     assert torch.equal(amax, amax_unf) and torch.equal(scale_inv, scale_inv_unf), where
-    _, amax_ref, scale_inv_ref = state(fp8)
-    ref = afp8.activation_forward_fp8_reference(h, name, LIMIT, ALPHA, scale, amax_ref,
-                                                scale_inv_ref, fp8, usage[1])
+    _, amax_ref = state(fp8)
+    *ref, _ = afp8.activation_forward_fp8_reference(h, name, LIMIT, ALPHA,
+                                                    CastSpec(fp8, True, usage[1], scale, amax_ref))
     near(out, ref, name, fp8, where)
     assert_close(amax, amax_ref, h.dtype, msg=str(where))
     # Backward.
-    scale, amax, scale_inv = state(fp8)
-    *out, dbias = afp8._backward_fp8_triton(dy, h, n, spec, gated, LIMIT, ALPHA, scale, amax,
-                                            scale_inv, fp8, *usage, bwd_config)
+    scale, amax = state(fp8)
+    *out, scale_inv, dbias = afp8._backward_fp8_triton(dy, h, n, kind, gated, LIMIT, ALPHA,
+                                                       CastSpec(fp8, *usage, scale, amax),
+                                                       bwd_config)
     dh = act._backward_triton(dy.float(), h.float(), name, LIMIT, ALPHA).to(h.dtype)
-    _, amax_unf, scale_inv_unf = state(fp8)
-    same(out, ct.quantize_delayed_reference(dh, scale, amax_unf, scale_inv_unf, fp8, *usage),
-         where)
+    _, amax_unf = state(fp8)
+    *unf, scale_inv_unf = ct.quantize_reference(dh, CastSpec(fp8, *usage, scale, amax_unf))
+    same(out, unf, where)
     assert torch.equal(amax, amax_unf) and torch.equal(scale_inv, scale_inv_unf), where
     assert dbias.dtype == dy.dtype and dbias.shape == (h.shape[1],), where
     assert_close_to_scale(dbias, dh.sum(0).to(dy.dtype), h.dtype, msg=str(where))
-    _, amax_ref, scale_inv_ref = state(fp8)
-    *ref, dbias_ref = afp8.activation_backward_fp8_reference(
-        dy, h, name, LIMIT, ALPHA, scale, amax_ref, scale_inv_ref, fp8, *usage)
+    _, amax_ref = state(fp8)
+    *ref, _, dbias_ref = afp8.activation_backward_fp8_reference(
+        dy, h, name, LIMIT, ALPHA, CastSpec(fp8, *usage, scale, amax_ref))
     near(out, ref, name, fp8, where)
     assert_close(amax, amax_ref, h.dtype, msg=str(where))
     assert_close_to_scale(dbias, dbias_ref, h.dtype, msg=str(where))

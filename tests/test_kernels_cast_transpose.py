@@ -14,8 +14,11 @@ import pytest
 import torch
 from interpreter import requires_interpreter, run_under_interpreter
 
+from torchte._sizes import round_up
+from torchte.kernels import _fp8_codec
 from torchte.kernels import cast_transpose as ct
 from torchte.kernels._triton import triton_available
+from torchte.kernels.cast_spec import CastSpec
 
 FP8_DTYPES = [torch.float8_e4m3fn, torch.float8_e5m2]
 HP_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -70,7 +73,7 @@ def model_outputs(x: torch.Tensor, scale: float, fp8_dtype: torch.dtype):
     """(rowwise bytes (M, N), columnwise bytes (N, Mp) zero padded) of the fp64 model."""
     codes = fp8_codes_model(x.double() * scale, fp8_dtype)
     rows, cols = x.shape
-    codes_t = torch.zeros((cols, ct.round_up(rows, 16)), dtype=torch.uint8)
+    codes_t = torch.zeros((cols, round_up(rows, 16)), dtype=torch.uint8)
     codes_t[:, :rows] = codes.t()
     return codes, codes_t
 
@@ -130,8 +133,7 @@ def test_delayed_reference_matches_model(shape, hp_dtype, fp8_dtype):
     scale_value = 0.75 if fp8_dtype == torch.float8_e4m3fn else 48.0  # some values saturate
     scale = torch.tensor([scale_value])
     amax = torch.tensor([3.0])
-    scale_inv = torch.empty(1)
-    data, data_t = ct.quantize_delayed(x, scale, amax, scale_inv, fp8_dtype, True, True)
+    data, data_t, scale_inv = ct.quantize(x, CastSpec(fp8_dtype, True, True, scale, amax))
     codes, codes_t = model_outputs(x, scale_value, fp8_dtype)
     assert data.dtype == fp8_dtype and data_t.dtype == fp8_dtype
     assert torch.equal(u8(data), codes)
@@ -151,18 +153,17 @@ def test_delayed_reference_every_code_tie_and_saturation(fp8_dtype):
     points.append(torch.tensor([fp8_max * 1.0625, fp8_max * 1.5, fp8_max * 4, 1e30, math.inf]))
     y = torch.cat(points)
     y = torch.cat([y, -y]).reshape(2, -1)
-    scale, amax, scale_inv = torch.ones(1), torch.zeros(1), torch.empty(1)
-    data, _ = ct.quantize_delayed(y.float(), scale, amax, scale_inv, fp8_dtype, True, False)
+    scale, amax = torch.ones(1), torch.zeros(1)
+    data, _, _ = ct.quantize(y.float(), CastSpec(fp8_dtype, True, False, scale, amax))
     assert torch.equal(u8(data), fp8_codes_model(y, fp8_dtype))
 
 
 @pytest.mark.parametrize("rowwise,columnwise", [(True, False), (False, True), (False, False)])
 def test_delayed_reference_usage(rowwise, columnwise):
     x = grid_input((5, 3), torch.bfloat16, seed=1)
-    amax, scale_inv = torch.zeros(1), torch.empty(1)
-    data, data_t = ct.quantize_delayed(
-        x, torch.tensor([2.0]), amax, scale_inv, torch.float8_e4m3fn, rowwise, columnwise
-    )
+    amax = torch.zeros(1)
+    spec = CastSpec(torch.float8_e4m3fn, rowwise, columnwise, torch.tensor([2.0]), amax)
+    data, data_t, scale_inv = ct.quantize(x, spec)
     assert (data is not None) == rowwise and (data_t is not None) == columnwise
     if data_t is not None:
         assert data_t.shape == (3, 16)
@@ -172,10 +173,9 @@ def test_delayed_reference_usage(rowwise, columnwise):
 @pytest.mark.parametrize("cols", [1, 17])
 def test_delayed_reference_zero_rows(cols):
     x = torch.empty((0, cols), dtype=torch.bfloat16)
-    amax, scale_inv = torch.tensor([5.0]), torch.empty(1)
-    data, data_t = ct.quantize_delayed(
-        x, torch.tensor([4.0]), amax, scale_inv, torch.float8_e5m2, True, True
-    )
+    amax = torch.tensor([5.0])
+    spec = CastSpec(torch.float8_e5m2, True, True, torch.tensor([4.0]), amax)
+    data, data_t, scale_inv = ct.quantize(x, spec)
     assert data.shape == (0, cols) and data_t.shape == (cols, 0)
     assert amax.item() == 5.0 and scale_inv.item() == 0.25
 
@@ -184,7 +184,7 @@ def test_delayed_reference_amax_accumulates():
     amax = torch.zeros(1)
     for value in [2.0, -7.0, 3.0]:
         x = torch.full((3, 5), value, dtype=torch.bfloat16)
-        ct.quantize_delayed(x, torch.ones(1), amax, torch.empty(1), torch.float8_e4m3fn, 1, 0)
+        ct.quantize(x, CastSpec(torch.float8_e4m3fn, 1, 0, torch.ones(1), amax))
     assert amax.item() == 7.0
 
 
@@ -224,8 +224,8 @@ def test_current_reference_matches_model(shape, power_2, hp_dtype, fp8_dtype):
     x = grid_input(shape, hp_dtype, seed=7 + sum(shape), max_exp=1)  # |x| <= 510
     x.view(-1)[0] = 512.0
     scale_value = scale_model(512.0, ct.FP8_MAX[fp8_dtype], 0.0, power_2)
-    scale_inv = torch.empty(1)
-    data, data_t = ct.quantize_current(x, scale_inv, fp8_dtype, 0.0, power_2, True, True)
+    spec = CastSpec(fp8_dtype, True, True, amax_epsilon=0.0, power_2_scale=power_2)
+    data, data_t, scale_inv = ct.quantize(x, spec)
     codes, codes_t = model_outputs(x, scale_value, fp8_dtype)
     assert torch.equal(u8(data), codes)
     assert torch.equal(u8(data_t), codes_t)
@@ -234,11 +234,11 @@ def test_current_reference_matches_model(shape, power_2, hp_dtype, fp8_dtype):
 
 def test_current_reference_zero_input_and_zero_rows():
     for x in [torch.zeros((3, 4)), torch.empty((0, 4))]:
-        scale_inv = torch.empty(1)
-        data, data_t = ct.quantize_current(x, scale_inv, torch.float8_e4m3fn, 0.0, True, 1, 1)
+        spec = CastSpec(torch.float8_e4m3fn, 1, 1, amax_epsilon=0.0, power_2_scale=True)
+        data, data_t, scale_inv = ct.quantize(x, spec)
         assert scale_inv.item() == 1.0
         assert not u8(data).any() and not u8(data_t).any()
-        assert data_t.shape == (4, ct.round_up(x.shape[0], 16))
+        assert data_t.shape == (4, round_up(x.shape[0], 16))
 
 
 def test_record_amax_reference():
@@ -311,7 +311,7 @@ def test_small_tile_covers_x_within_the_bound():
 @pytest.mark.parametrize("rowwise,columnwise", [(True, True), (True, False), (False, True)])
 def test_alloc_outputs_layout(rowwise, columnwise):
     fp8 = torch.float8_e5m2
-    data, data_t = ct._alloc_outputs(17, 33, fp8, torch.device("cpu"), rowwise, columnwise)
+    data, data_t = _fp8_codec.alloc_outputs(17, 33, fp8, torch.device("cpu"), rowwise, columnwise)
     assert (data is not None) == rowwise and (data_t is not None) == columnwise
     for t, shape in [(data, (17, 33)), (data_t, (33, 32))]:
         if t is not None:
@@ -332,14 +332,15 @@ import torch
 from tolerances import same_bits
 
 from torchte.kernels import cast_transpose as ct
+from torchte.kernels.cast_spec import CastSpec
 
 def check_small(x, fp8, power_2, eps=0.0, rowwise=True, columnwise=True):
-    scale_inv, scale_inv_ref = torch.empty(1), torch.empty(1)
     tile = ct.small_tile(*x.shape)
     assert tile is not None, x.shape
     usage = (rowwise, columnwise)
-    ref = ct.quantize_current_reference(x, scale_inv_ref, fp8, eps, power_2, *usage)
-    out = ct._quantize_current_small(x, scale_inv, fp8, eps, power_2, *usage, tile)
+    spec = CastSpec(fp8, *usage, amax_epsilon=eps, power_2_scale=power_2)
+    *ref, scale_inv_ref = ct.quantize_reference(x, spec)
+    *out, scale_inv = ct._quantize_current_small(x, fp8, *usage, eps, power_2, tile)
     for got, want in zip(out, ref):
         assert (got is None) == (want is None), (x.shape, usage)
         if got is not None:
@@ -350,19 +351,19 @@ def check_small(x, fp8, power_2, eps=0.0, rowwise=True, columnwise=True):
 def check(x, fp8, mode, config, scale_value=7.25, eps=0.0):
     if mode.startswith("small"):
         return check_small(x, fp8, mode == "small_p2", eps)
-    scale_inv, scale_inv_ref = torch.empty(1), torch.empty(1)
     if mode == "delayed":
         scale, amax, amax_ref = torch.tensor([scale_value]), torch.ones(1), torch.ones(1)
-        ref = ct.quantize_delayed_reference(x, scale, amax_ref, scale_inv_ref, fp8, True, True)
-        out = ct._cast_transpose(x, scale, amax, scale_inv, fp8, True, True, False, 0.0, False,
-                                 config)
+        *ref, scale_inv_ref = ct.quantize_reference(x, CastSpec(fp8, True, True, scale, amax_ref))
+        *out, scale_inv = ct._cast_transpose(x, scale, amax, fp8, True, True, False, 0.0, False,
+                                             config)
     else:
         power_2 = mode == "current_p2"
-        ref = ct.quantize_current_reference(x, scale_inv_ref, fp8, eps, power_2, True, True)
+        spec = CastSpec(fp8, True, True, amax_epsilon=eps, power_2_scale=power_2)
+        *ref, scale_inv_ref = ct.quantize_reference(x, spec)
         amax = amax_ref = torch.zeros(1)
         ct._launch_amax(x, amax, (64, 4))
-        out = ct._cast_transpose(x, amax, amax, scale_inv, fp8, True, True, True, eps, power_2,
-                                 config)
+        *out, scale_inv = ct._cast_transpose(x, amax, amax, fp8, True, True, True, eps, power_2,
+                                             config)
     for got, want in zip(out, ref):
         assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), (x.shape, fp8, mode)
     assert torch.equal(amax.nan_to_num(-1.0), amax_ref.nan_to_num(-1.0)), (x.shape, mode)

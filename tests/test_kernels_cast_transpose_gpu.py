@@ -13,6 +13,7 @@ from tolerances import same_bits
 
 from torchte.kernels import cast_transpose as ct
 from torchte.kernels._triton import triton_available
+from torchte.kernels.cast_spec import CastSpec
 
 FP8_DTYPES = [torch.float8_e4m3fn, torch.float8_e5m2]
 HP_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -59,9 +60,9 @@ def test_triton_delayed_matches_reference(shape, hp_dtype, fp8_dtype):
     x = random_input(shape, hp_dtype, seed=shape[0] * 7 + shape[1])
     scale = torch.tensor([ct.FP8_MAX[fp8_dtype] / 50.0], device="cuda")
     amax = torch.tensor([0.25], device="cuda")
-    amax_ref, scale_inv, scale_inv_ref = amax.clone(), torch.empty_like(amax), amax.clone()
-    out = ct.quantize_delayed(x, scale, amax, scale_inv, fp8_dtype, True, True)
-    ref = ct.quantize_delayed_reference(x, scale, amax_ref, scale_inv_ref, fp8_dtype, True, True)
+    amax_ref = amax.clone()
+    *out, scale_inv = ct.quantize(x, CastSpec(fp8_dtype, True, True, scale, amax))
+    *ref, scale_inv_ref = ct.quantize_reference(x, CastSpec(fp8_dtype, True, True, scale, amax_ref))
     assert_same(out, ref)
     assert torch.equal(amax, amax_ref) and same_bits(scale_inv, scale_inv_ref)
 
@@ -73,10 +74,10 @@ def test_triton_delayed_usage(rowwise, columnwise):
     x = random_input((33, 65), torch.bfloat16)
     scale = torch.tensor([3.0], device="cuda")
     amax, amax_ref = torch.zeros(1, device="cuda"), torch.zeros(1, device="cuda")
-    scale_inv, scale_inv_ref = torch.empty(1, device="cuda"), torch.empty(1, device="cuda")
     fp8 = torch.float8_e4m3fn
-    out = ct.quantize_delayed(x, scale, amax, scale_inv, fp8, rowwise, columnwise)
-    ref = ct.quantize_delayed_reference(x, scale, amax_ref, scale_inv_ref, fp8, rowwise, columnwise)
+    *out, scale_inv = ct.quantize(x, CastSpec(fp8, rowwise, columnwise, scale, amax))
+    spec_ref = CastSpec(fp8, rowwise, columnwise, scale, amax_ref)
+    *ref, scale_inv_ref = ct.quantize_reference(x, spec_ref)
     assert_same(out, ref)
     assert torch.equal(amax, amax_ref) and same_bits(scale_inv, scale_inv_ref)
 
@@ -89,9 +90,8 @@ def test_triton_delayed_extreme_scales(scale_value):
     for fp8 in FP8_DTYPES:
         scale = torch.tensor([scale_value], device="cuda")
         amax, amax_ref = torch.zeros(1, device="cuda"), torch.zeros(1, device="cuda")
-        scale_inv, scale_inv_ref = torch.empty(1, device="cuda"), torch.empty(1, device="cuda")
-        out = ct.quantize_delayed(x, scale, amax, scale_inv, fp8, True, True)
-        ref = ct.quantize_delayed_reference(x, scale, amax_ref, scale_inv_ref, fp8, True, True)
+        *out, scale_inv = ct.quantize(x, CastSpec(fp8, True, True, scale, amax))
+        *ref, scale_inv_ref = ct.quantize_reference(x, CastSpec(fp8, True, True, scale, amax_ref))
         # x * inf is NaN where x == 0: compare the NaN-free bytes and the zero padding.
         if math.isinf(scale_value):
             assert not u8(out[1])[:, 17:].any()
@@ -112,9 +112,9 @@ def test_triton_delayed_extreme_scales(scale_value):
 @pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
 def test_triton_current_matches_reference(fp8_dtype, hp_dtype, shape, power_2, eps):
     x = random_input(shape, hp_dtype, seed=shape[1])
-    scale_inv, scale_inv_ref = torch.empty(1, device="cuda"), torch.empty(1, device="cuda")
-    out = ct.quantize_current(x, scale_inv, fp8_dtype, eps, power_2, True, True)
-    ref = ct.quantize_current_reference(x, scale_inv_ref, fp8_dtype, eps, power_2, True, True)
+    spec = CastSpec(fp8_dtype, True, True, amax_epsilon=eps, power_2_scale=power_2)
+    *out, scale_inv = ct.quantize(x, spec)
+    *ref, scale_inv_ref = ct.quantize_reference(x, spec)
     assert_same(out, ref)
     assert same_bits(scale_inv, scale_inv_ref)
 
@@ -135,9 +135,9 @@ def test_triton_current_small_matches_reference(fp8_dtype, hp_dtype, shape, powe
     assert (ct.small_tile(*shape) is not None) == (shape in SMALL_SHAPES)
     x = random_input(shape, hp_dtype, seed=shape[0] + 3 * shape[1])
     eps = 1e-3 if power_2 else 0.0
-    scale_inv, scale_inv_ref = torch.empty(1, device="cuda"), torch.empty(1, device="cuda")
-    out = ct.quantize_current(x, scale_inv, fp8_dtype, eps, power_2, True, True)
-    ref = ct.quantize_current_reference(x, scale_inv_ref, fp8_dtype, eps, power_2, True, True)
+    spec = CastSpec(fp8_dtype, True, True, amax_epsilon=eps, power_2_scale=power_2)
+    *out, scale_inv = ct.quantize(x, spec)
+    *ref, scale_inv_ref = ct.quantize_reference(x, spec)
     assert_same(out, ref)
     assert same_bits(scale_inv, scale_inv_ref)
 
@@ -148,10 +148,10 @@ def test_triton_current_small_matches_reference(fp8_dtype, hp_dtype, shape, powe
 @pytest.mark.parametrize("shape", [(33, 65), (100, 1024)])  # single program; 3 launches
 def test_triton_current_usage(shape, rowwise, columnwise):
     x = random_input(shape, torch.bfloat16)
-    scale_inv, scale_inv_ref = torch.empty(1, device="cuda"), torch.empty(1, device="cuda")
     fp8, usage = torch.float8_e4m3fn, (rowwise, columnwise)
-    out = ct.quantize_current(x, scale_inv, fp8, 0.0, False, *usage)
-    ref = ct.quantize_current_reference(x, scale_inv_ref, fp8, 0.0, False, *usage)
+    spec = CastSpec(fp8, *usage, amax_epsilon=0.0, power_2_scale=False)
+    *out, scale_inv = ct.quantize(x, spec)
+    *ref, scale_inv_ref = ct.quantize_reference(x, spec)
     assert_same(out, ref)
     assert same_bits(scale_inv, scale_inv_ref)
 
@@ -164,10 +164,10 @@ def test_triton_current_special_amax(fill):
         [torch.full((5, 33), fill, device="cuda"), torch.full((257, 300), fill, device="cuda")],
         [0.0, 1e-2],
     ):  # the single-program path and the 3-launch path
-        scale_inv, scale_inv_ref = torch.empty(1, device="cuda"), torch.empty(1, device="cuda")
         fp8 = torch.float8_e4m3fn
-        out = ct.quantize_current(x, scale_inv, fp8, eps, False, True, True)
-        ref = ct.quantize_current_reference(x, scale_inv_ref, fp8, eps, False, True, True)
+        spec = CastSpec(fp8, True, True, amax_epsilon=eps, power_2_scale=False)
+        *out, scale_inv = ct.quantize(x, spec)
+        *ref, scale_inv_ref = ct.quantize_reference(x, spec)
         assert_same(out, ref)
         assert same_bits(scale_inv, scale_inv_ref)
 
@@ -177,11 +177,12 @@ def test_triton_current_special_amax(fill):
 def test_triton_zero_rows():
     x = torch.empty((0, 24), device="cuda", dtype=torch.bfloat16)
     scale = torch.tensor([4.0], device="cuda")
-    amax, scale_inv = torch.tensor([2.0], device="cuda"), torch.empty(1, device="cuda")
-    data, data_t = ct.quantize_delayed(x, scale, amax, scale_inv, torch.float8_e4m3fn, 1, 1)
+    amax = torch.tensor([2.0], device="cuda")
+    data, data_t, scale_inv = ct.quantize(x, CastSpec(torch.float8_e4m3fn, 1, 1, scale, amax))
     assert data.shape == (0, 24) and data_t.shape == (24, 0)
     assert amax.item() == 2.0 and scale_inv.item() == 0.25
-    data, data_t = ct.quantize_current(x, scale_inv, torch.float8_e5m2, 0.0, False, 1, 1)
+    spec = CastSpec(torch.float8_e5m2, 1, 1, amax_epsilon=0.0, power_2_scale=False)
+    data, data_t, scale_inv = ct.quantize(x, spec)
     assert data.shape == (0, 24) and data_t.shape == (24, 0) and scale_inv.item() == 1.0
 
 
@@ -205,7 +206,8 @@ def test_triton_record_amax(hp_dtype):
 def test_triton_views_of_any_alignment():
     # The launchers key their compiled kernels on pointer alignment: an aligned call followed by
     # unaligned views of the same shapes (amax and scale inside a delayed-scaling state, x at an
-    # odd offset) must each get a kernel specialized for them.
+    # odd offset) must each get a kernel specialized for them. (scale_inv is now allocated by
+    # quantize, so it is always aligned.)
     fp8 = torch.float8_e4m3fn
     base = random_input((1, 64 * 128 + 1), torch.bfloat16).view(-1)
     history, scales = torch.zeros((4, 3), device="cuda"), torch.full((3,), 2.0, device="cuda")
@@ -213,11 +215,10 @@ def test_triton_views_of_any_alignment():
         x = base[offset : offset + 64 * 128].view(64, 128)
         amax, scale = history[0, col : col + 1], scales[col : col + 1]
         amax_ref = amax.clone()
-        scale_inv, scale_inv_ref = torch.empty(2, device="cuda"), torch.empty(1, device="cuda")
-        out = ct.quantize_delayed(x, scale, amax, scale_inv[1:], fp8, True, True)
-        ref = ct.quantize_delayed_reference(x, scale, amax_ref, scale_inv_ref, fp8, True, True)
+        *out, scale_inv = ct.quantize(x, CastSpec(fp8, True, True, scale, amax))
+        *ref, scale_inv_ref = ct.quantize_reference(x, CastSpec(fp8, True, True, scale, amax_ref))
         assert_same(out, ref)
-        assert torch.equal(amax, amax_ref) and same_bits(scale_inv[1:], scale_inv_ref)
+        assert torch.equal(amax, amax_ref) and same_bits(scale_inv, scale_inv_ref)
         history[1].zero_()
         ct.record_amax(x[1:], history[1, col : col + 1])
         assert history[1, col].item() == x[1:].float().abs().max().item()
@@ -227,16 +228,18 @@ def test_triton_views_of_any_alignment():
 @requires_triton
 @pytest.mark.parametrize("shape,current_launches", [((16, 1024), 1), ((1024, 1024), 3)])
 def test_triton_launch_counts(shape, current_launches):
-    # quantize_current: one program for a small x; zeroed amax buffer + amax + cast otherwise.
+    # Current scaling: one program for a small x; zeroed amax buffer + amax + cast otherwise.
     x = random_input(shape, torch.bfloat16)
     scale, amax = torch.ones(1, device="cuda"), torch.zeros(1, device="cuda")
-    scale_inv, fp8 = torch.empty(1, device="cuda"), torch.float8_e4m3fn
+    fp8 = torch.float8_e4m3fn
+    delayed_spec = CastSpec(fp8, True, True, scale, amax)
+    current_spec = CastSpec(fp8, True, True, amax_epsilon=0.0, power_2_scale=True)
 
     def delayed():
-        ct.quantize_delayed(x, scale, amax, scale_inv, fp8, True, True)
+        ct.quantize(x, delayed_spec)
 
     def current():
-        ct.quantize_current(x, scale_inv, fp8, 0.0, True, True, True)
+        ct.quantize(x, current_spec)
 
     def amax_only():
         ct.record_amax(x, amax)

@@ -1,6 +1,6 @@
 """LayerNorm / RMSNorm forward + FP8 quantization (delayed scaling) in one launch: the torch
 references against the unfused composition (CPU), the Triton kernels against the unfused
-Triton norm kernel followed by quantize_delayed (GPU, and under Triton's CPU interpreter).
+Triton norm kernel followed by quantize (GPU, and under Triton's CPU interpreter).
 
 The fused kernel computes the row statistics with the unfused kernel's code on its tiles and
 y with the same fp32 expression, so bytes, amax, mean and rstd are compared exactly.
@@ -16,7 +16,8 @@ from launches import count_device_ops
 from torchte.kernels import norm
 from torchte.kernels import norm_fp8 as nfp8
 from torchte.kernels._triton import triton_available
-from torchte.kernels.cast_transpose import quantize_delayed
+from torchte.kernels.cast_spec import CastSpec
+from torchte.kernels.cast_transpose import quantize
 
 FP8_DTYPES = [torch.float8_e4m3fn, torch.float8_e5m2]
 # y is about N(0, 1) times g (around 1) plus b: scale = fp8_max / 4, a few values saturate.
@@ -39,9 +40,9 @@ def draw(m, n, dtype, param_dtype, device="cpu", seed=0):
 
 
 def quant_state(fp8_dtype, device="cpu", amax0=0.25):
-    """(scale, amax, scale_inv), each (1,) fp32."""
+    """(scale, amax), each (1,) fp32."""
     scale = torch.tensor([SCALE_OF[fp8_dtype]], device=device)
-    return scale, torch.tensor([amax0], device=device), torch.empty(1, device=device)
+    return scale, torch.tensor([amax0], device=device)
 
 
 def assert_same_bytes(got, want, where):
@@ -54,19 +55,19 @@ def assert_same_bytes(got, want, where):
 
 def run_fused(rms, x, weight, bias, zc, fp8_dtype, columnwise):
     """((rowwise, columnwise), stats, amax, scale_inv) of the public fused function."""
-    scale, amax, scale_inv = quant_state(fp8_dtype, x.device)
-    quant = (scale, amax, scale_inv, fp8_dtype, columnwise)
+    scale, amax = quant_state(fp8_dtype, x.device)
+    spec = CastSpec(fp8_dtype, True, columnwise, scale, amax)
     if rms:
-        data, data_t, rstd = nfp8.rmsnorm_forward_fp8(x, weight, EPS, zc, *quant)
+        data, data_t, scale_inv, rstd = nfp8.rmsnorm_forward_fp8(x, weight, EPS, zc, spec)
         return (data, data_t), (rstd,), amax, scale_inv
-    data, data_t, mean, rstd = nfp8.layernorm_forward_fp8(x, weight, bias, EPS, zc, *quant)
+    data, data_t, scale_inv, mean, rstd = nfp8.layernorm_forward_fp8(x, weight, bias, EPS, zc, spec)
     return (data, data_t), (mean, rstd), amax, scale_inv
 
 
 def run_unfused(rms, x, weight, bias, zc, fp8_dtype, columnwise):
-    """The same from norm's forward, then quantize_delayed (Triton on CUDA, where the norm runs
-    on the fused kernel's tile config: the reductions then add in the same order)."""
-    scale, amax, scale_inv = quant_state(fp8_dtype, x.device)
+    """The same from norm's forward, then quantize (Triton on CUDA, where the norm runs on the
+    fused kernel's tile config: the reductions then add in the same order)."""
+    scale, amax = quant_state(fp8_dtype, x.device)
     if x.is_cuda:
         cfg = norm.row_config(*x.shape, norm.FWD_MAX_BLOCK_N, nfp8.FP8_TILE)
         y, mean, rstd = norm._forward(x, weight, None if rms else bias, EPS, zc, rms, cfg)
@@ -77,8 +78,8 @@ def run_unfused(rms, x, weight, bias, zc, fp8_dtype, columnwise):
     else:
         y, mean, rstd = norm.layernorm_forward(x, weight, bias, EPS, zc)
         stats = (mean, rstd)
-    out = quantize_delayed(y, scale, amax, scale_inv, fp8_dtype, True, columnwise)
-    return out, stats, amax, scale_inv
+    data, data_t, scale_inv = quantize(y, CastSpec(fp8_dtype, True, columnwise, scale, amax))
+    return (data, data_t), stats, amax, scale_inv
 
 
 def assert_same(fused, unfused, where):
@@ -117,18 +118,19 @@ def test_reference_equals_unfused(zc, rms, m, n, dtype, fp8_dtype):
 def test_reference_no_bias_amax_kept_and_zero_rows():
     x, weight, _ = draw(5, 12, torch.bfloat16, torch.bfloat16)
     fp8 = torch.float8_e4m3fn
-    scale, amax, scale_inv = quant_state(fp8, amax0=1e6)  # above every |y|: kept
-    nfp8.layernorm_forward_fp8(x, weight, None, EPS, False, scale, amax, scale_inv, fp8, True)
+    scale, amax = quant_state(fp8, amax0=1e6)  # above every |y|: kept
+    spec = CastSpec(fp8, True, True, scale, amax)
+    _, _, scale_inv, _, _ = nfp8.layernorm_forward_fp8(x, weight, None, EPS, False, spec)
     assert amax.item() == 1e6 and scale_inv.item() == pytest.approx(1 / SCALE_OF[fp8])
     empty = torch.empty((0, 8), dtype=torch.bfloat16)
     w8 = torch.ones(8, dtype=torch.bfloat16)
-    scale, amax, scale_inv = quant_state(fp8)
-    data, data_t, mean, rstd = nfp8.layernorm_forward_fp8(
-        empty, w8, w8, EPS, False, scale, amax, scale_inv, fp8, True
+    scale, amax = quant_state(fp8)
+    data, data_t, _, mean, rstd = nfp8.layernorm_forward_fp8(
+        empty, w8, w8, EPS, False, CastSpec(fp8, True, True, scale, amax)
     )
     assert data.shape == (0, 8) and data_t.shape == (8, 0) and mean.shape == rstd.shape == (0,)
-    data, data_t, rstd = nfp8.rmsnorm_forward_fp8(
-        empty, w8, EPS, True, scale, amax, scale_inv, fp8, False
+    data, data_t, _, rstd = nfp8.rmsnorm_forward_fp8(
+        empty, w8, EPS, True, CastSpec(fp8, True, False, scale, amax)
     )
     assert data.shape == (0, 8) and data_t is None and rstd.shape == (0,)
     assert amax.item() == 0.25
@@ -136,11 +138,30 @@ def test_reference_no_bias_amax_kept_and_zero_rows():
 
 def test_bad_fp8_dtype_raises():
     x, weight, _ = draw(3, 4, torch.float32, torch.float32)
-    scale, amax, scale_inv = quant_state(torch.float8_e4m3fn)
+    scale, amax = quant_state(torch.float8_e4m3fn)
     with pytest.raises(TypeError, match="fp8_dtype"):
         nfp8.rmsnorm_forward_fp8(
-            x, weight, EPS, False, scale, amax, scale_inv, torch.bfloat16, True
+            x, weight, EPS, False, CastSpec(torch.bfloat16, True, True, scale, amax)
         )
+
+
+def test_spec_without_scale_or_rowwise_raises():
+    """The fused norm writes with a scale known before y exists (delayed scaling) and always
+    writes the rowwise data: a current-scaling spec and a columnwise-only spec are refused."""
+    x, weight, bias = draw(3, 4, torch.float32, torch.float32)
+    fp8 = torch.float8_e4m3fn
+    scale, amax = quant_state(fp8)
+    current = CastSpec(fp8, True, True, amax=amax)
+    columnwise_only = CastSpec(fp8, False, True, scale, amax)
+    with pytest.raises(ValueError, match="delayed scaling only"):
+        nfp8.layernorm_forward_fp8(x, weight, bias, EPS, False, current)
+    with pytest.raises(ValueError, match="delayed scaling only"):
+        nfp8.rmsnorm_forward_fp8(x, weight, EPS, False, current)
+    with pytest.raises(ValueError, match="always writes rowwise data"):
+        nfp8.layernorm_forward_fp8(x, weight, bias, EPS, False, columnwise_only)
+    with pytest.raises(ValueError, match="always writes rowwise data"):
+        nfp8.rmsnorm_forward_fp8(x, weight, EPS, False, columnwise_only)
+    assert amax.item() == 0.25  # refused before anything was written
 
 
 # ----------------------------------------------------------------------------------------------
@@ -183,14 +204,14 @@ def test_triton_long_rows_equal_unfused(n):
 def test_triton_one_launch_per_call(rms):
     x, weight, bias = draw(16, 4096, torch.bfloat16, torch.bfloat16, device="cuda")
 
-    scale, amax, scale_inv = quant_state(torch.float8_e4m3fn, "cuda")
-    quant = (scale, amax, scale_inv, torch.float8_e4m3fn, True)
+    scale, amax = quant_state(torch.float8_e4m3fn, "cuda")
+    spec = CastSpec(torch.float8_e4m3fn, True, True, scale, amax)
 
     def fused():
         if rms:
-            nfp8.rmsnorm_forward_fp8(x, weight, EPS, False, *quant)
+            nfp8.rmsnorm_forward_fp8(x, weight, EPS, False, spec)
         else:
-            nfp8.layernorm_forward_fp8(x, weight, bias, EPS, False, *quant)
+            nfp8.layernorm_forward_fp8(x, weight, bias, EPS, False, spec)
 
     fused()  # compile outside the profile
     count = count_device_ops(fused)
@@ -214,12 +235,13 @@ import torch
 from torchte.kernels import cast_transpose as ct
 from torchte.kernels import norm
 from torchte.kernels import norm_fp8 as nfp8
+from torchte.kernels.cast_spec import CastSpec
 
 EPS = 1e-5
 SCALE_OF = {torch.float8_e4m3fn: 112.0, torch.float8_e5m2: 14336.0}
 
 def state(fp8):
-    return torch.tensor([SCALE_OF[fp8]]), torch.tensor([0.25]), torch.empty(1)
+    return torch.tensor([SCALE_OF[fp8]]), torch.tensor([0.25])
 
 def draw(m, n, dtype, param_dtype, seed):
     gen = torch.Generator().manual_seed(seed)
@@ -232,14 +254,14 @@ def draw(m, n, dtype, param_dtype, seed):
 def check(x, w, b, zc, rms, fp8, columnwise, config, out_tile):
     where = (tuple(x.shape), x.dtype, w.dtype, b is None, zc, rms, fp8, columnwise, config,
              out_tile)
-    scale, amax, scale_inv = state(fp8)
-    data, data_t, mean, rstd = nfp8._forward_fp8(x, w, b, EPS, zc, rms, scale, amax, scale_inv,
-                                                 fp8, columnwise, config, out_tile)
+    scale, amax = state(fp8)
+    data, data_t, scale_inv, mean, rstd = nfp8._forward_fp8(
+        x, w, b, EPS, zc, rms, CastSpec(fp8, True, columnwise, scale, amax), config, out_tile)
     cfg = config or norm.row_config(*x.shape, norm.FWD_MAX_BLOCK_N, nfp8.FP8_TILE)
     y, mean_u, rstd_u = norm._forward(x.float(), w, b, EPS, zc, rms, cfg, 3)
-    _, amax_u, scale_inv_u = state(fp8)
-    want = ct.quantize_delayed_reference(y.to(x.dtype), scale, amax_u, scale_inv_u, fp8, True,
-                                         columnwise)
+    _, amax_u = state(fp8)
+    *want, scale_inv_u = ct.quantize_reference(y.to(x.dtype),
+                                               CastSpec(fp8, True, columnwise, scale, amax_u))
     for g, u in zip((data, data_t), want):
         assert (g is None) == (u is None), where
         if g is not None:

@@ -16,7 +16,7 @@ from tolerances import assert_close, representable
 
 import torchte as te
 from torchte.autocast import autocast_state
-from torchte.module.base import check_recipe
+from torchte.quantization.setup import check_recipe
 from torchte.recipe import (
     DelayedScaling,
     Float8BlockScaling,

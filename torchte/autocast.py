@@ -29,6 +29,7 @@ __all__ = [
     "default_recipe",
     "fp8_autocast",
     "pending_backward_updates",
+    "update_after_backward",
 ]
 
 _DEFAULT_RECIPE = DelayedScaling()
@@ -81,12 +82,6 @@ class AutocastState(threading.local):
         if torch.compiler.is_compiling() and torch.is_grad_enabled():
             self.pending_forward[bwd_state] = (bwd_state, recipe, group)
 
-    def register_backward(self, state: DelayedScalingState, recipe, group) -> None:
-        """A backward recorded gradient amaxes: update `state` when this backward pass ends
-        (under torch.compile: see register_step)."""
-        if not torch.compiler.is_compiling():
-            _BACKWARD.register(state, recipe, group)
-
 
 class _StepCounter:
     """The process-wide count of outermost autocast exits (see AutocastState.step)."""
@@ -131,6 +126,14 @@ _BACKWARD = BackwardUpdates()
 def autocast_state() -> AutocastState:
     """The calling thread's autocast state (read once per module forward)."""
     return _STATE
+
+
+def update_after_backward(state: DelayedScalingState, recipe, group) -> None:
+    """A backward recorded gradient amaxes into `state`: update it when this backward pass
+    ends (under torch.compile: see AutocastState.register_step). Called through the hook the
+    forward's plan carries (quantization/setup.py's backward_hook), never read from here."""
+    if not torch.compiler.is_compiling():
+        _BACKWARD.register(state, recipe, group)
 
 
 def pending_backward_updates() -> dict[int, dict[DelayedScalingState, tuple]]:

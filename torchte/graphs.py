@@ -32,9 +32,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .autocast import autocast
+from .autocast import autocast, default_recipe
 from .module.base import TransformerEngineBaseModule
-from .recipe import DelayedScaling
 
 __all__ = ["make_graphed_callables"]
 
@@ -73,7 +72,7 @@ def make_graphed_callables(
         raise TypeError("sample_args may hold only tensors")
     if num_warmup_iters < 1:
         raise ValueError("num_warmup_iters must be at least 1 (lazy setup must not be captured)")
-    recipe = fp8_recipe if fp8_recipe is not None else DelayedScaling()
+    recipe = fp8_recipe if fp8_recipe is not None else default_recipe()
     region = functools.partial(
         autocast,
         enabled=fp8_enabled,

@@ -10,7 +10,8 @@ tensors when the graph runs), its fake implementation the torch reference beside
 launcher is called directly: no dispatcher on the hot path.
 
 Outputs a launcher gives as None travel through the op as a placeholder: an empty 1-D uint8
-tensor, which no real output is.
+tensor, which no real output is. A `CastSpec spec` argument (FP8-writing kernels) travels as
+its fields (CastSpec.SCHEMA) and is rebuilt on the other side; it is passed positionally.
 """
 
 from __future__ import annotations
@@ -21,9 +22,13 @@ from collections.abc import Callable
 
 import torch
 
+from .cast_spec import CastSpec
+
 __all__ = ["compiled_as_op"]
 
 NAMESPACE = "torchte"
+# How many op arguments a CastSpec travels as.
+_SPEC_FIELDS = len(CastSpec.SCHEMA.split(", "))
 
 
 def compiled_as_op(schema: str) -> Callable[[Callable], Callable]:
@@ -32,17 +37,22 @@ def compiled_as_op(schema: str) -> Callable[[Callable], Callable]:
     is the part after the name, e.g. "(Tensor x, Tensor(a!) amax) -> ()"; mutated arguments
     are annotated there."""
 
+    spec_at = _spec_position(schema)
+    if spec_at is not None:
+        schema = schema.replace("CastSpec spec", CastSpec.SCHEMA)
+
     def decorate(launcher: Callable) -> Callable:
         name = launcher.__name__
 
         def impl(*args, **kwargs):
-            return _with_placeholders(launcher(*args, **kwargs), args)
+            return _with_placeholders(launcher(*_spec_rebuilt(args, spec_at), **kwargs), args)
 
         def fake(*args, **kwargs):
             reference = launcher.__globals__[f"{name}_reference"]
-            return _with_placeholders(reference(*args, **kwargs), args)
+            out = reference(*_spec_rebuilt(args, spec_at), **kwargs)
+            return _with_placeholders(out, args)
 
-        mutated = re.findall(r"Tensor\([a-z]!\) (\w+)", schema)
+        mutated = re.findall(r"Tensor\([a-z]!\)\?? (\w+)", schema)
         op = torch.library.custom_op(
             f"{NAMESPACE}::{name}", impl, mutates_args=mutated, schema=schema
         )
@@ -51,12 +61,34 @@ def compiled_as_op(schema: str) -> Callable[[Callable], Callable]:
         @functools.wraps(launcher)
         def dispatch(*args, **kwargs):
             if torch.compiler.is_compiling():
-                return _without_placeholders(op(*args, **kwargs))
+                return _without_placeholders(op(*_spec_spread(args, spec_at), **kwargs))
             return launcher(*args, **kwargs)
 
         return dispatch
 
     return decorate
+
+
+def _spec_position(schema: str) -> int | None:
+    """The index of the `CastSpec spec` argument among the schema's arguments, or None."""
+    arguments = schema[schema.index("(") + 1 : schema.index(")")].split(", ")
+    found = [i for i, arg in enumerate(arguments) if arg == "CastSpec spec"]
+    return found[0] if found else None
+
+
+def _spec_spread(args: tuple, at: int | None) -> tuple:
+    """The launcher's arguments with the CastSpec at `at` replaced by its fields."""
+    if at is None:
+        return args
+    return (*args[:at], *args[at].fields(), *args[at + 1 :])
+
+
+def _spec_rebuilt(args: tuple, at: int | None) -> tuple:
+    """The op's arguments with the CastSpec fields from `at` on made a CastSpec again."""
+    if at is None:
+        return args
+    end = at + _SPEC_FIELDS
+    return (*args[:at], CastSpec.from_fields(*args[at:end]), *args[end:])
 
 
 def _placeholder(args) -> torch.Tensor:

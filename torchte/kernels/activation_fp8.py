@@ -2,18 +2,19 @@
 
 Legend: h (M, K) the activation's input, K = 2N for gated activations (else N); a = act(h)
 (M, N); dy (M, N) the gradient of a; dh (M, K) the gradient of h. FP8 data is laid out as in
-cast_transpose: rowwise (rows, cols) and columnwise (cols, Mp), Mp = round_up(M, 16), the
-padding columns zero. scale, amax and scale_inv are fp32 tensors of shape (1,) on h's device.
+_fp8_codec: rowwise (rows, cols) and columnwise (cols, Mp), Mp = round_up(M, 16), the padding
+columns zero. How the output is written comes in a CastSpec of delayed scaling: its scale and
+amax, and the scale_inv returned, are fp32 tensors of shape (1,) on h's device.
 
 Under delayed scaling these replace two launches (forward) and three (backward, the dbias sum
 included) with one, and never write a or dh in high precision:
-  forward:  a = activation_forward(h); quantize_delayed(a, ...)
-  backward: dh = activation_backward(dy, h); quantize_delayed(dh, ...); dbias = dh.sum(0)
+  forward:  a = activation_forward(h); cast_transpose.quantize(a, spec)
+  backward: dh = activation_backward(dy, h); cast_transpose.quantize(dh, spec); dbias = dh.sum(0)
 and give the same FP8 bytes, amax and scale_inv as those: the activation math is the same code
 (activation.py's jit helpers, in fp32), each value is rounded to h's dtype before it is
 quantized or summed (as storing a or dh in h's dtype does), and the bytes come from
-cast_transpose's FP8 encoder (_fp8_code), stored as uint8 bytes (rowwise) and as int32
-words packing four rows (columnwise), never as FP8-typed values. dbias is summed in fp32 over
+_fp8_codec's FP8 encoder, stored as uint8 bytes (rowwise) and as int32 words packing four rows
+(columnwise), never as FP8-typed values. dbias is summed in fp32 over
 the rounded dh, then rounded to dy's dtype: the unfused dh.sum(0) in dh's dtype may round it
 differently by an ulp.
 
@@ -25,7 +26,7 @@ and no second launch; with more, each row block writes fp32 partial sums and one
 over the row blocks, in a fixed order, makes dbias.
 
 On CUDA with Triton the kernels run; elsewhere (and for an empty h) the torch references below,
-composed of activation.py's and cast_transpose's references.
+composed of activation.py's reference and _fp8_codec's cast.
 """
 
 from __future__ import annotations
@@ -34,10 +35,21 @@ import torch
 
 from . import activation as act_mod
 from ._compile import compiled_as_op
-from ._triton import FastLaunch, sm_count, triton_available
-from .cast_transpose import FP8_MAX, _alloc_outputs, quantize_delayed_reference
+from ._fp8_codec import FP8_MAX, alloc_outputs, check_producer_spec, encode_reference
+from ._triton import FastLaunch, sm_count, tl, triton, triton_available
+from .cast_spec import CastSpec
 
-# (BLOCK_M, BLOCK_N, num_warps). BLOCK_M is a multiple of 16 (cast_transpose's columnwise
+__all__ = [
+    "BACKWARD_FP8_CONFIG",
+    "FORWARD_FP8_CONFIG",
+    "activation_backward_fp8",
+    "activation_backward_fp8_reference",
+    "activation_forward_fp8",
+    "activation_forward_fp8_reference",
+    "backward_row_split",
+]
+
+# (BLOCK_M, BLOCK_N, num_warps). BLOCK_M is a multiple of 16 (_fp8_codec's columnwise
 # alignment) so the row blocks that cover M also cover the padding up to Mp. Forward: the tile
 # of cast_transpose's CAST_CONFIG, over a 2-D grid. Backward: BLOCK_N = 32 for more programs on
 # the column-block grid, BLOCK_M rows per loop step, and the rows split into blocks until there
@@ -45,55 +57,17 @@ from .cast_transpose import FP8_MAX, _alloc_outputs, quantize_delayed_reference
 FORWARD_FP8_CONFIG = (32, 128, 4)
 BACKWARD_FP8_CONFIG = (64, 32, 4)
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # CPU-only installs: the torch references run
-    triton = None
-
 if triton is not None:
+    from ._fp8_codec import (
+        _abs_bits,
+        _delayed_scale,
+        _encode,
+        _encode_slice,
+        _round_as,
+        _store_bytes,
+        _store_words,
+    )
     from .activation import _act_and_grad, _gate
-    from .cast_transpose import _abs_bits, _fp8_code
-
-    @triton.jit
-    def _round_as(v, ptr):
-        """fp32 v rounded to ptr's element type (fp32 / bf16 / fp16), back in fp32: the value a
-        store to ptr and a load back would give. bf16 is rounded in integer arithmetic, to
-        nearest even with NaN made the canonical 0x7FFF, as the GPU's conversion does, because
-        Triton's CPU interpreter truncates instead."""
-        if ptr.dtype.element_ty == tl.bfloat16:
-            bits = v.to(tl.int32, bitcast=True)
-            rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
-            rounded = tl.where((bits & 0x7FFFFFFF) > 0x7F800000, 0x7FFF0000, rounded)
-            v = rounded.to(tl.float32, bitcast=True)
-        elif ptr.dtype.element_ty == tl.float16:
-            v = v.to(tl.float16).to(tl.float32)
-        return v
-
-    @triton.jit
-    def _encode(v, row_in, scale, FP8_MAX: tl.constexpr):
-        """FP8 bytes (int32, 0..255) of fp32 v * scale, clamped to the FP8 range (NaN passes),
-        rounded to nearest even; zero in the rows past M (row_in False: columnwise padding)."""
-        y = v * scale
-        y = tl.where(y > FP8_MAX, FP8_MAX, y)
-        y = tl.where(y < -FP8_MAX, -FP8_MAX, y)
-        return _fp8_code(tl.where(row_in[:, None], y, 0.0), FP8_MAX)
-
-    @triton.jit
-    def _store_words(out_t_ptr, words, cols, col_in, word0, M, BLOCK_M: tl.constexpr):
-        """Store words (BLOCK_M // 4, BLOCK_N) int32, word i of column c packing the bytes of
-        rows 4i..4i+3 (little endian), into out_t (K, Mp) seen as int32 words (K, Mp // 4): rows
-        `cols`, word columns word0 + i. A transpose of 32-bit words, never of 8-bit values."""
-        words_per_row = tl.multiple_of(tl.cdiv(M, 16) * 4, 4)
-        word_cols = word0 + tl.arange(0, BLOCK_M // 4)
-        offs = cols.to(tl.int64)[:, None] * words_per_row + word_cols[None, :]
-        mask = col_in[:, None] & (word_cols < words_per_row)[None, :]
-        tl.store(out_t_ptr.to(tl.pointer_type(tl.int32)) + offs, tl.trans(words), mask=mask)
-
-    @triton.jit
-    def _store_bytes(out_ptr, offs, code, mask):
-        """Store FP8 bytes code (int32, 0..255) at out + offs as uint8."""
-        tl.store(out_ptr.to(tl.pointer_type(tl.uint8)) + offs, code.to(tl.uint8), mask=mask)
 
     @triton.jit
     def _act_values(
@@ -153,8 +127,7 @@ if triton is not None:
     ):
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
-        scale = tl.load(scale_ptr)
-        tl.store(scale_inv_ptr, tl.math.div_rn(1.0, scale), mask=(pid_m == 0) & (pid_n == 0))
+        scale = _delayed_scale(scale_ptr, scale_inv_ptr, (pid_m == 0) & (pid_n == 0))
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         col_in = cols < N
         # Rows 4i + k of the tile, k = 0..3, as four slices: their bytes pack into int32 words.
@@ -166,11 +139,11 @@ if triton is not None:
             row_in = rows < M
             mask = row_in[:, None] & col_in[None, :]
             a = _act_values(h_ptr, rows, cols, mask, N, limit, alpha, ACT, GATED)
-            bits = tl.maximum(bits, _abs_bits(a))
-            code = _encode(a, row_in, scale, FP8_MAX)
-            _store_bytes(out_ptr, rows.to(tl.int64)[:, None] * N + cols[None, :], code, mask)
-            if COLUMNWISE:
-                words = words | (code << (8 * k))
+            offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
+            bits, words = _encode_slice(
+                a, k, row_in, offs, mask, scale, bits, words, out_ptr, FP8_MAX, True, True,
+                COLUMNWISE,
+            )  # fmt: skip
         if COLUMNWISE:
             _store_words(out_t_ptr, words, cols, col_in, pid_m * (BLOCK_M // 4), M, BLOCK_M)
         tl.atomic_max(amax_ptr.to(tl.pointer_type(tl.int32)), tl.max(bits), sem="relaxed")
@@ -206,8 +179,7 @@ if triton is not None:
         row q of partial (summed afterwards in a fixed order: deterministic)."""
         pid = tl.program_id(0)
         pid_m = tl.program_id(1)
-        scale = tl.load(scale_ptr)
-        tl.store(scale_inv_ptr, tl.math.div_rn(1.0, scale), mask=(pid == 0) & (pid_m == 0))
+        scale = _delayed_scale(scale_ptr, scale_inv_ptr, (pid == 0) & (pid_m == 0))
         cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         col_in = cols < N
         k_cols = N * 2 if GATED else N
@@ -228,6 +200,8 @@ if triton is not None:
                     dy_ptr, h_ptr, rows, cols, mask, N, limit, alpha, ACT, GATED
                 )
                 offs = rows.to(tl.int64)[:, None] * k_cols + cols[None, :]
+                # Written out rather than through _encode_slice: that form measured 5% slower
+                # here (H100, GELU backward at 8192 x 16384, benchmarks/kernel_times.py).
                 bits = tl.maximum(bits, _abs_bits(dx1))
                 sum1 += dx1
                 code1 = _encode(dx1, row_in, scale, FP8_MAX)
@@ -270,75 +244,41 @@ if triton is not None:
 
 
 @compiled_as_op(
-    "(Tensor h, str name, float limit, float alpha, Tensor scale, Tensor(a!) amax, "
-    "Tensor(b!) scale_inv, ScalarType fp8_dtype, bool columnwise) -> (Tensor, Tensor)"
+    "(Tensor h, str name, float limit, float alpha, CastSpec spec) -> (Tensor, Tensor, Tensor)"
 )
 def activation_forward_fp8(
-    h: torch.Tensor,
-    name: str,
-    limit: float,
-    alpha: float,
-    scale: torch.Tensor,
-    amax: torch.Tensor,
-    scale_inv: torch.Tensor,
-    fp8_dtype: torch.dtype,
-    columnwise: bool,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """a = name(h) quantized with the delayed scale (1,): h (M, K) -> (rowwise (M, N),
-    columnwise (N, Mp) or None) in fp8_dtype. Max-accumulates max |a| into amax (1,) and writes
-    1 / scale into scale_inv (1,). Same bytes as activation_forward then quantize_delayed."""
+    h: torch.Tensor, name: str, limit: float, alpha: float, spec: CastSpec
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """a = name(h) quantized as spec says (delayed scaling, rowwise always): h (M, K) ->
+    (rowwise (M, N), columnwise (N, Mp) or None, scale_inv (1,)). Max-accumulates max |a| into
+    spec.amax (1,). Same bytes as activation_forward then cast_transpose.quantize."""
     act, gated = act_mod._spec(name)
     n = act_mod._out_cols(h, gated, name)
-    _check_fp8_dtype(fp8_dtype)
+    check_producer_spec(spec, "activation_forward_fp8", needs_rowwise=True)
     h2d = _as_2d(h)
     if h2d.is_cuda and triton_available() and h2d.numel() > 0:
-        return _forward_fp8_triton(
-            h2d, n, act, gated, limit, alpha, scale, amax, scale_inv, fp8_dtype, columnwise
-        )
-    return activation_forward_fp8_reference(
-        h2d, name, limit, alpha, scale, amax, scale_inv, fp8_dtype, columnwise
-    )
+        return _forward_fp8_triton(h2d, n, act, gated, limit, alpha, spec)
+    return activation_forward_fp8_reference(h2d, name, limit, alpha, spec)
 
 
 @compiled_as_op(
-    "(Tensor dy, Tensor h, str name, float limit, float alpha, Tensor scale, "
-    "Tensor(a!) amax, Tensor(b!) scale_inv, ScalarType fp8_dtype, bool rowwise, bool "
-    "columnwise) -> (Tensor, Tensor, Tensor)"
+    "(Tensor dy, Tensor h, str name, float limit, float alpha, CastSpec spec) -> "
+    "(Tensor, Tensor, Tensor, Tensor)"
 )
 def activation_backward_fp8(
-    dy: torch.Tensor,
-    h: torch.Tensor,
-    name: str,
-    limit: float,
-    alpha: float,
-    scale: torch.Tensor,
-    amax: torch.Tensor,
-    scale_inv: torch.Tensor,
-    fp8_dtype: torch.dtype,
-    rowwise: bool,
-    columnwise: bool,
-) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
-    """dh = dy * d name(h) / dh quantized with the delayed scale (1,): dy (M, N), h (M, K) ->
-    (rowwise (M, K) or None, columnwise (K, Mp) or None, dbias (K,) in dy's dtype), dbias the
-    column sums of dh. Max-accumulates max |dh| into amax (1,), writes 1 / scale into
-    scale_inv (1,)."""
+    dy: torch.Tensor, h: torch.Tensor, name: str, limit: float, alpha: float, spec: CastSpec
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """dh = dy * d name(h) / dh quantized as spec says (delayed scaling): dy (M, N), h (M, K) ->
+    (rowwise (M, K) or None, columnwise (K, Mp) or None, scale_inv (1,), dbias (K,) in dy's
+    dtype), dbias the column sums of dh. Max-accumulates max |dh| into spec.amax (1,)."""
     act, gated = act_mod._spec(name)
     n = act_mod._out_cols(h, gated, name)
     act_mod._check_dy(dy, h, n, name)
-    _check_fp8_dtype(fp8_dtype)
+    check_producer_spec(spec, "activation_backward_fp8", needs_rowwise=False)
     h2d, dy2d = _as_2d(h), _as_2d(dy)
     if h2d.is_cuda and triton_available() and h2d.numel() > 0:
-        quant = (scale, amax, scale_inv, fp8_dtype, rowwise, columnwise)
-        return _backward_fp8_triton(dy2d, h2d, n, act, gated, limit, alpha, *quant)
-    return activation_backward_fp8_reference(
-        dy2d, h2d, name, limit, alpha, scale, amax, scale_inv, fp8_dtype, rowwise, columnwise
-    )
-
-
-def _check_fp8_dtype(fp8_dtype: torch.dtype) -> None:
-    if fp8_dtype not in FP8_MAX:
-        known = ", ".join(str(d) for d in FP8_MAX)
-        raise TypeError(f"fp8_dtype must be one of {known}, got {fp8_dtype}")
+        return _backward_fp8_triton(dy2d, h2d, n, act, gated, limit, alpha, spec)
+    return activation_backward_fp8_reference(dy2d, h2d, name, limit, alpha, spec)
 
 
 def _as_2d(x: torch.Tensor) -> torch.Tensor:
@@ -354,17 +294,15 @@ def _forward_fp8_triton(
     gated: bool,
     limit: float,
     alpha: float,
-    scale: torch.Tensor,
-    amax: torch.Tensor,
-    scale_inv: torch.Tensor,
-    fp8_dtype: torch.dtype,
-    columnwise: bool,
+    spec: CastSpec,
     config: tuple[int, int, int] = FORWARD_FP8_CONFIG,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Launch _forward_fp8_kernel on a contiguous, non-empty h (M, K); a is (M, n)."""
     rows = h.shape[0]
     block_m, block_n, num_warps = config
-    data, data_t = _alloc_outputs(rows, n, fp8_dtype, h.device, True, columnwise)
+    fp8_dtype, columnwise, scale, amax = spec.fp8_dtype, spec.columnwise, spec.scale, spec.amax
+    scale_inv = torch.empty(1, dtype=torch.float32, device=h.device)
+    data, data_t = alloc_outputs(rows, n, fp8_dtype, h.device, True, columnwise)
     out_t = scale_inv if data_t is None else data_t  # never stored to when not asked for
     grid = ((rows + block_m - 1) // block_m, (n + block_n - 1) // block_n, 1)
     key = (
@@ -377,7 +315,7 @@ def _forward_fp8_triton(
         key, grid, num_warps, h, scale, amax, scale_inv, data, out_t, rows, n, float(limit),
         float(alpha), FP8_MAX[fp8_dtype], act, gated, columnwise, block_m, block_n,
     )  # fmt: skip
-    return data, data_t
+    return data, data_t, scale_inv
 
 
 def _backward_fp8_triton(
@@ -388,21 +326,19 @@ def _backward_fp8_triton(
     gated: bool,
     limit: float,
     alpha: float,
-    scale: torch.Tensor,
-    amax: torch.Tensor,
-    scale_inv: torch.Tensor,
-    fp8_dtype: torch.dtype,
-    rowwise: bool,
-    columnwise: bool,
+    spec: CastSpec,
     config: tuple[int, int, int] = BACKWARD_FP8_CONFIG,
-) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor, torch.Tensor]:
     """Launch _backward_fp8_kernel on contiguous dy (M, n) and non-empty h (M, K)."""
     rows, cols = h.shape
     block_m, block_n, num_warps = config
+    fp8_dtype, rowwise, columnwise = spec.fp8_dtype, spec.rowwise, spec.columnwise
+    scale, amax = spec.scale, spec.amax
     col_blocks = (n + block_n - 1) // block_n
     sms = sm_count(h.device.index) if h.is_cuda else 1  # the interpreter's tests: a few blocks
     rows_per, splits = backward_row_split(rows, col_blocks, block_m, sms)
-    data, data_t = _alloc_outputs(rows, cols, fp8_dtype, h.device, rowwise, columnwise)
+    scale_inv = torch.empty(1, dtype=torch.float32, device=h.device)
+    data, data_t = alloc_outputs(rows, cols, fp8_dtype, h.device, rowwise, columnwise)
     split = splits > 1
     if split:
         partial = torch.empty(splits, cols, dtype=torch.float32, device=h.device)
@@ -426,7 +362,7 @@ def _backward_fp8_triton(
     )  # fmt: skip
     if split:
         dbias = partial.sum(0).to(dy.dtype)  # a fixed order of the row blocks' sums
-    return data, data_t, dbias
+    return data, data_t, scale_inv, dbias
 
 
 def backward_row_split(rows: int, col_blocks: int, block_m: int, sms: int) -> tuple[int, int]:
@@ -445,40 +381,21 @@ def backward_row_split(rows: int, col_blocks: int, block_m: int, sms: int) -> tu
 
 
 def activation_forward_fp8_reference(
-    h: torch.Tensor,
-    name: str,
-    limit: float,
-    alpha: float,
-    scale: torch.Tensor,
-    amax: torch.Tensor,
-    scale_inv: torch.Tensor,
-    fp8_dtype: torch.dtype,
-    columnwise: bool,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+    h: torch.Tensor, name: str, limit: float, alpha: float, spec: CastSpec
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Torch reference of activation_forward_fp8: h (M, K) -> (rowwise (M, N), columnwise
-    (N, Mp) or None)."""
+    (N, Mp) or None, scale_inv (1,))."""
     a = act_mod.activation_forward_reference(h, name, limit, alpha)
-    a2d = a.reshape(-1, a.shape[-1])
-    return quantize_delayed_reference(a2d, scale, amax, scale_inv, fp8_dtype, True, columnwise)
+    return encode_reference(a.reshape(-1, a.shape[-1]), spec)
 
 
 def activation_backward_fp8_reference(
-    dy: torch.Tensor,
-    h: torch.Tensor,
-    name: str,
-    limit: float,
-    alpha: float,
-    scale: torch.Tensor,
-    amax: torch.Tensor,
-    scale_inv: torch.Tensor,
-    fp8_dtype: torch.dtype,
-    rowwise: bool,
-    columnwise: bool,
-) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+    dy: torch.Tensor, h: torch.Tensor, name: str, limit: float, alpha: float, spec: CastSpec
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor, torch.Tensor]:
     """Torch reference of activation_backward_fp8: dy (M, N), h (M, K) -> (rowwise (M, K) or
-    None, columnwise (K, Mp) or None, dbias (K,) in dy's dtype, summed in fp32)."""
+    None, columnwise (K, Mp) or None, scale_inv (1,), dbias (K,) in dy's dtype, summed in
+    fp32)."""
     dh = act_mod.activation_backward_reference(dy, h, name, limit, alpha)
     dh2d = dh.reshape(-1, dh.shape[-1])
-    quant = (scale, amax, scale_inv, fp8_dtype, rowwise, columnwise)
-    data, data_t = quantize_delayed_reference(dh2d, *quant)
-    return data, data_t, dh2d.float().sum(0).to(dy.dtype)
+    data, data_t, scale_inv = encode_reference(dh2d, spec)
+    return data, data_t, scale_inv, dh2d.float().sum(0).to(dy.dtype)

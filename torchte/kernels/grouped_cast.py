@@ -8,8 +8,11 @@ host list m_splits. Outputs:
 - columnwise (K * C,) FP8, flat, C = sum_g round_up(m_g, 16): group g's block starts at element
   K * c_g, c_g = sum_{j<g} round_up(m_j, 16), and is the (K, round_up(m_g, 16)) transpose of its
   rowwise bytes, zero-padded in its last columns (cast_transpose's columnwise layout, per group).
-- scale, amax, scale_inv: fp32 (G,) on x's device; amax max-accumulated as cast_transpose does
-  (int32 bit patterns, so a NaN reaches it), scale_inv = 1 / scale.
+- scale_inv: fp32 (G,) on x's device. How the groups are scaled comes in a CastSpec whose scale
+  and amax, when given, are fp32 (G,) on x's device: delayed (spec.scale given), group g is
+  multiplied by scale[g] and its max |x| max-accumulated into amax[g] (int32 bit patterns, so a
+  NaN reaches it), scale_inv = 1 / scale; current (spec.scale None), group g's scale comes from
+  its own amax, which overwrites spec.amax[g] when spec.amax is given.
 row_offsets and col_offsets are int32 (G + 1,) tensors on x's device holding o_g and c_g; see
 grouped_offsets. The kernels trust them to agree with m_splits (checking would cost a sync).
 
@@ -20,9 +23,9 @@ split. Each program loads row_offsets (G + 1 ints, from L2), takes the running s
 counts, and counts the groups whose tiles all come before its own (_tile_group). A tile never
 straddles two groups, so the tile code of cast_transpose runs unchanged on the group's slice.
 
-Launches per call: quantize_grouped_delayed 1 (cast + transpose + amax + scale_inv of every
-group); quantize_grouped_current 3 (zeroing the amax buffer, the amax of every group, then the
-cast, whose programs each make their group's scale from its amax).
+Launches per call of quantize_grouped: delayed 1 (cast + transpose + amax + scale_inv of every
+group); current 3 (zeroing the amax buffer, the amax of every group, then the cast, whose
+programs each make their group's scale from its amax).
 """
 
 from __future__ import annotations
@@ -33,28 +36,30 @@ import torch
 
 from torchte._sizes import check_splits, round_up
 
-from ._triton import FastLaunch, int_key, triton_available
-from .cast_transpose import (
+from ._fp8_codec import (
     CAST_CONFIG,
     COLUMNWISE_ALIGN,
     FP8_MAX,
-    quantize_current_reference,
-    quantize_delayed_reference,
+    check_fp8_dtype,
+    encode_reference,
     record_amax_reference,
 )
+from ._triton import FastLaunch, int_key, ptr_key, tl, triton, triton_available
+from .cast_spec import CastSpec
+
+__all__ = [
+    "GROUPED_AMAX_CONFIG",
+    "grouped_offsets",
+    "quantize_grouped",
+    "quantize_grouped_reference",
+]
 
 # The amax pass of current scaling: (BLOCK_M, BLOCK_N, num_warps), 16K elements a program as in
 # cast_transpose's AMAX_CONFIG; any BLOCK_M works (no columnwise output). Not yet tuned on a GPU.
 GROUPED_AMAX_CONFIG = (64, 256, 8)
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # CPU-only installs: the torch reference runs
-    triton = None
-
 if triton is not None:
-    from .cast_transpose import _cast_transpose_tile, _current_scale_inv, _scale_from_amax
+    from ._fp8_codec import _cast_transpose_tile, _current_scale_inv, _scale_from_amax
 
     @triton.jit
     def _tile_group(
@@ -186,73 +191,40 @@ def grouped_offsets(
     return _grouped_offsets(tuple(m_splits), device)
 
 
-def quantize_grouped_delayed(
+def quantize_grouped(
     x: torch.Tensor,
     m_splits: list[int],
     row_offsets: torch.Tensor,
     col_offsets: torch.Tensor,
-    scale: torch.Tensor,
-    amax: torch.Tensor,
-    scale_inv: torch.Tensor,
-    fp8_dtype: torch.dtype,
-    rowwise: bool,
-    columnwise: bool,
-) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """Quantize the G groups of x (T, K), group g with scale[g] (scale (G,)); max-accumulate each
-    group's max |x| into amax (G,); write 1/scale into scale_inv (G,). One launch on CUDA.
-    Returns (rowwise (T, K) | None, columnwise (K * C,) | None), laid out as the module says."""
-    per_group = {"scale": scale, "amax": amax, "scale_inv": scale_inv}
-    _check_groups(x, m_splits, row_offsets, col_offsets, fp8_dtype, **per_group)
-    if x.is_cuda and triton_available() and x.numel() > 0:
-        return _grouped_cast_transpose(
-            x, m_splits, row_offsets, col_offsets, scale, amax, scale_inv, fp8_dtype,
-            rowwise, columnwise, False, 0.0, False,
-        )  # fmt: skip
-    return _delayed_reference(x, m_splits, scale, amax, scale_inv, fp8_dtype, rowwise, columnwise)
-
-
-def quantize_grouped_current(
-    x: torch.Tensor,
-    m_splits: list[int],
-    row_offsets: torch.Tensor,
-    col_offsets: torch.Tensor,
-    scale_inv: torch.Tensor,
-    fp8_dtype: torch.dtype,
-    amax_epsilon: float,
-    power_2_scales: bool,
-    rowwise: bool,
-    columnwise: bool,
-    amax: torch.Tensor | None = None,
+    spec: CastSpec,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
-    """Quantize the G groups of x (T, K), group g with the scale made from its own amax (current
-    scaling); write 1/scale into scale_inv (G,). amax (G,) fp32, if given, is overwritten with
-    the groups' amaxes (else allocated). Three launches on CUDA (zero amax, amax, cast).
-    Returns (rowwise (T, K) | None, columnwise (K * C,) | None, amax (G,))."""
-    _check_groups(x, m_splits, row_offsets, col_offsets, fp8_dtype, scale_inv=scale_inv, amax=amax)
-    if x.is_cuda and triton_available() and x.numel() > 0:
-        amax = _zeroed_amax(amax, len(m_splits), x.device)
-        _grouped_amax(x, m_splits, row_offsets, amax)
-        current = (True, amax_epsilon, power_2_scales)
-        data, data_t = _grouped_cast_transpose(
-            x, m_splits, row_offsets, col_offsets, amax, amax, scale_inv, fp8_dtype,
-            rowwise, columnwise, *current,
-        )  # fmt: skip
-        return data, data_t, amax
-    current = (amax_epsilon, power_2_scales, rowwise, columnwise, amax)
-    return _current_reference(x, m_splits, scale_inv, fp8_dtype, *current)
+    """Quantize the G groups of x (T, K) as spec says (see the module docstring): delayed with
+    spec.scale (G,), max |x| of each group max-accumulated into spec.amax (G,); current with
+    each group's own amax (written to spec.amax (G,) when given). One launch on CUDA under
+    delayed scaling, three under current. Returns (rowwise (T, K) | None, columnwise (K * C,) |
+    None, scale_inv (G,) fp32), laid out as the module says."""
+    _check_groups(x, m_splits, row_offsets, col_offsets, spec)
+    if not (x.is_cuda and triton_available() and x.numel() > 0):
+        return _reference(x, m_splits, spec)
+    if spec.delayed:
+        return _grouped_cast_transpose(x, m_splits, row_offsets, col_offsets, spec)
+    amax = _zeroed_amax(spec.amax, len(m_splits), x.device)
+    _grouped_amax(x, m_splits, row_offsets, amax)
+    return _grouped_cast_transpose(x, m_splits, row_offsets, col_offsets, spec, amax)
 
 
-def _check_groups(x, m_splits, row_offsets, col_offsets, fp8_dtype, **per_group) -> None:
+def _check_groups(x, m_splits, row_offsets, col_offsets, spec: CastSpec) -> None:
     """ValueError unless x is 2-D, m_splits (G ints >= 0) sums to x's rows, the offsets are int32
-    (G + 1,), every per-group tensor (None skipped) has G elements, all on x's device, and
-    fp8_dtype is an FP8 dtype."""
+    (G + 1,), spec's scale and amax (where given) have G elements, all on x's device; TypeError
+    unless spec.fp8_dtype is an FP8 dtype."""
     if x.dim() != 2:
         raise ValueError(f"x must be 2-D (tokens, features), got shape {tuple(x.shape)}")
     groups = len(m_splits)
+    per_group = {"scale": spec.scale, "amax": spec.amax}
     for name, tensor in per_group.items():
         if tensor is not None and tensor.numel() != groups:
             raise ValueError(
-                f"{name} has {tensor.numel()} elements but len(m_splits) = {groups}; "
+                f"spec.{name} has {tensor.numel()} elements but len(m_splits) = {groups}; "
                 "they must match (one per group)"
             )
     check_splits(m_splits, x.shape[0])
@@ -266,8 +238,7 @@ def _check_groups(x, m_splits, row_offsets, col_offsets, fp8_dtype, **per_group)
     for name, tensor in (*offsets.items(), *per_group.items()):
         if tensor is not None and tensor.device != x.device:
             raise ValueError(f"{name} is on {tensor.device} but x is on {x.device}")
-    if fp8_dtype not in FP8_MAX:
-        raise ValueError(f"fp8_dtype must be one of {list(FP8_MAX)}, got {fp8_dtype}")
+    check_fp8_dtype(spec.fp8_dtype, ValueError)
 
 
 def _zeroed_amax(amax: torch.Tensor | None, groups: int, device) -> torch.Tensor:
@@ -288,18 +259,22 @@ def _group_block(groups: int) -> int:
 
 
 def _grouped_cast_transpose(
-    x, m_splits, row_offsets, col_offsets, scale, amax, scale_inv, fp8_dtype, rowwise,
-    columnwise, current, amax_epsilon, power_2_scale, config=CAST_CONFIG,
-) -> tuple[torch.Tensor | None, torch.Tensor | None]:  # fmt: skip
-    """Launch _grouped_cast_transpose_kernel on x (T, K), T, K > 0. Delayed: scale (G,) is the
-    scale and amax (G,) max-accumulated; current (`current=True`): amax is read and the scales
-    made from it. Returns (rowwise (T, K) | None, columnwise (K * C,) | None)."""
+    x, m_splits, row_offsets, col_offsets, spec: CastSpec, current_amax=None, config=CAST_CONFIG
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+    """Launch _grouped_cast_transpose_kernel on x (T, K), T, K > 0. Delayed (current_amax None):
+    spec.scale (G,) is the scale and spec.amax (G,) max-accumulated; current: the scales are
+    made from current_amax (G,). Returns (rowwise (T, K) | None, columnwise (K * C,) | None,
+    scale_inv (G,))."""
     if not x.is_contiguous():
         x = x.contiguous()
     tokens, features = x.shape
     groups = len(m_splits)
     block_m, block_n, num_warps = config
     assert block_m % COLUMNWISE_ALIGN == 0, "row tiles must cover each group's padding"
+    fp8_dtype, rowwise, columnwise = spec.fp8_dtype, spec.rowwise, spec.columnwise
+    current = current_amax is not None
+    scale, amax = (current_amax, current_amax) if current else (spec.scale, spec.amax)
+    scale_inv = torch.empty(groups, dtype=torch.float32, device=x.device)
     data = data_t = None
     if rowwise:
         data = torch.empty(tokens, features, dtype=fp8_dtype, device=x.device)
@@ -310,15 +285,15 @@ def _grouped_cast_transpose(
     out_t = scale_inv if data_t is None else data_t
     grid = (_row_tiles(m_splits, block_m), (features + block_n - 1) // block_n, 1)
     g_block = _group_block(groups)
+    power_2 = spec.power_2_scale
     pointers = (x, row_offsets, col_offsets, scale, amax, scale_inv, out, out_t)
-    key = (x.dtype, fp8_dtype, rowwise, columnwise, current, power_2_scale, config, g_block)
-    key += (*int_key(features), *int_key(groups), *(p.data_ptr() & 15 for p in pointers))
+    key = (x.dtype, fp8_dtype, rowwise, columnwise, current, power_2, config, g_block)
+    key += (*int_key(features), *int_key(groups), *ptr_key(*pointers))
     _launch_grouped_cast_transpose(
-        key, grid, num_warps, *pointers, features, groups, float(amax_epsilon),
-        FP8_MAX[fp8_dtype], current, power_2_scale, rowwise, columnwise, block_m, block_n,
-        g_block,
+        key, grid, num_warps, *pointers, features, groups, float(spec.amax_epsilon),
+        FP8_MAX[fp8_dtype], current, power_2, rowwise, columnwise, block_m, block_n, g_block,
     )  # fmt: skip
-    return data, data_t
+    return data, data_t, scale_inv
 
 
 def _grouped_amax(x, m_splits, row_offsets, amax, config=GROUPED_AMAX_CONFIG) -> None:
@@ -344,82 +319,50 @@ def _padded_rows(m_splits: list[int]) -> int:
 
 
 # ----------------------------------------------------------------------------------------------
-# Torch reference: the same function, group by group through cast_transpose's references
+# Torch reference: the same function, group by group through _fp8_codec's one-tensor cast
 # ----------------------------------------------------------------------------------------------
 
 
-def quantize_grouped_delayed_reference(
+def quantize_grouped_reference(
     x: torch.Tensor,
     m_splits: list[int],
     row_offsets: torch.Tensor,
     col_offsets: torch.Tensor,
-    scale: torch.Tensor,
-    amax: torch.Tensor,
-    scale_inv: torch.Tensor,
-    fp8_dtype: torch.dtype,
-    rowwise: bool,
-    columnwise: bool,
-) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """Torch reference of quantize_grouped_delayed (row_offsets and col_offsets are checked,
-    not read: the groups come from m_splits)."""
-    per_group = {"scale": scale, "amax": amax, "scale_inv": scale_inv}
-    _check_groups(x, m_splits, row_offsets, col_offsets, fp8_dtype, **per_group)
-    return _delayed_reference(x, m_splits, scale, amax, scale_inv, fp8_dtype, rowwise, columnwise)
-
-
-def quantize_grouped_current_reference(
-    x: torch.Tensor,
-    m_splits: list[int],
-    row_offsets: torch.Tensor,
-    col_offsets: torch.Tensor,
-    scale_inv: torch.Tensor,
-    fp8_dtype: torch.dtype,
-    amax_epsilon: float,
-    power_2_scales: bool,
-    rowwise: bool,
-    columnwise: bool,
-    amax: torch.Tensor | None = None,
+    spec: CastSpec,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
-    """Torch reference of quantize_grouped_current."""
-    _check_groups(x, m_splits, row_offsets, col_offsets, fp8_dtype, scale_inv=scale_inv, amax=amax)
-    current = (amax_epsilon, power_2_scales, rowwise, columnwise, amax)
-    return _current_reference(x, m_splits, scale_inv, fp8_dtype, *current)
+    """Torch reference of quantize_grouped (row_offsets and col_offsets are checked, not read:
+    the groups come from m_splits)."""
+    _check_groups(x, m_splits, row_offsets, col_offsets, spec)
+    return _reference(x, m_splits, spec)
 
 
-def _delayed_reference(x, m_splits, scale, amax, scale_inv, fp8_dtype, rowwise, columnwise):
-    def quantize_group(g, x_g):
-        usage = (rowwise, columnwise)
-        group = (scale[g : g + 1], amax[g : g + 1], scale_inv[g : g + 1])
-        return quantize_delayed_reference(x_g, *group, fp8_dtype, *usage)
-
-    return _per_group(x, m_splits, fp8_dtype, rowwise, columnwise, quantize_group)
-
-
-def _current_reference(
-    x, m_splits, scale_inv, fp8_dtype, amax_epsilon, power_2_scales, rowwise, columnwise, amax
-):
-    amax = _zeroed_amax(amax, len(m_splits), x.device)
-
-    def quantize_group(g, x_g):
-        record_amax_reference(x_g, amax[g : g + 1])
-        current = (amax_epsilon, power_2_scales, rowwise, columnwise)
-        return quantize_current_reference(x_g, scale_inv[g : g + 1], fp8_dtype, *current)
-
-    data, data_t = _per_group(x, m_splits, fp8_dtype, rowwise, columnwise, quantize_group)
-    return data, data_t, amax
-
-
-def _per_group(x, m_splits, fp8_dtype, rowwise, columnwise, quantize_group):
-    """Run quantize_group(g, x_g) -> (rowwise (m_g, K) | None, columnwise (K, Mp_g) | None) for
-    every group and lay the results out as the module says (bytes copied through uint8 views)."""
+def _reference(x, m_splits, spec: CastSpec):
+    """Each group through encode_reference, laid out as the module says (bytes copied through
+    uint8 views)."""
     tokens, features = x.shape
+    fp8_dtype, rowwise, columnwise = spec.fp8_dtype, spec.rowwise, spec.columnwise
     data = torch.empty(tokens, features, dtype=fp8_dtype, device=x.device) if rowwise else None
     data_t = None
     if columnwise:
         data_t = torch.empty(features * _padded_rows(m_splits), dtype=fp8_dtype, device=x.device)
+    scale_inv = torch.empty(len(m_splits), dtype=torch.float32, device=x.device)
+    amax = spec.amax
+    if not spec.delayed and amax is not None:
+        amax.zero_()
     row = col = 0
     for g, rows in enumerate(m_splits):
-        data_g, data_t_g = quantize_group(g, x[row : row + rows])
+        x_g, one = x[row : row + rows], slice(g, g + 1)
+        if spec.delayed:
+            scale_g, amax_g = spec.scale[one], amax[one]
+        else:
+            scale_g = amax_g = None
+            if amax is not None:
+                record_amax_reference(x_g, amax[one])
+        spec_g = CastSpec(
+            fp8_dtype, rowwise, columnwise, scale_g, amax_g, spec.amax_epsilon, spec.power_2_scale
+        )
+        data_g, data_t_g, scale_inv_g = encode_reference(x_g, spec_g)
+        scale_inv[one] = scale_inv_g
         if data is not None:
             data.view(torch.uint8)[row : row + rows] = data_g.view(torch.uint8)
         if data_t is not None:
@@ -427,4 +370,4 @@ def _per_group(x, m_splits, fp8_dtype, rowwise, columnwise, quantize_group):
             data_t.view(torch.uint8)[col : col + block] = data_t_g.view(torch.uint8).reshape(-1)
             col += block
         row += rows
-    return data, data_t
+    return data, data_t, scale_inv

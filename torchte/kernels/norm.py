@@ -313,7 +313,11 @@ def _rstd_reference(var: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def layernorm_forward_reference(
-    x, weight, bias, eps, zero_centered_gamma
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    eps: float,
+    zero_centered_gamma: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Torch reference of layernorm_forward."""
     x32 = x.float()
@@ -327,7 +331,14 @@ def layernorm_forward_reference(
 
 
 def layernorm_backward_reference(
-    dy, x, weight, mean, rstd, zero_centered_gamma, *, has_bias: bool = True
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    mean: torch.Tensor,
+    rstd: torch.Tensor,
+    zero_centered_gamma: bool,
+    *,
+    has_bias: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Torch reference of layernorm_backward."""
     dy32 = dy.float()
@@ -342,7 +353,7 @@ def layernorm_backward_reference(
 
 
 def rmsnorm_forward_reference(
-    x, weight, eps, zero_centered_gamma
+    x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered_gamma: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Torch reference of rmsnorm_forward."""
     x32 = x.float()
@@ -352,7 +363,11 @@ def rmsnorm_forward_reference(
 
 
 def rmsnorm_backward_reference(
-    dy, x, weight, rstd, zero_centered_gamma
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    rstd: torch.Tensor,
+    zero_centered_gamma: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Torch reference of rmsnorm_backward."""
     dy32 = dy.float()

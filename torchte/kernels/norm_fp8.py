@@ -1,13 +1,14 @@
 """LayerNorm / RMSNorm forward fused with FP8 quantization of y (delayed scaling), one launch.
 
 Shapes as in norm.py: x (M, N) fp32 / bf16 / fp16; weight, bias (N,) in the parameters' dtype;
-mean, rstd (M,) fp32. The FP8 data is laid out as in cast_transpose: rowwise (M, N) and
-columnwise (N, Mp), Mp = round_up(M, 16), the padding columns zero. scale, amax and scale_inv
-are fp32 tensors of shape (1,) on x's device; amax is max-accumulated.
+mean, rstd (M,) fp32. The FP8 data is laid out as _fp8_codec says: rowwise (M, N) and
+columnwise (N, Mp), Mp = round_up(M, 16), the padding columns zero. How y is written comes in
+a CastSpec of delayed scaling: its scale and amax (max-accumulated), and the scale_inv
+returned, are fp32 tensors of shape (1,) on x's device.
 
 This replaces two launches with one and never writes y in high precision:
     y, mean, rstd = layernorm_forward(x, ...)        (or rmsnorm_forward)
-    quantize_delayed(y, scale, amax, scale_inv, fp8_dtype, True, columnwise)
+    cast_transpose.quantize(y, spec)
 and gives the same bytes, amax, scale_inv, mean and rstd as those:
 
 - The row statistics are computed by the unfused kernel's code on the same tiles: given the
@@ -16,8 +17,8 @@ and gives the same bytes, amax, scale_inv, mean and rstd as those:
   run in the same order. The default here is norm.row_config with FP8_TILE elements per tile
   (the unfused forward's own default tile is larger: pass this config to compare bits).
 - y is the same fp32 expression, rounded to x's dtype (as storing y does), then quantized with
-  activation_fp8's helpers: cast_transpose's FP8 encoder, uint8 bytes rowwise, int32
-  words of four rows columnwise, amax as an int32 atomic max of the bits of |y|.
+  _fp8_codec's encoder: uint8 bytes rowwise, int32 words of four rows columnwise, amax as an
+  int32 atomic max of the bits of |y|.
 
 A program owns GROUP_M = max(16, BLOCK_M) consecutive rows (a multiple of 16, so the words of
 four rows and the padding rows M..Mp of its part of the columnwise data are all its own). It
@@ -26,7 +27,7 @@ barrier, walks the columns in chunks of OUT_BLOCK_N, reading x again and the sta
 and writes the FP8 bytes. x is read twice (the second read of a group's rows mostly from L2).
 
 Launches per call (M > 0, CUDA with Triton): 1. Elsewhere, and for M == 0, the torch
-references below, composed of norm.py's and cast_transpose's references.
+references below, composed of norm.py's references and _fp8_codec's cast.
 """
 
 from __future__ import annotations
@@ -37,8 +38,25 @@ import torch
 
 from . import norm as norm_mod
 from ._compile import compiled_as_op
-from ._triton import FastLaunch, int_key, triton_available
-from .cast_transpose import COLUMNWISE_ALIGN, FP8_MAX, _alloc_outputs, quantize_delayed_reference
+from ._fp8_codec import (
+    COLUMNWISE_ALIGN,
+    FP8_MAX,
+    alloc_outputs,
+    check_producer_spec,
+    encode_reference,
+)
+from ._triton import FastLaunch, int_key, tl, triton, triton_available
+from .cast_spec import CastSpec
+
+__all__ = [
+    "FP8_TILE",
+    "OUT_TILE",
+    "fp8_config",
+    "layernorm_forward_fp8",
+    "layernorm_forward_fp8_reference",
+    "rmsnorm_forward_fp8",
+    "rmsnorm_forward_fp8_reference",
+]
 
 # Elements of one of the four row slices (GROUP_M / 4 rows) of the output pass's column chunk.
 # Chosen for about 4-16 fp32 values per thread at the norm config's num_warps; not yet tuned
@@ -48,15 +66,8 @@ OUT_TILE = 2048
 # unfused forward's larger tile (64 per thread) leaves this kernel's output pass too few warps.
 FP8_TILE = 4096
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # CPU-only installs: the torch references run
-    triton = None
-
 if triton is not None:
-    from .activation_fp8 import _encode, _round_as, _store_bytes, _store_words
-    from .cast_transpose import _abs_bits
+    from ._fp8_codec import _delayed_scale, _encode_slice, _round_as, _store_words
     from .norm_triton import _bias, _gamma, _row_stats_chunked, _rstd, _tile_mean_var
 
     @triton.jit
@@ -115,7 +126,7 @@ if triton is not None:
         mean_ptr,  # (M,) fp32; written (and read back) unless RMS
         rstd_ptr,  # (M,) fp32; written and read back
         scale_ptr,  # (1,) fp32
-        amax_ptr,  # (1,) fp32, max-accumulated as int32 bits (see cast_transpose)
+        amax_ptr,  # (1,) fp32, max-accumulated as int32 bits (see _fp8_codec)
         scale_inv_ptr,  # (1,) fp32: 1 / scale, written by program 0
         out_ptr,  # (M, N) fp8 rowwise data, written as uint8 bytes
         out_t_ptr,  # (N, Mp) fp8 columnwise data, written as int32 words when COLUMNWISE
@@ -134,8 +145,7 @@ if triton is not None:
         OUT_BLOCK_N: tl.constexpr,  # columns per step of the output pass
     ):
         pid = tl.program_id(0)
-        scale = tl.load(scale_ptr)
-        tl.store(scale_inv_ptr, tl.math.div_rn(1.0, scale), mask=pid == 0)
+        scale = _delayed_scale(scale_ptr, scale_inv_ptr, pid == 0)
         first = pid * GROUP_M
         _group_stats(
             x_ptr, mean_ptr, rstd_ptr, first, M, N, eps, RMS, BLOCK_M, BLOCK_N, CHUNKED, GROUP_M
@@ -159,11 +169,10 @@ if triton is not None:
                 y, offs = _norm_values(
                     x_ptr, mean_ptr, rstd_ptr, rows, row_in, cols, mask, N, g, b, RMS, HAS_BIAS
                 )
-                bits = tl.maximum(bits, _abs_bits(y))
-                code = _encode(y, row_in, scale, FP8_MAX)
-                _store_bytes(out_ptr, offs, code, mask)
-                if COLUMNWISE:
-                    words = words | (code << (8 * k))
+                bits, words = _encode_slice(
+                    y, k, row_in, offs, mask, scale, bits, words, out_ptr, FP8_MAX, True, True,
+                    COLUMNWISE,
+                )  # fmt: skip
             if COLUMNWISE:
                 _store_words(out_t_ptr, words, cols, col_in, first // 4, M, GROUP_M)
         tl.atomic_max(amax_ptr.to(tl.pointer_type(tl.int32)), tl.max(bits), sem="relaxed")
@@ -178,8 +187,7 @@ if triton is not None:
 
 @compiled_as_op(
     "(Tensor x, Tensor weight, Tensor? bias, float eps, bool zero_centered_gamma, "
-    "Tensor scale, Tensor(a!) amax, Tensor(b!) scale_inv, ScalarType fp8_dtype, bool "
-    "columnwise) -> (Tensor, Tensor, Tensor, Tensor)"
+    "CastSpec spec) -> (Tensor, Tensor, Tensor, Tensor, Tensor)"
 )
 def layernorm_forward_fp8(
     x: torch.Tensor,
@@ -187,66 +195,38 @@ def layernorm_forward_fp8(
     bias: torch.Tensor | None,
     eps: float,
     zero_centered_gamma: bool,
-    scale: torch.Tensor,
-    amax: torch.Tensor,
-    scale_inv: torch.Tensor,
-    fp8_dtype: torch.dtype,
-    columnwise: bool,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
-    """LayerNorm of x (M, N) quantized with the delayed scale (1,): (rowwise (M, N), columnwise
-    (N, Mp) or None, mean (M,) fp32, rstd (M,) fp32). Max-accumulates max |y| into amax (1,),
-    writes 1 / scale into scale_inv (1,). Same bytes as layernorm_forward then
-    quantize_delayed."""
-    _check_fp8_dtype(fp8_dtype)
+    spec: CastSpec,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """LayerNorm of x (M, N) quantized as spec says (delayed scaling, rowwise always):
+    (rowwise (M, N), columnwise (N, Mp) or None, scale_inv (1,), mean (M,) fp32, rstd (M,)
+    fp32). Max-accumulates max |y| into spec.amax (1,). Same bytes as layernorm_forward then
+    cast_transpose.quantize."""
+    check_producer_spec(spec, "layernorm_forward_fp8", needs_rowwise=True)
     if _use_triton(x):
-        quant = (scale, amax, scale_inv, fp8_dtype, columnwise)
-        data, data_t, mean, rstd = _forward_fp8(
-            x, weight, bias, eps, zero_centered_gamma, False, *quant
-        )
-        return data, data_t, mean, rstd
-    return layernorm_forward_fp8_reference(
-        x, weight, bias, eps, zero_centered_gamma, scale, amax, scale_inv, fp8_dtype, columnwise
-    )
+        return _forward_fp8(x, weight, bias, eps, zero_centered_gamma, False, spec)
+    return layernorm_forward_fp8_reference(x, weight, bias, eps, zero_centered_gamma, spec)
 
 
 @compiled_as_op(
-    "(Tensor x, Tensor weight, float eps, bool zero_centered_gamma, Tensor scale, "
-    "Tensor(a!) amax, Tensor(b!) scale_inv, ScalarType fp8_dtype, bool columnwise) -> "
-    "(Tensor, Tensor, Tensor)"
+    "(Tensor x, Tensor weight, float eps, bool zero_centered_gamma, CastSpec spec) -> "
+    "(Tensor, Tensor, Tensor, Tensor)"
 )
 def rmsnorm_forward_fp8(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    eps: float,
-    zero_centered_gamma: bool,
-    scale: torch.Tensor,
-    amax: torch.Tensor,
-    scale_inv: torch.Tensor,
-    fp8_dtype: torch.dtype,
-    columnwise: bool,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """RMSNorm of x (M, N) quantized with the delayed scale (1,): (rowwise (M, N), columnwise
-    (N, Mp) or None, rstd (M,) fp32); amax and scale_inv as in layernorm_forward_fp8."""
-    _check_fp8_dtype(fp8_dtype)
+    x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered_gamma: bool, spec: CastSpec
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """RMSNorm of x (M, N) quantized as spec says: (rowwise (M, N), columnwise (N, Mp) or None,
+    scale_inv (1,), rstd (M,) fp32); amax as in layernorm_forward_fp8."""
+    check_producer_spec(spec, "rmsnorm_forward_fp8", needs_rowwise=True)
     if _use_triton(x):
-        quant = (scale, amax, scale_inv, fp8_dtype, columnwise)
-        data, data_t, _, rstd = _forward_fp8(
-            x, weight, None, eps, zero_centered_gamma, True, *quant
+        data, data_t, scale_inv, _, rstd = _forward_fp8(
+            x, weight, None, eps, zero_centered_gamma, True, spec
         )
-        return data, data_t, rstd
-    return rmsnorm_forward_fp8_reference(
-        x, weight, eps, zero_centered_gamma, scale, amax, scale_inv, fp8_dtype, columnwise
-    )
+        return data, data_t, scale_inv, rstd
+    return rmsnorm_forward_fp8_reference(x, weight, eps, zero_centered_gamma, spec)
 
 
 def _use_triton(x: torch.Tensor) -> bool:
     return x.is_cuda and x.shape[0] > 0 and triton_available()
-
-
-def _check_fp8_dtype(fp8_dtype: torch.dtype) -> None:
-    if fp8_dtype not in FP8_MAX:
-        known = ", ".join(str(d) for d in FP8_MAX)
-        raise TypeError(f"fp8_dtype must be one of {known}, got {fp8_dtype}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -272,18 +252,14 @@ def _forward_fp8(
     eps: float,
     zero_centered_gamma: bool,
     rms: bool,
-    scale: torch.Tensor,
-    amax: torch.Tensor,
-    scale_inv: torch.Tensor,
-    fp8_dtype: torch.dtype,
-    columnwise: bool,
+    spec: CastSpec,
     config: tuple[int, int, int, bool] | None = None,
     out_tile: int = OUT_TILE,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
-    """Launch _norm_fwd_fp8_kernel on x (M, N), M > 0: (rowwise, columnwise or None, mean (None
-    for RMS), rstd). config is the unfused kernel's (BLOCK_M, BLOCK_N, num_warps, chunked), by
-    default norm.row_config's for (M, N) with FP8_TILE; pass the same one to norm._forward to
-    compare."""
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """Launch _norm_fwd_fp8_kernel on x (M, N), M > 0: (rowwise, columnwise or None, scale_inv,
+    mean (None for RMS), rstd). config is the unfused kernel's (BLOCK_M, BLOCK_N, num_warps,
+    chunked), by default norm.row_config's for (M, N) with FP8_TILE; pass the same one to
+    norm._forward to compare."""
     if not x.is_contiguous():
         x = x.contiguous()
     rows, cols = x.shape
@@ -292,7 +268,9 @@ def _forward_fp8(
     block_m, block_n, num_warps, chunked = config
     group_m, out_block_n = fp8_config(config, out_tile)
     device = x.device
-    data, data_t = _alloc_outputs(rows, cols, fp8_dtype, device, True, columnwise)
+    fp8_dtype, columnwise, scale, amax = spec.fp8_dtype, spec.columnwise, spec.scale, spec.amax
+    scale_inv = torch.empty(1, dtype=torch.float32, device=device)
+    data, data_t = alloc_outputs(rows, cols, fp8_dtype, device, True, columnwise)
     rstd = torch.empty(rows, dtype=torch.float32, device=device)
     mean = None if rms else torch.empty(rows, dtype=torch.float32, device=device)
     # Arguments not read (no bias; mean under RMS; no columnwise) get any pointer.
@@ -313,7 +291,7 @@ def _forward_fp8(
         bias is not None, zero_centered_gamma, columnwise, block_m, block_n, chunked, group_m,
         out_block_n,
     )  # fmt: skip
-    return data, data_t, mean, rstd
+    return data, data_t, scale_inv, mean, rstd
 
 
 # ----------------------------------------------------------------------------------------------
@@ -322,22 +300,21 @@ def _forward_fp8(
 
 
 def layernorm_forward_fp8_reference(
-    x, weight, bias, eps, zero_centered_gamma, scale, amax, scale_inv, fp8_dtype, columnwise
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    eps: float,
+    zero_centered_gamma: bool,
+    spec: CastSpec,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Torch reference of layernorm_forward_fp8."""
     y, mean, rstd = norm_mod.layernorm_forward_reference(x, weight, bias, eps, zero_centered_gamma)
-    data, data_t = quantize_delayed_reference(
-        y, scale, amax, scale_inv, fp8_dtype, True, columnwise
-    )
-    return data, data_t, mean, rstd
+    return (*encode_reference(y, spec), mean, rstd)
 
 
 def rmsnorm_forward_fp8_reference(
-    x, weight, eps, zero_centered_gamma, scale, amax, scale_inv, fp8_dtype, columnwise
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered_gamma: bool, spec: CastSpec
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
     """Torch reference of rmsnorm_forward_fp8."""
     y, rstd = norm_mod.rmsnorm_forward_reference(x, weight, eps, zero_centered_gamma)
-    data, data_t = quantize_delayed_reference(
-        y, scale, amax, scale_inv, fp8_dtype, True, columnwise
-    )
-    return data, data_t, rstd
+    return (*encode_reference(y, spec), rstd)

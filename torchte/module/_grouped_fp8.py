@@ -14,39 +14,12 @@ import torch
 
 from torchte._device import graph_capturing
 from torchte._group_splits import GroupSplits
-from torchte.autocast import autocast_state
 from torchte.gemm import fp8_gemm, scaled_grouped_fprop, scaled_grouped_mm_supported
-from torchte.kernels import grouped_cast
 from torchte.quantization.grouped import GroupedStorage
-from torchte.recipe import Float8CurrentScaling
 
 from ._common import restore_saved, save_for_backward, stack_parameters
 from ._linear_core import cast_to
 from .base import cached_quantization
-
-_STATE = autocast_state()
-
-
-def quantize_groups(x, sizes: list[int], setup, slot: str, forward: bool, usage) -> GroupedStorage:
-    """x (T, K) with groups of `sizes` rows -> GroupedStorage with GEMM g's `slot` scale
-    (delayed) or each group's own (current); usage = (rowwise, columnwise)."""
-    rows, cols = grouped_cast.grouped_offsets(sizes, x.device)
-    recipe = setup.recipe
-    fmt = recipe.fp8_format
-    fp8_dtype = fmt.fwd_dtype if forward else fmt.bwd_dtype
-    scale_inv = torch.empty(len(sizes), dtype=torch.float32, device=x.device)
-    if isinstance(recipe, Float8CurrentScaling):
-        rowwise, columnwise, _ = grouped_cast.quantize_grouped_current(
-            x, sizes, rows, cols, scale_inv, fp8_dtype, recipe.amax_epsilon,
-            recipe.use_power_2_scales, *usage,
-        )  # fmt: skip
-    else:
-        state = setup.fwd_state if forward else setup.bwd_state
-        scale, amax = state.slot_vectors(slot)
-        rowwise, columnwise = grouped_cast.quantize_grouped_delayed(
-            x, sizes, rows, cols, scale, amax, scale_inv, fp8_dtype, *usage
-        )
-    return GroupedStorage(rowwise, columnwise, scale_inv, fp8_dtype, sizes, tuple(x.shape))
 
 
 def grouped_fp8_weights(weights, setup, key, is_first_microbatch, columnwise) -> GroupedStorage:
@@ -59,9 +32,8 @@ def grouped_fp8_weights(weights, setup, key, is_first_microbatch, columnwise) ->
     def quantize() -> GroupedStorage:
         stacked = stack_parameters(weights)
         sizes = [stacked.shape[1]] * stacked.shape[0]
-        return quantize_groups(
-            stacked.reshape(-1, stacked.shape[2]), sizes, setup, "weight", True, (True, columnwise)
-        )
+        rows = stacked.reshape(-1, stacked.shape[2])
+        return setup.grouped_weight.quantize(rows, sizes, True, columnwise)
 
     capturing = graph_capturing(weights[0])
     cache = setup.grouped_weight_cache
@@ -74,7 +46,7 @@ def fp8_forward(ctx, x, splits: GroupSplits, plan, biases, w_fp8: GroupedStorage
     first = plan.gemms[0]
     dtype, sizes = first.dtype, splits.sizes()
     x = cast_to(x, dtype).contiguous()
-    x_fp8 = quantize_groups(x, sizes, first.setup, "input", True, (True, need_wgrad))
+    x_fp8 = first.setup.grouped_input.quantize(x, sizes, True, need_wgrad)
     num_groups, n = len(sizes), w_fp8.m_splits[0]
     bias = [cast_to(b, dtype) for b in biases] if biases else [None] * num_groups
     if one_fprop_gemm(x.device, x_fp8.fp8_dtype, w_fp8.fp8_dtype, sizes):
@@ -113,10 +85,9 @@ def fp8_backward(ctx, dy: torch.Tensor):
     first = plan.gemms[0]
     dtype, sizes = first.dtype, splits.sizes()
     dy = cast_to(dy, dtype).contiguous()
-    usage = (ctx.need_dgrad, ctx.need_wgrad)
-    dy_fp8 = quantize_groups(dy, sizes, first.setup, "grad_output", False, usage)
-    if first.setup.bwd_state is not None:
-        _STATE.register_backward(first.setup.bwd_state, first.recipe, first.group)
+    dy_fp8 = first.setup.grouped_grad_output.quantize(dy, sizes, ctx.need_dgrad, ctx.need_wgrad)
+    if first.backward_hook is not None:
+        first.backward_hook()
     dy_rows, dy_cols, dy_scales = dy_fp8.gemm_operands()
     dx = None
     if ctx.need_dgrad:

@@ -8,25 +8,23 @@ from dy rowwise and W columnwise; wgrad dW = dy^T x from dy columnwise and x col
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
 
-from torchte.autocast import autocast_state
 from torchte.gemm import fp8_gemm, hp_linear, hp_mm
 from torchte.quantization.float8 import Float8Storage
 from torchte.quantization.float8_tensor import Float8Tensor
 from torchte.quantization.model_init import make_fp8_parameter, model_init_settings
+from torchte.quantization.setup import FP8Setup
+from torchte.recipe import Recipe
 
 from ._common import MainGradTarget, NoopCat, should_overwrite, split_parameter_names
 from ._functorch import apply
 from ._lifecycle import ParameterInit, fill
-from .base import (
-    FP8Setup,
-    TransformerEngineBaseModule,
-    check_fp8_dims,
-    prime_weight_scale,
-)
+from .base import PlanKey, TransformerEngineBaseModule, check_fp8_dims
 
 __all__ = [
     "GemmRecord",
@@ -35,12 +33,12 @@ __all__ = [
     "cast_to",
     "check_unsupported",
     "fprop",
+    "gemm_plan",
+    "gemm_record",
     "linear_backward",
     "linear_forward",
     "zero_grad_output",
 ]
-
-_STATE = autocast_state()
 
 
 def default_init_method(weight: torch.Tensor) -> None:
@@ -48,31 +46,43 @@ def default_init_method(weight: torch.Tensor) -> None:
     nn.init.normal_(weight, mean=0.0, std=0.023)
 
 
+@dataclass(frozen=True, slots=True, eq=False)
 class LinearPlan:
-    """Everything a Linear forward/backward needs beyond tensors, built once per setting."""
+    """Everything one GEMM's forward/backward needs beyond tensors, built once per setting."""
 
-    __slots__ = (
-        "calibrating",
-        "dtype",
-        "fast",
-        "fp8",
-        "fp8_grad",
-        "fp8_output",
-        "gemm",
-        "group",
-        "is_first_microbatch",
-        "main_grad",
-        "recipe",
-        "setup",
-    )
+    gemm: int
+    """Which GEMM of the module: its quantizers and cached weight."""
+    dtype: torch.dtype
+    """The compute dtype (of the GEMM's output)."""
+    fp8: bool
+    calibrating: bool
+    recipe: Recipe | None
+    group: Any
+    """The amax reduction group of the autocast region."""
+    setup: FP8Setup | None
+    """The module's quantizers for `recipe` (None without one)."""
+    is_first_microbatch: bool | None
+    fp8_output: bool
+    fp8_grad: bool
+    main_grad: MainGradTarget | None
+    """Where fused wgrad accumulation adds the weight gradient (None: returned)."""
+    backward_hook: Callable[[], None] | None
+    """Called once the backward quantized its gradients (delayed scaling's update; None: none)."""
+    fast: bool = field(init=False)
+    """Plain high precision: nn.Linear's own kernels and autograd do everything."""
 
-    def __init__(self, gemm: int = 0, **fields) -> None:
-        self.gemm = gemm  # which GEMM of the module: its quantizers and cached weight
-        for name in self.__slots__:
-            if name not in ("fast", "gemm"):
-                setattr(self, name, fields[name])
-        # Plain high precision: nn.Linear's own kernels and autograd do everything.
-        self.fast = not (self.fp8 or self.calibrating or self.main_grad is not None)
+    def __post_init__(self) -> None:
+        fast = not (self.fp8 or self.calibrating or self.main_grad is not None)
+        object.__setattr__(self, "fast", fast)
+
+    def input_quantizer(self):
+        """The quantizer of the GEMM's input under FP8 (a producer in front, such as a norm or
+        an activation, may write with it); None in high precision."""
+        return self.setup.input[self.gemm] if self.fp8 else None
+
+    def grad_output_quantizer(self):
+        """The quantizer of the GEMM's output gradient under FP8; None in high precision."""
+        return self.setup.grad_output[self.gemm] if self.fp8 else None
 
 
 def fprop(x, w, bias, plan: LinearPlan) -> torch.Tensor:
@@ -132,35 +142,33 @@ def linear_forward(
     return y, x_saved, w_saved
 
 
+@dataclass(slots=True, eq=False)
 class GemmRecord:
     """What linear_backward needs to know about one forward GEMM (kept on the Function's ctx)."""
 
-    __slots__ = (
-        "bias_requires_grad",
-        "has_bias",
-        "inp_shape",
-        "need_dgrad",
-        "need_wgrad",
-        "plan",
-        "weight_device",
-        "weight_dtype",
-        "weight_requires_grad",
-        "weight_shape",
-    )
+    plan: LinearPlan
+    inp_shape: torch.Size
+    weight_shape: torch.Size
+    weight_dtype: torch.dtype
+    weight_device: torch.device
+    weight_requires_grad: bool
+    has_bias: bool
+    bias_requires_grad: bool
+    need_dgrad: bool
+    need_wgrad: bool
 
-    def __init__(
-        self, inp_shape, weight, bias, plan, need_dgrad: bool, need_wgrad: bool, param_grads
-    ) -> None:
-        """param_grads: (weight, bias) needs_input_grad of the Function (from ctx, not from the
-        tensors: under torch.func a forward sees tensors that do not require grad)."""
-        self.plan = plan
-        self.inp_shape = inp_shape
-        self.weight_shape, self.weight_dtype = weight.shape, weight.dtype
-        self.weight_device = weight.device
-        self.weight_requires_grad = bool(param_grads[0])
-        self.has_bias = bias is not None
-        self.bias_requires_grad = bias is not None and bool(param_grads[1])
-        self.need_dgrad, self.need_wgrad = need_dgrad, need_wgrad
+
+def gemm_record(
+    inp_shape, weight, bias, plan: LinearPlan, need_dgrad: bool, need_wgrad: bool, param_grads
+) -> GemmRecord:
+    """The GemmRecord of a forward GEMM. param_grads: (weight, bias) needs_input_grad of the
+    Function (from ctx, not from the tensors: under torch.func a forward sees tensors that do
+    not require grad)."""
+    has_bias = bias is not None
+    return GemmRecord(
+        plan, inp_shape, weight.shape, weight.dtype, weight.device, bool(param_grads[0]),
+        has_bias, has_bias and bool(param_grads[1]), need_dgrad, need_wgrad,
+    )  # fmt: skip
 
 
 def zero_grad_output(record: GemmRecord, device: torch.device) -> torch.Tensor:
@@ -211,8 +219,8 @@ def _backward_fp8(ctx, plan, dy2d, dy_fp8, x_fp8, w_fp8):
         dy_fp8.update_usage(
             rowwise_usage=ctx.need_dgrad or None, columnwise_usage=ctx.need_wgrad or None
         )
-    if setup.bwd_state is not None:
-        _STATE.register_backward(setup.bwd_state, plan.recipe, plan.group)
+    if plan.backward_hook is not None:
+        plan.backward_hook()
     dgrad = None
     if ctx.need_dgrad:
         dgrad = fp8_gemm(
@@ -314,7 +322,7 @@ class LinearCore(TransformerEngineBaseModule):
         bias = torch.zeros(self.out_features, **kw) if self.use_bias else None
         settings = model_init_settings()
         if settings is not None:
-            prime_weight_scale(self._fp8_setup(settings.recipe), weight)
+            self._fp8_setup(settings.recipe).prime_weight(weight)
         self.weight_names, self.bias_names = [], []
         start = 0
         for prefix, rows in self._splits:
@@ -339,11 +347,10 @@ class LinearCore(TransformerEngineBaseModule):
 
     # -- per-call ---------------------------------------------------------------------------------
 
-    def _build_plan(self, key: tuple) -> LinearPlan:
-        fp8, fp8_output, fp8_grad = key[0], key[6], key[7]
-        if (fp8_output or fp8_grad) and not fp8:
+    def _build_plan(self, key: PlanKey) -> LinearPlan:
+        if (key.fp8_output or key.fp8_grad) and not key.fp8:
             raise ValueError("fp8_output and fp8_grad need FP8: run the layer under te.autocast")
-        if fp8:
+        if key.fp8:
             check_fp8_dims(
                 f"te.{type(self).__name__}",
                 in_features=self.in_features,
@@ -366,7 +373,7 @@ class LinearCore(TransformerEngineBaseModule):
             )
             return self._apply_function(inp, weight, bias, w_fp8, plan)
 
-        return self._guarded_forward(plan.setup, plan.recipe, plan.group, run)
+        return self._guarded_forward(plan.setup, plan.group, run)
 
     def _weight_params(self) -> list[torch.Tensor]:
         """The parameters the weight is made of (one, or the parameters_split parts)."""
@@ -380,24 +387,24 @@ class LinearCore(TransformerEngineBaseModule):
         )
 
 
-def gemm_plan(module, key: tuple, weights: list, gemm: int = 0) -> LinearPlan:
-    """The plan of GEMM `gemm` of `module` for the plan key (fp8, calibrating, recipe, group,
-    dtype, is_first_microbatch, fp8_output, fp8_grad); main_grad reached through the weight
-    parameters `weights` when the module fuses wgrad accumulation."""
-    fp8, calibrating, recipe, group, dtype, is_first_microbatch, fp8_output, fp8_grad = key
-    main_grad = MainGradTarget(weights) if module.fuse_wgrad_accumulation else None
+def gemm_plan(module, key: PlanKey, weights: list, gemm: int = 0) -> LinearPlan:
+    """The plan of GEMM `gemm` of `module` for the plan key; main_grad reached through the
+    weight parameters `weights` when the module fuses wgrad accumulation."""
+    recipe = key.recipe
+    setup = module._fp8_setup(recipe) if recipe is not None else None
     return LinearPlan(
-        gemm,
-        calibrating=calibrating,
-        dtype=dtype,
-        fp8=fp8,
-        fp8_grad=fp8_grad,
-        fp8_output=fp8_output,
-        group=group,
-        is_first_microbatch=is_first_microbatch,
-        main_grad=main_grad,
+        gemm=gemm,
+        dtype=key.dtype,
+        fp8=key.fp8,
+        calibrating=key.calibrating,
         recipe=recipe,
-        setup=module._fp8_setup(recipe) if recipe is not None else None,
+        group=key.group,
+        setup=setup,
+        is_first_microbatch=key.is_first_microbatch,
+        fp8_output=key.fp8_output,
+        fp8_grad=key.fp8_grad,
+        main_grad=MainGradTarget(weights) if module.fuse_wgrad_accumulation else None,
+        backward_hook=setup.backward_hook(key.group) if key.fp8 else None,
     )
 
 

@@ -14,21 +14,21 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 
 from torchte import _nvtx
-from torchte._device import default_device, fp8_support, graph_capturing
+from torchte._device import default_device, graph_capturing
 from torchte.autocast import autocast_state
-from torchte.kernels.cast_transpose import compute_scale_reference
 from torchte.offload import mark_not_offload
-from torchte.quantization.delayed import DelayedScalingState
-from torchte.quantization.float8 import Float8CurrentScalingQuantizer, Float8Storage
+from torchte.quantization.delayed import DEFAULT_HISTORY_LEN, DelayedScalingState
+from torchte.quantization.float8 import Float8Storage
 from torchte.quantization.float8_tensor import Float8Tensor
 from torchte.quantization.model_init import model_init_settings
-from torchte.recipe import DelayedScaling, Float8CurrentScaling, Recipe
+from torchte.quantization.setup import FP8Setup, check_recipe, new_setup
+from torchte.recipe import Recipe
 
 from ._functorch import Deferred, plain, transforms_active
 from ._lifecycle import (
@@ -42,86 +42,26 @@ from ._lifecycle import (
     reinitialize,
 )
 
-__all__ = ["FP8Setup", "TransformerEngineBaseModule"]
+__all__ = ["PlanKey", "TransformerEngineBaseModule"]
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-DEFAULT_HISTORY_LEN = DelayedScaling().amax_history_len
 # Plain attributes torch itself sets on a module after construction (torch.compile's module
 # wrapper mirrors its training flag and marks the module): no hot-path warning for those.
 _SET_BY_TORCH = frozenset(("training", "_is_torch_compile"))
 _STATE = autocast_state()
 
 
-class FP8Setup:
-    """The quantizers of one module under one recipe, one entry per GEMM.
+class PlanKey(NamedTuple):
+    """What a module's plan depends on: the autocast state and the call's flags (see _plan)."""
 
-    input/weight/output quantize forward tensors; grad_output/grad_input backward ones.
-    output and grad_input make user-visible Float8Tensors (fp8_output / fp8_grad).
-    fwd_state/bwd_state are the DelayedScalingStates (None under current scaling).
-    """
-
-    __slots__ = (
-        "bwd_state",
-        "fwd_state",
-        "grad_input",
-        "grad_output",
-        "grouped_weight_cache",
-        "input",
-        "output",
-        "recipe",
-        "weight",
-        "weight_cache",
-    )
-
-    def __init__(self, recipe: Recipe, num_gemms: int, states) -> None:
-        self.recipe = recipe
-        # Per GEMM, [(key, Float8Storage)] of the cached FP8 weight (see fp8_weight_cached).
-        self.weight_cache = [[None] for _ in range(num_gemms)]
-        # A grouped module's FP8 weights of all GEMMs as one GroupedStorage: [(key, storage)].
-        self.grouped_weight_cache = [None]
-        fwd_dtype, bwd_dtype = recipe.fp8_format.fwd_dtype, recipe.fp8_format.bwd_dtype
-        gemms = range(num_gemms)
-        if isinstance(recipe, DelayedScaling):
-            self.fwd_state, self.bwd_state = states
-            fwd, bwd = self.fwd_state, self.bwd_state
-            self.input = [fwd.quantizer("input", fwd_dtype, True, g) for g in gemms]
-            self.weight = [fwd.quantizer("weight", fwd_dtype, True, g) for g in gemms]
-            self.output = [fwd.quantizer("output", fwd_dtype, False, g) for g in gemms]
-            self.grad_output = [bwd.quantizer("grad_output", bwd_dtype, True, g) for g in gemms]
-            self.grad_input = [bwd.quantizer("grad_input", bwd_dtype, False, g) for g in gemms]
-        else:
-            self.fwd_state = self.bwd_state = None
-
-            def current(dtype, internal):
-                q = Float8CurrentScalingQuantizer(
-                    dtype, recipe.use_power_2_scales, recipe.amax_epsilon, internal
-                )
-                return [q] * num_gemms
-
-            self.input = current(fwd_dtype, True)
-            self.weight = current(fwd_dtype, True)
-            self.output = current(fwd_dtype, False)
-            self.grad_output = current(bwd_dtype, True)
-            self.grad_input = current(bwd_dtype, False)
-
-    def drop_weight_caches(self) -> None:
-        """Forget the cached FP8 weights (their parameters were replaced)."""
-        for cache in (*self.weight_cache, self.grouped_weight_cache):
-            cache[0] = None
-
-
-def check_recipe(recipe: Recipe, device: torch.device) -> None:
-    """Raise unless `recipe` runs on `device` in this release."""
-    if not isinstance(recipe, Recipe):
-        raise TypeError(f"unknown recipe {recipe!r}: expected a torchte.recipe.Recipe")
-    if not isinstance(recipe, (DelayedScaling, Float8CurrentScaling)):
-        raise NotImplementedError(
-            f"recipe {type(recipe).__name__} is not implemented in torchte yet; "
-            "use recipe.DelayedScaling or recipe.Float8CurrentScaling"
-        )
-    supported, reason = fp8_support(device)
-    if not supported:
-        raise RuntimeError(f"FP8 recipe {type(recipe).__name__} cannot run: {reason}")
+    fp8: bool
+    calibrating: bool
+    recipe: Recipe | None
+    group: Any
+    dtype: torch.dtype
+    is_first_microbatch: bool | None
+    fp8_output: bool
+    fp8_grad: bool
 
 
 class TransformerEngineBaseModule(nn.Module):
@@ -237,7 +177,7 @@ class TransformerEngineBaseModule(nn.Module):
         recipe = self._model_init_recipe
 
         def prime(full_hp: torch.Tensor, gemm: int) -> None:
-            prime_weight_scale(self._fp8_setup(recipe), full_hp, gemm)
+            self._fp8_setup(recipe).prime_weight(full_hp, gemm)
 
         reinitialize(self, self._parameter_inits(), prime if recipe is not None else None)
 
@@ -266,10 +206,7 @@ class TransformerEngineBaseModule(nn.Module):
 
     def _new_fp8_setup(self, recipe: Recipe) -> FP8Setup:
         """Quantizers for `recipe` over this module's scaling state (the recipe unchecked)."""
-        states = None
-        if isinstance(recipe, DelayedScaling):
-            states = self._delayed_state_pair(recipe.amax_history_len)
-        return FP8Setup(recipe, self.num_gemms, states)
+        return new_setup(recipe, self.num_gemms, self._delayed_state_pair)
 
     def _delayed_state_pair(self, history_len: int):
         pair = self._delayed_states.get(history_len)
@@ -344,25 +281,25 @@ class TransformerEngineBaseModule(nn.Module):
         fp8, calibrating = state.enabled, state.calibrating and not state.enabled
         recipe = state.recipe if (fp8 or calibrating) else None
         group = state.group if recipe is not None else None
+        # A plain tuple: equal to (and hashed as) the PlanKey _build_plan is given, made faster.
         key = (fp8, calibrating, recipe, group, dtype, is_first_microbatch, fp8_output, fp8_grad)
         last = self._last_plan
         if last is not None and last[0] == key:
             return last[1]
         plan = self._plans.get(key)
         if plan is None:
-            plan = self._build_plan(key)
+            plan = self._build_plan(PlanKey._make(key))
             self._plans[key] = plan
         self.__dict__["_last_plan"] = (key, plan)
         return plan
 
-    def _build_plan(self, key: tuple):
+    def _build_plan(self, key: PlanKey):
         raise NotImplementedError
 
-    def _guarded_forward(self, setup: FP8Setup | None, recipe, group, run: Callable):
+    def _guarded_forward(self, setup: FP8Setup | None, group, run: Callable):
         """run() inside an NVTX range; a failure drops the step's recorded amaxes of this
         module (rule 2: nothing half-recorded survives), success registers the scale update."""
-        fwd_state = setup.fwd_state if setup is not None else None
-        if fwd_state is not None and transforms_active():
+        if setup is not None and setup.records_amax and transforms_active():
             raise NotImplementedError(
                 f"te.{type(self).__name__}: delayed scaling (and calibration) record amaxes into "
                 "the module's scaling state in place, which torch.func transforms (grad, vjp, "
@@ -373,14 +310,14 @@ class TransformerEngineBaseModule(nn.Module):
         try:
             out = run()
         except BaseException:
-            if fwd_state is not None:
-                _STATE.drop_forward(fwd_state)
+            if setup is not None:
+                setup.forward_failed()
             raise
         finally:
             _nvtx.range_pop()
-        if fwd_state is not None:
-            _STATE.register_step(fwd_state, setup.bwd_state, recipe, group)
-            self.__dict__["_saved_history_len"] = recipe.amax_history_len
+        if setup is not None and setup.records_amax:
+            setup.forward_done(group)
+            self.__dict__["_saved_history_len"] = setup.recipe.amax_history_len
         return out
 
     def _fp8_weight(self, weight, plan, is_first_microbatch, need_columnwise, params):
@@ -410,7 +347,7 @@ class TransformerEngineBaseModule(nn.Module):
                     return quantizer.quantize(plain(weight), columnwise=need_columnwise)
 
             return Deferred(quantize_plain)
-        generation = (_STATE.step, setup.fwd_state.generation if setup.fwd_state else 0)
+        generation = (_STATE.step, setup.weight_generation())
         return fp8_weight_cached(
             setup.weight_cache[plan.gemm],
             weight,
@@ -537,21 +474,3 @@ def cached_quantization(
         return storage
     mark_not_offload(storage)
     return storage
-
-
-def prime_weight_scale(setup: FP8Setup, weight: torch.Tensor, gemm: int = 0) -> None:
-    """Before a weight is first quantized under delayed scaling (quantized_model_init, or
-    reset_parameters of such a module), give its scale slot the value the weight's own amax
-    asks for, instead of the initial 1.0, which would flush a small-valued weight into FP8
-    subnormals. The weight's slot of this step's amaxes holds that amax alone afterwards."""
-    if setup.fwd_state is None:
-        return
-    quantizer = setup.weight[gemm]
-    recipe = setup.recipe
-    with torch.no_grad():
-        quantizer.amax.zero_()
-        quantizer.record_amax(weight)
-        scale = compute_scale_reference(
-            quantizer.amax, recipe.fp8_format.value.max_fwd, 0.0, False
-        ) / float(2**recipe.margin)
-        quantizer.scale.copy_(scale)

@@ -23,6 +23,8 @@ Outside the grouped fprop GEMMs, results equal a stack of te.Linear layers bit f
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -43,30 +45,29 @@ from ._functorch import apply, transforms_active
 from ._grouped_fp8 import fp8_backward, fp8_forward, grouped_fp8_weights
 from ._lifecycle import ParameterInit, fill
 from ._linear_core import (
-    GemmRecord,
     LinearPlan,
     cast_to,
     check_unsupported,
     default_init_method,
     gemm_plan,
+    gemm_record,
     linear_backward,
     linear_forward,
 )
-from .base import TransformerEngineBaseModule, check_fp8_dims, weight_version
+from .base import PlanKey, TransformerEngineBaseModule, check_fp8_dims, weight_version
 
 __all__ = ["GroupedLinear"]
 
 _STATE = autocast_state()
 
 
+@dataclass(frozen=True, slots=True, eq=False)
 class GroupedPlan:
     """The per-GEMM LinearPlans of one setting, and which path runs: "grouped" (bf16 grouped
     GEMMs), "fp8" (grouped quantization, _grouped_fp8.py) or "per_group"."""
 
-    __slots__ = ("gemms", "mode")
-
-    def __init__(self, gemms: list[LinearPlan], mode: str) -> None:
-        self.gemms, self.mode = gemms, mode
+    gemms: list[LinearPlan]
+    mode: str
 
 
 def _grouped_forward(ctx, x, splits: GroupSplits, dtype, weights, biases, needs):
@@ -122,7 +123,7 @@ def _per_group_forward(
         ys.append(y)
         saved += [x_saved, w_saved]
         records.append(
-            GemmRecord(xs[g].shape, weights[g], bias, gemm, need_dgrad, need_wgrad, param_grads[g])
+            gemm_record(xs[g].shape, weights[g], bias, gemm, need_dgrad, need_wgrad, param_grads[g])
         )
     save_for_backward(ctx, *saved)
     ctx.records = records
@@ -146,15 +147,16 @@ def _per_group_backward(ctx, dy: torch.Tensor):
     return dx, dws, dbs[: ctx.num_bias]
 
 
+@dataclass(slots=True, eq=False)
 class GroupedCall:
     """The one non-tensor argument of the Function: the plan, this call's splits, the FP8
     weights (a GroupedStorage, a list per GEMM, or None) and how many biases follow the
     weights among the tensor arguments."""
 
-    __slots__ = ("num_bias", "plan", "splits", "w_fp8")
-
-    def __init__(self, plan: GroupedPlan, splits: GroupSplits, w_fp8, num_bias: int) -> None:
-        self.plan, self.splits, self.w_fp8, self.num_bias = plan, splits, w_fp8, num_bias
+    plan: GroupedPlan
+    splits: GroupSplits
+    w_fp8: Any
+    num_bias: int
 
 
 def _forward(ctx, inp, call: GroupedCall, params, grads):
@@ -284,8 +286,8 @@ class GroupedLinear(TransformerEngineBaseModule):
         inits = [ParameterInit((f"weight{g}",), self._init_method) for g in range(self.num_gemms)]
         return inits + [ParameterInit((name,), fill(0.0)) for name in self.bias_names]
 
-    def _build_plan(self, key: tuple) -> GroupedPlan:
-        fp8, _, _, _, dtype, _, _, _ = key
+    def _build_plan(self, key: PlanKey) -> GroupedPlan:
+        fp8, dtype = key.fp8, key.dtype
         if fp8:
             check_fp8_dims(
                 "te.GroupedLinear", in_features=self.in_features, out_features=self.out_features
@@ -325,7 +327,7 @@ class GroupedLinear(TransformerEngineBaseModule):
                 setup = first.setup
                 key = (
                     weight_version(weights),
-                    (_STATE.step, setup.fwd_state.generation if setup.fwd_state else 0),
+                    (_STATE.step, setup.weight_generation()),
                 )
                 w_fp8 = grouped_fp8_weights(
                     weights, setup, key, is_first_microbatch, inp.requires_grad
@@ -341,7 +343,7 @@ class GroupedLinear(TransformerEngineBaseModule):
                 return apply(_GroupedLinearFunction, x, call, *params)
             return _forward(_NoGradContext(), x, call, params, (False,) * (len(params) + 2))
 
-        y = self._guarded_forward(first.setup, first.recipe, first.group, run)
+        y = self._guarded_forward(first.setup, first.group, run)
         y = y.view(*inp.shape[:-1], self.out_features)
         if self.return_bias:
             return y, [cast_to(p[n], dtype) for n in self.bias_names]

@@ -10,120 +10,26 @@ return_layernorm_output hands z out).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from torchte.kernels import norm as norm_kernels
-from torchte.kernels import norm_fp8 as norm_fp8_kernels
-from torchte.quantization.float8 import Float8Storage
-
-from ._common import absent_output, given_grad, restore_saved, save_for_backward
+from ._common import absent_output, restore_saved, save_for_backward
 from ._functorch import apply
 from ._lifecycle import ParameterInit, norm_inits
 from ._linear_core import (
-    GemmRecord,
     LinearCore,
     LinearPlan,
     cast_to,
     check_unsupported,
+    gemm_record,
     linear_backward,
     linear_forward,
     zero_grad_output,
 )
+from ._norm_spec import NormSpec
 
-__all__ = ["LayerNormLinear", "NormSpec"]
-
-NORMALIZATIONS = ("LayerNorm", "RMSNorm")
-
-
-@dataclass(frozen=True)
-class NormSpec:
-    """Which normalization, with what eps and gamma convention (zero-centered: g = 1 + w), and
-    whether the module hands the high-precision norm output out (return_layernorm_output)."""
-
-    kind: str
-    eps: float
-    zero_centered_gamma: bool
-    keep_output: bool = False
-
-    def __post_init__(self) -> None:
-        if self.kind not in NORMALIZATIONS:
-            raise ValueError(
-                f"normalization must be one of {', '.join(NORMALIZATIONS)}, got {self.kind!r}"
-            )
-        if not self.eps > 0:
-            raise ValueError(f"eps must be > 0, got {self.eps!r}")
-
-    def forward(self, x, weight, bias):
-        """x (M, K) -> (z (M, K) in x's dtype, mean (M,) fp32 | None, rstd (M,) fp32)."""
-        if self.kind == "LayerNorm":
-            return norm_kernels.layernorm_forward(
-                x, weight, bias, self.eps, self.zero_centered_gamma
-            )
-        z, rstd = norm_kernels.rmsnorm_forward(x, weight, self.eps, self.zero_centered_gamma)
-        return z, None, rstd
-
-    def fuses_quantization(self, plan: LinearPlan) -> bool:
-        """Whether the norm writes the GEMM's FP8 input itself (delayed scaling, and no
-        high-precision output wanted)."""
-        return plan.fp8 and plan.setup.fwd_state is not None and not self.keep_output
-
-    def forward_fp8(self, x, weight, bias, plan: LinearPlan, columnwise: bool, shape):
-        """x (M, K) -> (z as a Float8Storage of `shape`, quantized with the GEMM's delayed input
-        scale (amax recorded), mean (M,) fp32 | None, rstd (M,) fp32), in one launch."""
-        quantizer = plan.setup.input[plan.gemm]
-        q = (quantizer.scale, quantizer.amax)
-        scale_inv = torch.empty(1, dtype=torch.float32, device=x.device)
-        fp8 = (scale_inv, quantizer.fp8_dtype, columnwise)
-        zcg = self.zero_centered_gamma
-        if self.kind == "LayerNorm":
-            data, data_t, mean, rstd = norm_fp8_kernels.layernorm_forward_fp8(
-                x, weight, bias, self.eps, zcg, *q, *fp8
-            )
-        else:
-            data, data_t, rstd = norm_fp8_kernels.rmsnorm_forward_fp8(
-                x, weight, self.eps, zcg, *q, *fp8
-            )
-            mean = None
-        return Float8Storage(data, data_t, scale_inv, quantizer.fp8_dtype, shape), mean, rstd
-
-    def run(self, inp, weight, bias, plan: LinearPlan, columnwise: bool):
-        """The norm in front of a GEMM: inp (..., K) -> (x2d (M, K) in the compute dtype, the
-        GEMM's input (the FP8 Float8Storage where the norm writes it, else z), z (..., K) or
-        None, mean (M,) | None, rstd (M,))."""
-        x2d = inp.reshape(-1, inp.shape[-1])
-        if x2d.dtype != plan.dtype:
-            x2d = x2d.to(plan.dtype)  # the norm runs in the compute dtype, as the GEMM does
-        if not x2d.is_contiguous():
-            x2d = x2d.contiguous()
-        if self.fuses_quantization(plan):
-            z_in, mean, rstd = self.forward_fp8(x2d, weight, bias, plan, columnwise, inp.shape)
-            return x2d, z_in, None, mean, rstd
-        z2d, mean, rstd = self.forward(x2d, weight, bias)
-        z = z2d.view(inp.shape)
-        return x2d, z, z, mean, rstd
-
-    def backward_after_gemm(self, dz, grad_z, x2d, weight, mean, rstd, inp_shape, bias_grad):
-        """The norm backward from the GEMM's input gradient dz (plus grad_z, the gradient of a
-        handed-out norm output): (dx of inp_shape, dweight, dbias if bias_grad else None)."""
-        dz = dz.reshape(x2d.shape)
-        grad_z = given_grad(grad_z)
-        if grad_z is not None:
-            dz = dz + grad_z.reshape(x2d.shape)
-        dz = dz.to(x2d.dtype).contiguous()
-        dx, dweight, dbias = self.backward(dz, x2d, weight, mean, rstd)
-        return dx.view(inp_shape), dweight, dbias if bias_grad else None
-
-    def backward(self, dz, x, weight, mean, rstd):
-        """(dx (M, K), dweight (K,), dbias (K,) | None)."""
-        if self.kind == "LayerNorm":
-            return norm_kernels.layernorm_backward(
-                dz, x, weight, mean, rstd, self.zero_centered_gamma
-            )
-        dx, dweight = norm_kernels.rmsnorm_backward(dz, x, weight, rstd, self.zero_centered_gamma)
-        return dx, dweight, None
+__all__ = ["LayerNormLinear"]
 
 
 def _ln_linear_forward(
@@ -131,7 +37,8 @@ def _ln_linear_forward(
 ):
     """(y (..., N), z (..., K) or None where the norm wrote FP8 directly, and what backward
     needs)."""
-    x2d, z_in, z, mean, rstd = norm.run(inp, ln_weight, ln_bias, plan, need_wgrad)
+    quantizer = plan.input_quantizer()
+    x2d, z_in, z, mean, rstd = norm.run(inp, ln_weight, ln_bias, plan.dtype, quantizer, need_wgrad)
     y, z_saved, w_saved = linear_forward(z_in, weight, bias, w_fp8, plan, need_dgrad, need_wgrad)
     return y, z, (x2d, mean, rstd, z_saved, w_saved)
 
@@ -149,7 +56,7 @@ class _LayerNormLinearFunction(torch.autograd.Function):
         )
         save_for_backward(ctx, x2d, ln_weight, mean, rstd, z_saved, w_saved)
         grads = ctx.needs_input_grad[3:5]
-        ctx.gemm = GemmRecord(inp.shape, weight, bias, plan, need_dgrad, need_wgrad, grads)
+        ctx.gemm = gemm_record(inp.shape, weight, bias, plan, need_dgrad, need_wgrad, grads)
         ctx.norm = norm
         return y, (absent_output(y) if z is None else z)
 

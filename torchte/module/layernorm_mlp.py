@@ -18,8 +18,7 @@ import torch
 from torch import nn
 
 from torchte.kernels import activation as act_kernels
-from torchte.kernels import activation_fp8 as act_fp8_kernels
-from torchte.quantization.float8 import Float8Storage
+from torchte.quantization.fused import activation_grad_to_fp8, activation_to_fp8
 from torchte.quantization.model_init import make_fp8_parameter, model_init_settings
 
 from ._common import absent_output, restore_saved, save_for_backward
@@ -33,17 +32,18 @@ from ._linear_core import (
     default_init_method,
     fprop,
     gemm_plan,
+    gemm_record,
     linear_backward,
     linear_forward,
     zero_grad_output,
 )
-from .base import TransformerEngineBaseModule, check_fp8_dims, prime_weight_scale
-from .layernorm_linear import NormSpec
+from ._norm_spec import NormSpec
+from .base import PlanKey, TransformerEngineBaseModule, check_fp8_dims
 
 __all__ = ["LayerNormMLP"]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class MLPSpec:
     """The module's fixed choices: norm, activation (with clamped_swiglu's limit and alpha),
     and whether backward recomputes h."""
@@ -54,55 +54,32 @@ class MLPSpec:
     alpha: float
     checkpoint: bool
 
+    def activate(self, h2d, quantizer, columnwise: bool, shape):
+        """a = act(h), h2d (M, K) -> a of `shape`: in FP8 straight from the activation kernel
+        where fc2's input quantizer allows it (fusable), else in h's dtype."""
+        act = (self.activation, self.limit, self.alpha)
+        if quantizer is not None and quantizer.fusable:
+            return activation_to_fp8(quantizer, h2d, *act, columnwise, shape)  # one launch
+        return act_kernels.activation_forward(h2d, *act).view(shape)
 
+    def activation_grad(self, da2d, h2d, record: GemmRecord, quantizer):
+        """(dh, dbias) from da2d (M, N) = the gradient of a: dh in FP8 with fc1's bias
+        gradient, from one launch, where fc1's gradient quantizer allows it (fusable); else
+        (dh (..., K) in h's dtype, None)."""
+        act = (self.activation, self.limit, self.alpha)
+        shape = (*record.inp_shape[:-1], h2d.shape[-1])
+        if quantizer is not None and quantizer.fusable:
+            usage = (record.need_dgrad, record.need_wgrad)
+            return activation_grad_to_fp8(quantizer, da2d, h2d, *act, usage, shape)
+        return act_kernels.activation_backward(da2d, h2d, *act).view(shape), None
+
+
+@dataclass(frozen=True, slots=True, eq=False)
 class MLPPlan:
     """The plans of the two GEMMs for one setting (autocast state, dtype, flags)."""
 
-    __slots__ = ("fc1", "fc2")
-
-    def __init__(self, fc1: LinearPlan, fc2: LinearPlan) -> None:
-        self.fc1, self.fc2 = fc1, fc2
-
-
-def _activation_fp8(h2d, spec: MLPSpec, plan: LinearPlan, columnwise: bool, shape):
-    """a = act(h) straight into FP8 with fc2's delayed input scale (amax recorded)."""
-    quantizer = plan.setup.input[plan.gemm]
-    scale_inv = torch.empty(1, dtype=torch.float32, device=h2d.device)
-    data, data_t = act_fp8_kernels.activation_forward_fp8(
-        h2d,
-        spec.activation,
-        spec.limit,
-        spec.alpha,
-        quantizer.scale,
-        quantizer.amax,
-        scale_inv,
-        quantizer.fp8_dtype,
-        columnwise,
-    )
-    return Float8Storage(data, data_t, scale_inv, quantizer.fp8_dtype, shape)
-
-
-def _activation_backward_fp8(da2d, h2d, spec: MLPSpec, record: GemmRecord):
-    """dh = act'(h) * da straight into FP8 with fc1's delayed gradient scale, and fc1's bias
-    gradient, in one launch: (dh as a Float8Storage, dbias)."""
-    plan = record.plan
-    quantizer = plan.setup.grad_output[plan.gemm]
-    scale_inv = torch.empty(1, dtype=torch.float32, device=h2d.device)
-    rowwise, columnwise, dbias = act_fp8_kernels.activation_backward_fp8(
-        da2d,
-        h2d,
-        spec.activation,
-        spec.limit,
-        spec.alpha,
-        quantizer.scale,
-        quantizer.amax,
-        scale_inv,
-        quantizer.fp8_dtype,
-        record.need_dgrad,
-        record.need_wgrad,
-    )
-    shape = (*record.inp_shape[:-1], h2d.shape[-1])
-    return Float8Storage(rowwise, columnwise, scale_inv, quantizer.fp8_dtype, shape), dbias
+    fc1: LinearPlan
+    fc2: LinearPlan
 
 
 def _mlp_forward(inp, params, w_fp8, plans: MLPPlan, spec: MLPSpec, needs):
@@ -110,17 +87,16 @@ def _mlp_forward(inp, params, w_fp8, plans: MLPPlan, spec: MLPSpec, needs):
     ln_weight, ln_bias, fc1_weight, fc1_bias, fc2_weight, fc2_bias = params
     need_d1, need_w1, need_d2, need_w2 = needs
     keep = spec.checkpoint and (need_d1 or need_w1)  # recompute h from z in backward
-    x2d, z_in, z, mean, rstd = spec.norm.run(inp, ln_weight, ln_bias, plans.fc1, need_w1 or keep)
+    fc1 = plans.fc1
+    x2d, z_in, z, mean, rstd = spec.norm.run(
+        inp, ln_weight, ln_bias, fc1.dtype, fc1.input_quantizer(), need_w1 or keep
+    )
     h, z_saved, w1_saved = linear_forward(
         z_in, fc1_weight, fc1_bias, w_fp8[0], plans.fc1, need_d1 or keep, need_w1 or keep, keep
     )
     h2d = h.reshape(-1, h.shape[-1])
     a_shape = (*inp.shape[:-1], fc2_weight.shape[1])
-    if plans.fc2.fp8 and plans.fc2.setup.fwd_state is not None:
-        a = _activation_fp8(h2d, spec, plans.fc2, need_w2, a_shape)  # one launch: act + cast
-    else:
-        a = act_kernels.activation_forward(h2d, spec.activation, spec.limit, spec.alpha)
-        a = a.view(a_shape)
+    a = spec.activate(h2d, plans.fc2.input_quantizer(), need_w2, a_shape)
     y, a_saved, w2_saved = linear_forward(
         a, fc2_weight, fc2_bias, w_fp8[1], plans.fc2, need_d2, need_w2
     )
@@ -143,10 +119,10 @@ class _LayerNormMLPFunction(torch.autograd.Function):
         needs = (need_d1, need_w1, need_d2, need_w2)
         y, z, saved = _mlp_forward(inp, params, (w1_fp8, w2_fp8), plans, spec, needs)
         save_for_backward(ctx, ln_w, fc1_b, *saved)
-        ctx.gemm1 = GemmRecord(inp.shape, fc1_w, fc1_b, plans.fc1, need_d1, need_w1, grads[3:5])
+        ctx.gemm1 = gemm_record(inp.shape, fc1_w, fc1_b, plans.fc1, need_d1, need_w1, grads[3:5])
         a_shape = (*inp.shape[:-1], fc2_w.shape[1])
-        ctx.gemm2 = GemmRecord(a_shape, fc2_w, fc2_b, plans.fc2, need_d2, need_w2, grads[5:7])
-        ctx.plans, ctx.spec, ctx.h_cols = plans, spec, fc1_w.shape[0]
+        ctx.gemm2 = gemm_record(a_shape, fc2_w, fc2_b, plans.fc2, need_d2, need_w2, grads[5:7])
+        ctx.plans, ctx.spec = plans, spec
         return y, (absent_output(y) if z is None else z)
 
     @staticmethod
@@ -161,16 +137,12 @@ class _LayerNormMLPFunction(torch.autograd.Function):
             if h2d is None:
                 h2d = fprop(z_saved, w1_saved, cast_to(fc1_b, ctx.plans.fc1.dtype), ctx.plans.fc1)
             da2d = da.reshape(-1, da.shape[-1])
-            fc1 = ctx.plans.fc1
-            if fc1.fp8 and fc1.setup.bwd_state is not None:
-                dh_fp8, dh_bias = _activation_backward_fp8(da2d, h2d, spec, ctx.gemm1)
-                dz, dw1, db1 = linear_backward(ctx.gemm1, None, z_saved, w1_saved, dh_fp8, dh_bias)
-            else:
-                dh = act_kernels.activation_backward(
-                    da2d, h2d, spec.activation, spec.limit, spec.alpha
-                )
-                dh = dh.view(*ctx.gemm1.inp_shape[:-1], ctx.h_cols)
+            quantizer = ctx.plans.fc1.grad_output_quantizer()
+            dh, dh_bias = spec.activation_grad(da2d, h2d, ctx.gemm1, quantizer)
+            if dh_bias is None:
                 dz, dw1, db1 = linear_backward(ctx.gemm1, dh, z_saved, w1_saved)
+            else:  # dh in FP8
+                dz, dw1, db1 = linear_backward(ctx.gemm1, None, z_saved, w1_saved, dh, dh_bias)
             if dz is not None:
                 dx, d_ln_w, d_ln_b = spec.norm.backward_after_gemm(
                     dz, grad_z, x2d, ln_w, mean, rstd, ctx.gemm1.inp_shape, ctx.needs_input_grad[2]
@@ -289,7 +261,7 @@ class LayerNormMLP(TransformerEngineBaseModule):
             init(weight)
             if settings is not None:
                 setup = self._fp8_setup(settings.recipe)
-                prime_weight_scale(setup, weight, gemm)
+                setup.prime_weight(weight, gemm)
                 param = make_fp8_parameter(
                     weight, setup.weight[gemm], settings.preserve_high_precision_init_val
                 )
@@ -299,9 +271,8 @@ class LayerNormMLP(TransformerEngineBaseModule):
             bias = nn.Parameter(torch.zeros(shape[0], **kw)) if self.use_bias else None
             self.register_parameter(f"{name}_bias", bias)
 
-    def _build_plan(self, key: tuple) -> MLPPlan:
-        fp8 = key[0]
-        if fp8:
+    def _build_plan(self, key: PlanKey) -> MLPPlan:
+        if key.fp8:
             check_fp8_dims(
                 "te.LayerNormMLP",
                 hidden_size=self.hidden_size,
@@ -341,7 +312,7 @@ class LayerNormMLP(TransformerEngineBaseModule):
             needs = (False, False, False, False)
             return _mlp_forward(inp, params, (w1, w2), plans, self._spec, needs)[:2]
 
-        y, z = self._guarded_forward(plans.fc1.setup, plans.fc1.recipe, plans.fc1.group, run)
+        y, z = self._guarded_forward(plans.fc1.setup, plans.fc1.group, run)
         out = (y,)
         if self.return_bias:
             out += (cast_to(fc2_bias, dtype),)

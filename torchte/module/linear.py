@@ -17,11 +17,11 @@ from torchte.quantization.float8_tensor import Float8Tensor
 from ._common import restore_saved, save_for_backward
 from ._functorch import apply
 from ._linear_core import (
-    GemmRecord,
     LinearCore,
     LinearPlan,
     cast_to,
     check_unsupported,
+    gemm_record,
     linear_backward,
     linear_forward,
 )
@@ -41,7 +41,7 @@ class _LinearFunction(torch.autograd.Function):
         y, x_saved, w_saved = linear_forward(inp, weight, bias, w_fp8, plan, need_dgrad, need_wgrad)
         save_for_backward(ctx, x_saved, w_saved)
         grads = ctx.needs_input_grad[1:3]
-        ctx.gemm = GemmRecord(inp.shape, weight, bias, plan, need_dgrad, need_wgrad, grads)
+        ctx.gemm = gemm_record(inp.shape, weight, bias, plan, need_dgrad, need_wgrad, grads)
         return y
 
     @staticmethod

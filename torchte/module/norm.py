@@ -9,88 +9,35 @@ parameters are used in their own dtype (the kernels read fp32 parameters next to
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from torchte.kernels.norm import (
-    layernorm_backward,
-    layernorm_forward,
-    rmsnorm_backward,
-    rmsnorm_forward,
-)
-
 from ._functorch import apply
 from ._lifecycle import ParameterInit, norm_inits
+from ._norm_spec import NormSpec, rows_of
 from .base import TransformerEngineBaseModule
 
 __all__ = ["LayerNorm", "RMSNorm"]
 
 
-@dataclass(frozen=True, slots=True)
-class NormSettings:
-    """What a norm's autograd.Function needs beyond tensors (one per module, reused)."""
-
-    eps: float
-    """Added to the variance (LayerNorm) or the mean square (RMSNorm) before the square root."""
-    zero_centered_gamma: bool
-    """Scale by 1 + weight instead of weight."""
-
-
-def _rows(t: torch.Tensor) -> torch.Tensor:
-    """t (..., H) as a contiguous (M, H)."""
-    t2d = t.reshape(-1, t.shape[-1])
-    return t2d if t2d.is_contiguous() else t2d.contiguous()
-
-
-class _LayerNormFunction(torch.autograd.Function):
-    """LayerNorm forward and backward on (..., H) inputs; `settings` is the module's."""
+class _NormFunction(torch.autograd.Function):
+    """LayerNorm / RMSNorm forward and backward on (..., H) inputs; `norm` is the module's."""
 
     @staticmethod
-    def forward(ctx, inp, weight, bias, settings: NormSettings):
-        x2d = _rows(inp)
-        y, mean, rstd = layernorm_forward(
-            x2d, weight, bias, settings.eps, settings.zero_centered_gamma
-        )
+    def forward(ctx, inp, weight, bias, norm: NormSpec):
+        x2d = rows_of(inp)
+        y, mean, rstd = norm.forward(x2d, weight, bias)
         ctx.save_for_backward(x2d, weight, mean, rstd)
-        ctx.settings = settings
-        ctx.has_bias = bias is not None
+        ctx.norm, ctx.has_bias = norm, bias is not None
         return y.view(inp.shape)
 
     @staticmethod
     def backward(ctx, grad_out):
         x2d, weight, mean, rstd = ctx.saved_tensors
-        dx, dw, db = layernorm_backward(
-            _rows(grad_out),
-            x2d,
-            weight,
-            mean,
-            rstd,
-            ctx.settings.zero_centered_gamma,
-            has_bias=ctx.has_bias,
-        )
+        dy = rows_of(grad_out)
+        dx, dw, db = ctx.norm.backward(dy, x2d, weight, mean, rstd, has_bias=ctx.has_bias)
         return dx.view(grad_out.shape), dw, db, None
-
-
-class _RMSNormFunction(torch.autograd.Function):
-    """RMSNorm forward and backward on (..., H) inputs; `settings` is the module's."""
-
-    @staticmethod
-    def forward(ctx, inp, weight, settings: NormSettings):
-        x2d = _rows(inp)
-        y, rstd = rmsnorm_forward(x2d, weight, settings.eps, settings.zero_centered_gamma)
-        ctx.save_for_backward(x2d, weight, rstd)
-        ctx.settings = settings
-        return y.view(inp.shape)
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        x2d, weight, rstd = ctx.saved_tensors
-        dx, dw = rmsnorm_backward(
-            _rows(grad_out), x2d, weight, rstd, ctx.settings.zero_centered_gamma
-        )
-        return dx.view(grad_out.shape), dw, None
 
 
 def _hidden_size(cls: str, hidden_size, normalized_shape) -> int:
@@ -147,7 +94,7 @@ class _Norm(TransformerEngineBaseModule):
         for param in self.parameters():
             param.sequence_parallel = self.sequence_parallel
         self.reset_parameters()
-        self._settings = NormSettings(self.eps, self.zero_centered_gamma)
+        self._norm = NormSpec(cls, self.eps, self.zero_centered_gamma)
         self._finish_init()
 
     def _parameter_inits(self) -> list[ParameterInit]:
@@ -205,10 +152,8 @@ class LayerNorm(_Norm):
         if torch.is_grad_enabled() and (
             x.requires_grad or weight.requires_grad or bias.requires_grad
         ):
-            return apply(_LayerNormFunction, x, weight, bias, self._settings)
-        settings = self._settings
-        y = layernorm_forward(_rows(x), weight, bias, settings.eps, settings.zero_centered_gamma)
-        return y[0].view(x.shape)
+            return apply(_NormFunction, x, weight, bias, self._norm)
+        return self._norm.forward(rows_of(x), weight, bias)[0].view(x.shape)
 
 
 class RMSNorm(_Norm):
@@ -240,7 +185,5 @@ class RMSNorm(_Norm):
         x = self._input(inp)
         weight = self._parameters["weight"]
         if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
-            return apply(_RMSNormFunction, x, weight, self._settings)
-        settings = self._settings
-        y, _ = rmsnorm_forward(_rows(x), weight, settings.eps, settings.zero_centered_gamma)
-        return y.view(x.shape)
+            return apply(_NormFunction, x, weight, None, self._norm)
+        return self._norm.forward(rows_of(x), weight, None)[0].view(x.shape)

@@ -24,8 +24,10 @@ from torchte.recipe import DelayedScaling
 
 from .float8 import Float8Quantizer
 
-__all__ = ["BACKWARD_SLOTS", "FORWARD_SLOTS", "DelayedScalingState"]
+__all__ = ["BACKWARD_SLOTS", "DEFAULT_HISTORY_LEN", "FORWARD_SLOTS", "DelayedScalingState"]
 
+# The history length of DelayedScaling(): a module makes that state at construction.
+DEFAULT_HISTORY_LEN = DelayedScaling().amax_history_len
 FORWARD_SLOTS = ("input", "weight", "output")
 BACKWARD_SLOTS = ("grad_output", "grad_input")
 

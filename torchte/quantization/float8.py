@@ -12,6 +12,7 @@ import math
 import torch
 
 from torchte.kernels import cast_transpose as ct
+from torchte.kernels.cast_spec import CastSpec
 
 from .base import Quantizer, TwoUsageStorage
 
@@ -82,18 +83,51 @@ def _as_2d(x: torch.Tensor) -> torch.Tensor:
     return x2d if x2d.is_contiguous() else x2d.contiguous()
 
 
-def _wrap(
-    quantizer: Quantizer, x: torch.Tensor, data, data_t, scale_inv
-) -> Float8Storage | torch.Tensor:
-    storage = Float8Storage(data, data_t, scale_inv, quantizer.fp8_dtype, tuple(x.shape))
-    if quantizer.internal:
-        return storage
-    from .float8_tensor import Float8Tensor
+class _Float8Quantizer(Quantizer):
+    """What both per-tensor quantizers share: the cast through cast_transpose with their
+    CastSpec, and turning what a kernel wrote into a Float8Storage (or Float8Tensor)."""
 
-    return Float8Tensor.from_storage(storage, dtype=x.dtype, quantizer=quantizer)
+    __slots__ = ("_specs",)
+
+    # Whether an FP8-writing producer kernel (norm -> FP8, activation -> FP8) can write this
+    # quantizer's output: it needs the scale before the values exist.
+    fusable = False
+
+    def __init__(self, fp8_dtype: torch.dtype, internal: bool) -> None:
+        super().__init__(fp8_dtype, internal)
+        # CastSpec per usage (rowwise * 2 + columnwise), made on first use.
+        self._specs: list[CastSpec | None] = [None] * 4
+
+    def cast_spec(self, rowwise: bool = True, columnwise: bool = True) -> CastSpec:
+        """How a kernel writes this quantizer's output with these usages (see CastSpec)."""
+        if torch.compiler.is_compiling():
+            return self._new_spec(rowwise, columnwise)  # fresh views in a traced graph
+        index = rowwise * 2 + columnwise
+        spec = self._specs[index]
+        if spec is None:
+            spec = self._specs[index] = self._new_spec(rowwise, columnwise)
+        return spec
+
+    def _new_spec(self, rowwise: bool, columnwise: bool) -> CastSpec:
+        raise NotImplementedError
+
+    def fused_output(self, data, data_t, scale_inv, shape) -> Float8Storage:
+        """The Float8Storage of `shape` made of what a kernel wrote with this quantizer's
+        CastSpec: rowwise data (M, N) | None, columnwise (N, Mp) | None, scale_inv (1,)."""
+        return Float8Storage(data, data_t, scale_inv, self.fp8_dtype, shape)
+
+    def quantize(self, x_hp, *, rowwise=True, columnwise=True):
+        """x_hp (..., N) -> Float8Storage (or Float8Tensor when not internal)."""
+        data, data_t, scale_inv = ct.quantize(_as_2d(x_hp), self.cast_spec(rowwise, columnwise))
+        storage = Float8Storage(data, data_t, scale_inv, self.fp8_dtype, tuple(x_hp.shape))
+        if self.internal:
+            return storage
+        from .float8_tensor import Float8Tensor
+
+        return Float8Tensor.from_storage(storage, dtype=x_hp.dtype, quantizer=self)
 
 
-class Float8Quantizer(Quantizer):
+class Float8Quantizer(_Float8Quantizer):
     """Delayed scaling: quantize with a scale computed earlier; record amax for later.
 
     scale (1,) fp32 and amax (1,) fp32 are views into a DelayedScalingState (its scale and row 0
@@ -103,6 +137,8 @@ class Float8Quantizer(Quantizer):
     """
 
     __slots__ = ("_amax", "_scale", "_slot")
+
+    fusable = True
 
     def __init__(
         self,
@@ -140,20 +176,24 @@ class Float8Quantizer(Quantizer):
             self._scale, self._amax = views
         return views
 
-    def quantize(self, x_hp, *, rowwise=True, columnwise=True):
-        """x_hp (..., N) -> Float8Storage (or Float8Tensor when not internal)."""
-        x2d = _as_2d(x_hp)
-        scale_inv = torch.empty(1, dtype=torch.float32, device=x2d.device)
-        data, data_t = ct.quantize_delayed(
-            x2d, self.scale, self.amax, scale_inv, self.fp8_dtype, rowwise, columnwise
-        )
-        return _wrap(self, x_hp, data, data_t, scale_inv)
+    def _new_spec(self, rowwise: bool, columnwise: bool) -> CastSpec:
+        return CastSpec(self.fp8_dtype, rowwise, columnwise, self.scale, self.amax)
 
     def record_amax(self, x_hp: torch.Tensor) -> None:
         ct.record_amax(_as_2d(x_hp), self.amax)
 
+    def prime_scale(self, x_hp: torch.Tensor, fp8_max: float, margin: int) -> None:
+        """Set the scale to what x_hp's own amax asks for (fp8_max / amax / 2**margin), x_hp's
+        amax then alone in this step's slot: before a weight is first quantized, instead of the
+        initial 1.0 that would flush a small-valued weight into FP8 subnormals."""
+        with torch.no_grad():
+            self.amax.zero_()
+            self.record_amax(x_hp)
+            scale = ct.compute_scale_reference(self.amax, fp8_max, 0.0, False) / float(2**margin)
+            self.scale.copy_(scale)
 
-class Float8CurrentScalingQuantizer(Quantizer):
+
+class Float8CurrentScalingQuantizer(_Float8Quantizer):
     """Current scaling: the scale comes from the amax of the tensor being quantized."""
 
     __slots__ = ("amax_epsilon", "power_2_scale")
@@ -169,20 +209,12 @@ class Float8CurrentScalingQuantizer(Quantizer):
         self.power_2_scale = power_2_scale
         self.amax_epsilon = amax_epsilon
 
-    def quantize(self, x_hp, *, rowwise=True, columnwise=True):
-        """x_hp (..., N) -> Float8Storage (or Float8Tensor when not internal)."""
-        x2d = _as_2d(x_hp)
-        scale_inv = torch.empty(1, dtype=torch.float32, device=x2d.device)
-        data, data_t = ct.quantize_current(
-            x2d,
-            scale_inv,
-            self.fp8_dtype,
-            self.amax_epsilon,
-            self.power_2_scale,
-            rowwise,
-            columnwise,
-        )
-        return _wrap(self, x_hp, data, data_t, scale_inv)
+    def _new_spec(self, rowwise: bool, columnwise: bool) -> CastSpec:
+        eps, power_2 = self.amax_epsilon, self.power_2_scale
+        return CastSpec(self.fp8_dtype, rowwise, columnwise, None, None, eps, power_2)
 
     def record_amax(self, x_hp: torch.Tensor) -> None:
         """Current scaling keeps no amax between calls: nothing to record."""
+
+    def prime_scale(self, x_hp: torch.Tensor, fp8_max: float, margin: int) -> None:
+        """Current scaling has no stored scale: nothing to prime."""

@@ -1,0 +1,60 @@
+"""FP8 values written by the kernel that produces them: norm -> FP8, activation -> FP8.
+
+Each function takes the quantizer of the value (which must be `fusable`: its scale is known
+before the values exist, as under delayed scaling), asks it for its CastSpec, runs the fused
+kernel and hands what the kernel wrote back to the quantizer, which makes the Float8Storage.
+Modules reach these kernels only through here. Shapes: x, z (M, K); h (M, K) with K = 2N for
+gated activations (else N); a (M, N); `shape` is the value's shape as the module sees it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from torchte.kernels import activation_fp8, norm_fp8
+
+from .float8 import Float8Storage
+
+__all__ = ["activation_grad_to_fp8", "activation_to_fp8", "norm_to_fp8"]
+
+
+def norm_to_fp8(
+    quantizer, x, weight, bias, rms: bool, eps: float, zero_centered_gamma: bool, columnwise, shape
+) -> tuple[Float8Storage, torch.Tensor | None, torch.Tensor]:
+    """z = LayerNorm(x) (rms False) or RMSNorm(x) written in FP8 by the norm kernel, x (M, K):
+    (z as a Float8Storage of `shape`, mean (M,) fp32 or None for RMSNorm, rstd (M,) fp32)."""
+    spec = quantizer.cast_spec(True, columnwise)
+    if rms:
+        data, data_t, scale_inv, rstd = norm_fp8.rmsnorm_forward_fp8(
+            x, weight, eps, zero_centered_gamma, spec
+        )
+        mean = None
+    else:
+        data, data_t, scale_inv, mean, rstd = norm_fp8.layernorm_forward_fp8(
+            x, weight, bias, eps, zero_centered_gamma, spec
+        )
+    return quantizer.fused_output(data, data_t, scale_inv, shape), mean, rstd
+
+
+def activation_to_fp8(
+    quantizer, h, activation: str, limit: float, alpha: float, columnwise: bool, shape
+) -> Float8Storage:
+    """a = activation(h) written in FP8 by the activation kernel: a Float8Storage of `shape`."""
+    spec = quantizer.cast_spec(True, columnwise)
+    data, data_t, scale_inv = activation_fp8.activation_forward_fp8(
+        h, activation, limit, alpha, spec
+    )
+    return quantizer.fused_output(data, data_t, scale_inv, shape)
+
+
+def activation_grad_to_fp8(
+    quantizer, da, h, activation: str, limit: float, alpha: float, usage, shape
+) -> tuple[Float8Storage, torch.Tensor]:
+    """dh = da * activation'(h) written in FP8 by the activation's backward kernel, da (M, N),
+    with its column sums (the bias gradient of the GEMM that made h): (dh as a Float8Storage
+    of `shape`, dbias (K,) in da's dtype). usage = (rowwise, columnwise)."""
+    spec = quantizer.cast_spec(*usage)
+    data, data_t, scale_inv, dbias = activation_fp8.activation_backward_fp8(
+        da, h, activation, limit, alpha, spec
+    )
+    return quantizer.fused_output(data, data_t, scale_inv, shape), dbias

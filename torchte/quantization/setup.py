@@ -1,0 +1,161 @@
+"""FP8Setup: the quantizers of one module under one recipe, and what that recipe does per step.
+
+Everything that differs between recipes lives here and in the quantizers, not in the modules:
+which quantizers a recipe makes, whether producers can write FP8 themselves (a quantizer's
+`fusable`), the delayed-scaling bookkeeping around a forward and a backward (when the scales
+update, what a failed forward drops), and priming a new FP8 weight's scale. A module asks its
+setup; it never tests which recipe it runs.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import torch
+
+from torchte._device import fp8_support
+from torchte.autocast import autocast_state, update_after_backward
+from torchte.recipe import DelayedScaling, Float8CurrentScaling, Recipe
+
+from .delayed import DelayedScalingState
+from .float8 import Float8CurrentScalingQuantizer
+from .grouped_quantizer import GroupedQuantizer
+
+__all__ = ["FP8Setup", "check_recipe", "needs_delayed_state", "new_setup"]
+
+_STATE = autocast_state()
+# The grouped quantizers a grouped module uses, by slot.
+_GROUPED_SLOTS = (("input", True), ("weight", True), ("grad_output", False))
+
+
+def check_recipe(recipe: Recipe, device: torch.device) -> None:
+    """Raise unless `recipe` runs on `device` in this release."""
+    if not isinstance(recipe, Recipe):
+        raise TypeError(f"unknown recipe {recipe!r}: expected a torchte.recipe.Recipe")
+    if not isinstance(recipe, (DelayedScaling, Float8CurrentScaling)):
+        raise NotImplementedError(
+            f"recipe {type(recipe).__name__} is not implemented in torchte yet; "
+            "use recipe.DelayedScaling or recipe.Float8CurrentScaling"
+        )
+    supported, reason = fp8_support(device)
+    if not supported:
+        raise RuntimeError(f"FP8 recipe {type(recipe).__name__} cannot run: {reason}")
+
+
+def needs_delayed_state(recipe: Recipe) -> int | None:
+    """The amax history length of the delayed-scaling state `recipe` keeps; None: none."""
+    return recipe.amax_history_len if isinstance(recipe, DelayedScaling) else None
+
+
+def new_setup(
+    recipe: Recipe,
+    num_gemms: int,
+    delayed_pair: Callable[[int], tuple[DelayedScalingState, DelayedScalingState]],
+) -> FP8Setup:
+    """The quantizers for `recipe` (unchecked); delayed_pair(history_len) gives the module's
+    (forward, backward) scaling state when the recipe keeps one."""
+    history_len = needs_delayed_state(recipe)
+    states = (None, None) if history_len is None else delayed_pair(history_len)
+    return FP8Setup(recipe, num_gemms, states)
+
+
+class FP8Setup:
+    """The quantizers of one module under one recipe, one entry per GEMM.
+
+    input/weight/output quantize forward tensors; grad_output/grad_input backward ones.
+    output and grad_input make user-visible Float8Tensors (fp8_output / fp8_grad).
+    grouped_* quantize all GEMMs' tensors of one slot at once (grouped modules; None where the
+    state is not laid out slot by slot). fwd_state/bwd_state are the DelayedScalingStates (None
+    under current scaling).
+    """
+
+    __slots__ = (
+        "bwd_state",
+        "fwd_state",
+        "grad_input",
+        "grad_output",
+        "grouped_grad_output",
+        "grouped_input",
+        "grouped_weight",
+        "grouped_weight_cache",
+        "input",
+        "output",
+        "recipe",
+        "records_amax",
+        "weight",
+        "weight_cache",
+    )
+
+    def __init__(self, recipe: Recipe, num_gemms: int, states) -> None:
+        self.recipe = recipe
+        self.fwd_state, self.bwd_state = states
+        # Whether a forward writes amaxes into the module's scaling state (delayed scaling).
+        self.records_amax = self.fwd_state is not None
+        # Per GEMM, [(key, Float8Storage)] of the cached FP8 weight.
+        self.weight_cache = [[None] for _ in range(num_gemms)]
+        # A grouped module's FP8 weights of all GEMMs as one GroupedStorage: [(key, storage)].
+        self.grouped_weight_cache = [None]
+        fmt = recipe.fp8_format
+        dtypes = {True: fmt.fwd_dtype, False: fmt.bwd_dtype}
+        slots = (("input", True, True), ("weight", True, True), ("output", True, False))
+        slots += (("grad_output", False, True), ("grad_input", False, False))
+        for slot, forward, internal in slots:
+            dtype = dtypes[forward]
+            if self.fwd_state is not None:
+                state = self.fwd_state if forward else self.bwd_state
+                quantizers = [state.quantizer(slot, dtype, internal, g) for g in range(num_gemms)]
+            else:
+                q = Float8CurrentScalingQuantizer(
+                    dtype, recipe.use_power_2_scales, recipe.amax_epsilon, internal
+                )
+                quantizers = [q] * num_gemms
+            setattr(self, slot, quantizers)
+        for slot, forward in _GROUPED_SLOTS:
+            setattr(self, f"grouped_{slot}", self._grouped_quantizer(slot, dtypes[forward]))
+
+    def _grouped_quantizer(self, slot: str, dtype: torch.dtype) -> GroupedQuantizer | None:
+        if self.fwd_state is None:
+            recipe = self.recipe
+            return GroupedQuantizer(
+                dtype, amax_epsilon=recipe.amax_epsilon, power_2_scale=recipe.use_power_2_scales
+            )
+        state = self.fwd_state if slot in self.fwd_state.slots else self.bwd_state
+        return GroupedQuantizer(dtype, state, slot) if state.slot_major else None
+
+    def weight_generation(self) -> int:
+        """Moves whenever the weight scale may have changed: a cached FP8 weight made at another
+        generation is stale (0 where the scale is computed per quantization)."""
+        return self.fwd_state.generation if self.fwd_state is not None else 0
+
+    def forward_done(self, group) -> None:
+        """A forward under this setup succeeded: its amaxes update the scales when the
+        outermost autocast region exits (amax-reduced over `group`)."""
+        if self.fwd_state is not None:
+            _STATE.register_step(self.fwd_state, self.bwd_state, self.recipe, group)
+
+    def forward_failed(self) -> None:
+        """A forward under this setup failed: drop the amaxes it recorded this step."""
+        if self.fwd_state is not None:
+            _STATE.drop_forward(self.fwd_state)
+
+    def backward_hook(self, group) -> Callable[[], None] | None:
+        """What a backward that quantized gradients calls, once it did: the backward scales
+        update when that backward pass ends. None where nothing is owed (current scaling)."""
+        if self.bwd_state is None:
+            return None
+        return functools.partial(update_after_backward, self.bwd_state, self.recipe, group)
+
+    def prime_weight(self, weight: torch.Tensor, gemm: int = 0) -> None:
+        """Before weight GEMM `gemm` is first quantized as an FP8 parameter (quantized_model_init,
+        reset_parameters of such a module), give its scale the value the weight's own amax asks
+        for (see Float8Quantizer.prime_scale); nothing under current scaling."""
+        if self.fwd_state is None:
+            return
+        recipe = self.recipe
+        self.weight[gemm].prime_scale(weight, recipe.fp8_format.value.max_fwd, recipe.margin)
+
+    def drop_weight_caches(self) -> None:
+        """Forget the cached FP8 weights (their parameters were replaced)."""
+        for cache in (*self.weight_cache, self.grouped_weight_cache):
+            cache[0] = None
