@@ -20,6 +20,7 @@ from timing import cprofile_top
 import torchte as te
 from torchte import recipe
 from torchte.kernels import cast_transpose as ct
+from torchte.kernels.cast_spec import CastSpec
 from torchte.kernels.scaling import update_delayed_scaling
 
 
@@ -47,11 +48,12 @@ def pieces(tokens: int, features: int) -> dict[str, float]:
     w8 = w.to(torch.float8_e4m3fn)
     one = torch.ones(1, device=dev)
     amax = torch.zeros(1, device=dev)
-    scale_inv = torch.empty(1, device=dev)
+    e4m3 = torch.float8_e4m3fn
+    # Made once, as a quantizer makes its CastSpec once per usage.
+    delayed, current = CastSpec(e4m3, True, True, one, amax), CastSpec(e4m3, True, True)
     hist = torch.zeros(1024, 3, device=dev)
     nonfinite = torch.zeros(3, dtype=torch.int32, device=dev)
     scale = torch.ones(3, device=dev)
-    e4m3 = torch.float8_e4m3fn
     lin = torch.nn.Linear(features, features, device=dev, dtype=torch.bfloat16)
     layer = te.Linear(features, features, device=dev, params_dtype=torch.bfloat16)
     xg = x.clone().requires_grad_()
@@ -92,12 +94,8 @@ def pieces(tokens: int, features: int) -> dict[str, float]:
         "_scaled_mm": host_us(
             lambda: torch._scaled_mm(a8, w8.t(), one, one, b, None, torch.bfloat16, True)
         ),
-        "quantize_delayed": host_us(
-            lambda: ct.quantize_delayed(x, one, amax, scale_inv, e4m3, True, True)
-        ),
-        "quantize_current": host_us(
-            lambda: ct.quantize_current(x, scale_inv, e4m3, 0.0, False, True, True)
-        ),
+        "quantize_delayed": host_us(lambda: ct.quantize(x, delayed)),
+        "quantize_current": host_us(lambda: ct.quantize(x, current)),
         "update_delayed_scaling": host_us(
             lambda: update_delayed_scaling(hist, scale, nonfinite, 448.0, 0, "max")
         ),

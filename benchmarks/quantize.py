@@ -19,8 +19,10 @@ import argparse
 import torch
 from timing import fmt, gpu_ms, host_us, print_bandwidth, write_kernel_json
 
+from torchte._sizes import round_up
 from torchte.kernels import cast_transpose as ct
 from torchte.kernels import scaling
+from torchte.kernels.cast_spec import CastSpec
 
 FP8 = torch.float8_e4m3fn
 CAST_SWEEP = [
@@ -39,15 +41,16 @@ def quantize_fns(x: torch.Tensor) -> dict[str, tuple]:
     """name -> (torchte fn, reference fn) on x, all outputs asked for."""
     dev = x.device
     scale, amax = torch.ones(1, device=dev), torch.zeros(1, device=dev)
-    scale_inv = torch.empty(1, device=dev)
+    # Made once, as a quantizer makes its CastSpec once per usage.
+    delayed, current = CastSpec(FP8, True, True, scale, amax), CastSpec(FP8, True, True)
     return {
         "quantize_delayed": (
-            lambda: ct.quantize_delayed(x, scale, amax, scale_inv, FP8, True, True),
-            lambda: ct.quantize_delayed_reference(x, scale, amax, scale_inv, FP8, True, True),
+            lambda: ct.quantize(x, delayed),
+            lambda: ct.quantize_reference(x, delayed),
         ),
         "quantize_current": (
-            lambda: ct.quantize_current(x, scale_inv, FP8, 0.0, False, True, True),
-            lambda: ct.quantize_current_reference(x, scale_inv, FP8, 0.0, False, True, True),
+            lambda: ct.quantize(x, current),
+            lambda: ct.quantize_reference(x, current),
         ),
         "record_amax": (
             lambda: ct.record_amax(x, amax),
@@ -60,7 +63,7 @@ def bandwidth(rows: int, cols: int) -> tuple[list[dict], list[dict]]:
     """(main rows, sweep rows) at rows x cols bf16."""
     x = torch.randn((rows, cols), device="cuda", dtype=torch.bfloat16)
     x_bytes = x.numel() * x.element_size()
-    out_bytes = rows * cols + cols * ct.round_up(rows, ct.COLUMNWISE_ALIGN)
+    out_bytes = rows * cols + cols * round_up(rows, ct.COLUMNWISE_ALIGN)
     dst = torch.empty_like(x)
     copy_ms = gpu_ms(lambda: dst.copy_(x))
     copy_gbs = 2 * x_bytes / copy_ms / 1e6
@@ -80,12 +83,12 @@ def bandwidth(rows: int, cols: int) -> tuple[list[dict], list[dict]]:
             gbs = moved[name] / ms / 1e6
             main.append({"op": name, "impl": impl, "ms": ms, "GB/s": gbs, "frac": gbs / copy_gbs})
     sweep = []
-    scale, amax, scale_inv = (torch.ones(1, device="cuda") for _ in range(3))
+    scale, amax = (torch.ones(1, device="cuda") for _ in range(2))
     for cfg in CAST_SWEEP:
         try:
             ms = gpu_ms(
                 lambda cfg=cfg: ct._cast_transpose(
-                    x, scale, amax, scale_inv, FP8, True, True, False, 0.0, False, cfg
+                    x, scale, amax, FP8, True, True, False, 0.0, False, cfg
                 )
             )
         except Exception as exc:
@@ -110,7 +113,7 @@ def launch_only(x: torch.Tensor) -> dict[str, tuple]:
     block_m, block_n, num_warps = ct.CAST_CONFIG
     scale, amax, scale_inv = (torch.ones(1, device=x.device) for _ in range(3))
     data = torch.empty((rows, cols), dtype=FP8, device=x.device)
-    data_t = torch.empty((cols, ct.round_up(rows, 16)), dtype=FP8, device=x.device)
+    data_t = torch.empty((cols, round_up(rows, 16)), dtype=FP8, device=x.device)
     grid = (-(-rows // block_m), -(-cols // block_n), 1)
     args = (x, scale, amax, scale_inv, data, data_t, rows, cols, 0.0, 448.0, False, False, True)
     args += (True, block_m, block_n)
