@@ -103,7 +103,7 @@ def test_quantization_imports_no_modules_or_gemm(path):
     assert _crossing(path, ("torchte.module", "torchte.gemm")) == []
 
 
-@pytest.mark.parametrize("path", _files("module"), ids=lambda p: p.name)
+@pytest.mark.parametrize("path", _files("module") + _files("ops"), ids=lambda p: p.name)
 def test_modules_reach_fp8_kernels_only_through_quantizers(path):
     assert _crossing(path, FP8_KERNELS) == []
     source = path.read_text()
@@ -113,6 +113,12 @@ def test_modules_reach_fp8_kernels_only_through_quantizers(path):
 @pytest.mark.parametrize("name", INSIDE_FUNCTIONS)
 def test_code_inside_autograd_functions_reads_no_autocast_state(name):
     assert _crossing(PACKAGE / "module" / name, ("torchte.autocast",)) == []
+
+
+@pytest.mark.parametrize("path", _files("ops/basic") + _files("ops/fused"), ids=lambda p: p.name)
+def test_fuser_ops_read_no_autocast_state(path):
+    """Ops get the autocast state from the fuser (RunSettings), read once per call."""
+    assert _crossing(path, ("torchte.autocast",)) == []
 
 
 def _recipe_isinstance_calls(path: Path) -> list[int]:

@@ -3,7 +3,7 @@
 Use it as Transformer Engine's `transformer_engine.pytorch`: `import torchte as te`.
 """
 
-from . import offload, recipe
+from . import offload, ops, recipe
 from ._device import is_fp8_available
 from .autocast import autocast, fp8_autocast
 from .graphs import make_graphed_callables
@@ -31,6 +31,7 @@ __all__ = [
     "is_fp8_available",
     "make_graphed_callables",
     "offload",
+    "ops",
     "quantized_model_init",
     "recipe",
 ]

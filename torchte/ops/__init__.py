@@ -1,0 +1,62 @@
+"""te.ops: the operation fuser. Build a model as a te.ops.Sequential of small operations; runs
+of them are computed together (one autograd Function, fused kernels where a pattern matches).
+See docs/architecture.md and the README's "Operation fuser" section."""
+
+from .basic import (
+    GEGLU,
+    GELU,
+    QGEGLU,
+    QGELU,
+    AddExtraInput,
+    BasicLinear,
+    Bias,
+    ClampedSwiGLU,
+    ConstantScale,
+    Dropout,
+    Identity,
+    LayerNorm,
+    Linear,
+    MakeExtraOutput,
+    Quantize,
+    ReGLU,
+    ReLU,
+    Reshape,
+    RMSNorm,
+    SiLU,
+    SReGLU,
+    SReLU,
+    SwiGLU,
+)
+from .op import BasicOperation, FusedOperation, FusibleOperation, OperationContext
+from .sequential import Sequential
+
+__all__ = [
+    "GEGLU",
+    "GELU",
+    "QGEGLU",
+    "QGELU",
+    "AddExtraInput",
+    "BasicLinear",
+    "BasicOperation",
+    "Bias",
+    "ClampedSwiGLU",
+    "ConstantScale",
+    "Dropout",
+    "FusedOperation",
+    "FusibleOperation",
+    "Identity",
+    "LayerNorm",
+    "Linear",
+    "MakeExtraOutput",
+    "OperationContext",
+    "Quantize",
+    "RMSNorm",
+    "ReGLU",
+    "ReLU",
+    "Reshape",
+    "SReGLU",
+    "SReLU",
+    "Sequential",
+    "SiLU",
+    "SwiGLU",
+]

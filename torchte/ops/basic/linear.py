@@ -1,0 +1,92 @@
+"""te.ops.Linear: y = x W^T + b as two basic ops, BasicLinear then Bias, which the fuser
+computes as one GEMM with the bias in its epilogue (ops/fused/linear_bias.py).
+
+The module shows the two ops' parameters as its own `weight` and `bias` (Transformer Engine's
+names) and passes moves and extra state through to them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from .basic_linear import BasicLinear
+from .bias import Bias
+
+__all__ = ["Linear"]
+
+
+class Linear(nn.Module):
+    """y = x W^T + b (see BasicLinear and Bias); `basic_ops` are what a Sequential runs."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        bias: bool = True,
+        device=None,
+        dtype: torch.dtype | None = None,
+        tensor_parallel_mode: str | None = None,
+        tensor_parallel_group=None,
+        sequence_parallel: bool = False,
+        rng_state_tracker_function: Callable | None = None,
+        accumulate_into_main_grad: bool = False,
+    ) -> None:
+        super().__init__()
+        linear = BasicLinear(
+            in_features, out_features, device=device, dtype=dtype,
+            tensor_parallel_mode=tensor_parallel_mode, tensor_parallel_group=tensor_parallel_group,
+            sequence_parallel=sequence_parallel,
+            rng_state_tracker_function=rng_state_tracker_function,
+            accumulate_into_main_grad=accumulate_into_main_grad,
+        )  # fmt: skip
+        ops: list[nn.Module] = [linear]
+        if bias:
+            ops.append(Bias(out_features, device=linear.device, dtype=linear.params_dtype))
+        # A plain list, not submodules: the parameters are this module's (weight, bias).
+        self.__dict__["basic_ops"] = ops
+        self.in_features, self.out_features = in_features, out_features
+        self._register_op_parameters()
+
+    def _register_op_parameters(self) -> None:
+        ops = self.basic_ops
+        self.register_parameter("weight", ops[0].weight)
+        self.register_parameter("bias", ops[1].bias if len(ops) > 1 else None)
+
+    def _apply(self, fn, recurse: bool = True):
+        # The ops own the parameters and the FP8 state: they move, then are shown again.
+        for op in self.basic_ops:
+            op._apply(fn, recurse)
+        self._register_op_parameters()
+        return self
+
+    def train(self, mode: bool = True) -> Linear:
+        for op in self.basic_ops:
+            op.train(mode)
+        return super().train(mode)
+
+    def get_extra_state(self) -> dict[str, Any]:
+        return self.basic_ops[0].get_extra_state()
+
+    def set_extra_state(self, state: dict[str, Any] | None) -> None:
+        self.basic_ops[0].set_extra_state(state)
+
+    def reset_parameters(self) -> None:
+        for op in self.basic_ops:
+            op.reset_parameters()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x (..., in_features) -> (..., out_features)."""
+        from ..sequential import Sequential
+
+        return Sequential._run_ops(self.basic_ops, x, ())
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"bias={len(self.basic_ops) > 1}"
+        )

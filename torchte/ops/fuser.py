@@ -1,0 +1,191 @@
+"""OperationFuser: one contiguous run of basic ops computed as one autograd Function.
+
+Per setting (the autocast state, the compute dtype, whether a backward runs) the fuser builds a
+Pipeline once: the settings every op reads, and the forward and backward op lists after the
+registered fusions (ops/fused/__init__.py) replaced runs of basic ops. A call looks the pipeline
+up by a tuple key and runs it: no pattern matching on the hot path.
+
+The Function takes x, the extra inputs and every parameter of the run as tensor arguments (so
+autograd hands their gradients back), plus one _Call object; it returns y and the extra
+outputs. Backward walks the backward list in reverse with the contexts the forward filled.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from torchte.autocast import autocast_state
+from torchte.module._common import restore_saved, save_for_backward
+
+from .fused import BACKWARD_FUSIONS, FORWARD_FUSIONS
+from .op import BasicOperation, FusibleOperation, OperationContext, RunSettings
+
+__all__ = ["OperationFuser"]
+
+_STATE = autocast_state()
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Pipeline:
+    """The ops of one setting: forward and backward lists of (op, indices of its basic ops)."""
+
+    settings: RunSettings
+    forward: list[tuple[FusibleOperation, list[int]]]
+    backward: list[tuple[FusibleOperation, list[int]]]
+
+
+def _fuse(ops: list[BasicOperation], fusions, settings) -> list:
+    """Apply each fusion in order to the list of (op, basic indices)."""
+    steps = [(op, [i]) for i, op in enumerate(ops)]
+    for fusion in fusions:
+        steps = fusion(steps, settings)
+    return steps
+
+
+class _Call:
+    """The one non-tensor argument of the Function: the pipeline and how the flat tensor
+    arguments split into extra inputs and parameters per basic op."""
+
+    __slots__ = ("extra_counts", "fuser", "param_counts", "pipeline")
+
+    def __init__(self, fuser: OperationFuser, pipeline: Pipeline) -> None:
+        self.fuser, self.pipeline = fuser, pipeline
+        self.extra_counts, self.param_counts = fuser.extra_counts, fuser.param_counts
+
+
+def _split(flat, counts: list[int]) -> list[tuple]:
+    out, start = [], 0
+    for count in counts:
+        out.append(tuple(flat[start : start + count]))
+        start += count
+    return out
+
+
+def _run_forward(pipeline: Pipeline, ops, x, extra_inputs: list[tuple], x_requires_grad: bool):
+    """(y, extra outputs per basic op, contexts per basic op): the forward list run in order."""
+    settings = pipeline.settings
+    ctxs = [OperationContext() for _ in ops]
+    extra_outputs: list[tuple] = [() for _ in ops]
+    needs_grad = x_requires_grad
+    for op, indices in pipeline.forward:
+        for i in indices:
+            ctxs[i].input_requires_grad = needs_grad
+            needs_grad = needs_grad or any(p.requires_grad for p in ops[i].op_parameters())
+            needs_grad = needs_grad or any(
+                t.requires_grad for t in extra_inputs[i] if isinstance(t, torch.Tensor)
+            )
+        op_ctxs = [ctxs[i] for i in indices]
+        x, extras = op.fuser_forward(op_ctxs, x, [extra_inputs[i] for i in indices], settings)
+        for i, extra in zip(indices, extras, strict=True):
+            extra_outputs[i] = tuple(extra)
+    return x, extra_outputs, ctxs
+
+
+class _FuserFunction(torch.autograd.Function):
+    """The whole run: forward list in order, backward list in reverse."""
+
+    @staticmethod
+    def forward(autograd_ctx, x, call: _Call, *tensors):
+        fuser, pipeline = call.fuser, call.pipeline
+        ops = fuser.ops
+        num_extra = sum(call.extra_counts)
+        extra_inputs = _split(tensors[:num_extra], call.extra_counts)
+        y, extra_outputs, ctxs = _run_forward(
+            pipeline, ops, x, extra_inputs, autograd_ctx.needs_input_grad[0]
+        )
+        saved = [value for ctx in ctxs for value in ctx.saved]
+        save_for_backward(autograd_ctx, *saved)
+        for ctx in ctxs:
+            ctx.num_saved, ctx.saved = len(ctx.saved), ()
+        autograd_ctx.op_ctxs, autograd_ctx.call = ctxs, call
+        autograd_ctx.x_shape = x.shape
+        return (y, *[t for extra in extra_outputs for t in extra])
+
+    @staticmethod
+    def backward(autograd_ctx, dy, *extra_output_grads):
+        call: _Call = autograd_ctx.call
+        ctxs = autograd_ctx.op_ctxs
+        values = restore_saved(autograd_ctx)
+        start = 0
+        for ctx in ctxs:
+            ctx.saved = tuple(values[start : start + ctx.num_saved])
+            start += ctx.num_saved
+        out_counts = call.fuser.extra_output_counts
+        out_grads = _split(extra_output_grads, out_counts)
+        extra_grads: list[tuple] = [() for _ in ctxs]
+        param_grads: list[tuple] = [() for _ in ctxs]
+        for op, indices in reversed(call.pipeline.backward):
+            op_ctxs = [ctxs[i] for i in indices]
+            dy, extras, params = op.fuser_backward(op_ctxs, dy, [out_grads[i] for i in indices])
+            for i, extra, grads in zip(indices, extras, params, strict=True):
+                extra_grads[i], param_grads[i] = tuple(extra), tuple(grads)
+        for ctx in ctxs:
+            ctx.saved = ()
+        flat_extra = _flat(extra_grads, call.extra_counts)
+        flat_params = _flat(param_grads, call.param_counts)
+        return (dy, None, *flat_extra, *flat_params)
+
+
+def _flat(per_op: list[tuple], counts: list[int]) -> list:
+    """The gradients of every op, each op's as exactly its `count` entries (an op may return
+    () for "no gradients")."""
+    flat = []
+    for grads, count in zip(per_op, counts, strict=True):
+        flat += [*grads, *([None] * (count - len(grads)))]
+    return flat
+
+
+class OperationFuser:
+    """Runs `ops` (consecutive BasicOperations of a Sequential) as one autograd Function."""
+
+    def __init__(self, ops: list[BasicOperation]) -> None:
+        self.ops = list(ops)
+        self.extra_counts = [op.num_extra_inputs for op in self.ops]
+        self.extra_output_counts = [op.num_extra_outputs for op in self.ops]
+        self.param_counts = [len(op.op_parameters()) for op in self.ops]
+        self.num_extra_inputs = sum(self.extra_counts)
+        self._pipelines: dict[tuple, Pipeline] = {}
+
+    def _pipeline(self, x: torch.Tensor, requires_grad: bool) -> Pipeline:
+        state = _STATE
+        fp8, calibrating = state.enabled, state.calibrating and not state.enabled
+        recipe = state.recipe if (fp8 or calibrating) else None
+        group = state.group if recipe is not None else None
+        dtype = self.ops[0]._compute_dtype()
+        key = (fp8, calibrating, recipe, group, dtype, requires_grad)
+        pipeline = self._pipelines.get(key)
+        if pipeline is None:
+            settings = RunSettings(fp8, calibrating, recipe, group, dtype, requires_grad)
+            for op in self.ops:
+                op.check_settings(settings)
+            forward = _fuse(self.ops, FORWARD_FUSIONS, settings)
+            backward = _fuse(self.ops, BACKWARD_FUSIONS, settings) if requires_grad else []
+            pipeline = self._pipelines[key] = Pipeline(settings, forward, backward)
+        return pipeline
+
+    def __call__(self, x: torch.Tensor, extra_inputs: tuple) -> tuple:
+        """(y, extra outputs in op order)."""
+        params = [p for op in self.ops for p in op.op_parameters()]
+        requires_grad = torch.is_grad_enabled() and (
+            x.requires_grad
+            or any(p.requires_grad for p in params)
+            or any(isinstance(t, torch.Tensor) and t.requires_grad for t in extra_inputs)
+        )
+        pipeline = self._pipeline(x, requires_grad)
+        settings = pipeline.settings
+        try:
+            if requires_grad:
+                out = _FuserFunction.apply(x, _Call(self, pipeline), *extra_inputs, *params)
+            else:
+                extra = _split(extra_inputs, self.extra_counts)
+                y, extra_outputs, _ = _run_forward(pipeline, self.ops, x, extra, False)
+                out = (y, *[t for ex in extra_outputs for t in ex])
+        except BaseException:
+            for op in self.ops:
+                op.forward_failed(settings)
+            raise
+        for op in self.ops:
+            op.forward_done(settings)
+        return out

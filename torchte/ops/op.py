@@ -1,0 +1,147 @@
+"""The operations the fuser runs: basic operations, fused operations, and what they share.
+
+A BasicOperation is one step of a `te.ops.Sequential` (a linear map, a bias, a norm, an
+activation, a residual add, ...): `op_forward` and `op_backward` on its own tensors. A
+FusedOperation stands for a run of consecutive basic operations and computes them together
+(`fuser_forward` / `fuser_backward`), writing the same per-op contexts, so that backward may be
+fused differently from forward. Every operation is a te module (device, dtype, FP8 state, the
+hot-path setattr guard).
+
+Per call, each basic op gets one OperationContext (what its backward needs) and the run's
+RunSettings (the autocast state and compute dtype, read once by the fuser, never by an op).
+Extra inputs and outputs: an op declares how many it takes (`num_extra_inputs`) and makes
+(`num_extra_outputs`); the Sequential's call hands them out in op order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from torchte.module.base import TransformerEngineBaseModule
+from torchte.recipe import Recipe
+
+__all__ = [
+    "BasicOperation",
+    "FusedOperation",
+    "FusibleOperation",
+    "OperationContext",
+    "RunSettings",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class RunSettings:
+    """What every op of one call needs to know besides tensors (built once per setting)."""
+
+    fp8: bool
+    """Whether GEMMs run in FP8 (te.autocast enabled)."""
+    calibrating: bool
+    """te.autocast(calibrating=True) without FP8: record amaxes, compute in high precision."""
+    recipe: Recipe | None
+    group: Any
+    """The amax reduction group of the autocast region."""
+    dtype: torch.dtype
+    """The compute dtype: torch.autocast's where it is on, else the first op's params_dtype."""
+    requires_grad: bool
+    """Whether a backward will run (grad mode on and some input or parameter needs grad)."""
+
+
+class OperationContext:
+    """What one basic op's backward needs from its forward: `saved` (tensors or quantized
+    storages, given to save_for_backward) and any attributes the op sets."""
+
+    def __init__(self) -> None:
+        self.saved: tuple = ()
+
+    def save_for_backward(self, *values) -> None:
+        """Keep these tensors (or Storages, or None) for backward."""
+        self.saved = values
+
+
+class FusibleOperation:
+    """An operation the fuser can run: a basic op or a fusion of several."""
+
+    is_fused_op = False
+
+    def fuser_forward(self, ctxs: list, x, extra_inputs: list[tuple], settings: RunSettings):
+        """x -> (y, [extra outputs of each basic op]); ctxs and extra_inputs per basic op."""
+        raise NotImplementedError
+
+    def fuser_backward(self, ctxs: list, dy, extra_output_grads: list[tuple]):
+        """dy -> (dx, [extra input grads of each basic op], [param grads of each basic op])."""
+        raise NotImplementedError
+
+
+class BasicOperation(FusibleOperation, TransformerEngineBaseModule):
+    """One operation (an nn.Module): subclasses give op_forward and op_backward, and call
+    _finish_init() at the end of __init__."""
+
+    num_extra_inputs = 0
+    num_extra_outputs = 0
+    # The input's last dimension this op needs (None: any); see output_features.
+    input_features: int | None = None
+
+    def __init__(self, device=None, dtype: torch.dtype | None = None, num_gemms: int = 0) -> None:
+        super().__init__(device, dtype, num_gemms)
+
+    def output_features(self, features: int | None) -> int | None:
+        """The last dimension of the output for an input of `features` (None: unknown); the
+        Sequential checks consecutive ops with it."""
+        return features
+
+    def op_parameters(self) -> list[torch.nn.Parameter]:
+        """This op's parameters in the order op_backward returns their gradients."""
+        return [p for p in self._parameters.values() if p is not None]
+
+    def op_forward(self, ctx: OperationContext, x, extra_inputs: tuple, settings: RunSettings):
+        """x -> (y, extra outputs (a tuple of num_extra_outputs tensors))."""
+        raise NotImplementedError
+
+    def op_backward(self, ctx: OperationContext, dy, extra_output_grads: tuple):
+        """dy -> (dx, extra input grads (num_extra_inputs), param grads (op_parameters order));
+        None where there is no gradient."""
+        raise NotImplementedError
+
+    def check_settings(self, settings: RunSettings) -> None:
+        """Raise before any kernel runs when this op cannot run under `settings`."""
+
+    def forward_done(self, settings: RunSettings) -> None:
+        """The run's forward succeeded: an op with FP8 state (num_gemms > 0) registers the
+        delayed-scaling update of the amaxes it recorded."""
+        if self.num_gemms and settings.recipe is not None:
+            setup = self._fp8_setup(settings.recipe)
+            if setup.records_amax:
+                setup.forward_done(settings.group)
+                self.__dict__["_saved_history_len"] = settings.recipe.amax_history_len
+
+    def forward_failed(self, settings: RunSettings) -> None:
+        """The run's forward failed: drop the amaxes this op recorded this step."""
+        if self.num_gemms and settings.recipe is not None:
+            self._fp8_setup(settings.recipe).forward_failed()
+
+    def fuser_forward(self, ctxs, x, extra_inputs, settings):
+        y, extra = self.op_forward(ctxs[0], x, extra_inputs[0], settings)
+        return y, [extra]
+
+    def fuser_backward(self, ctxs, dy, extra_output_grads):
+        dx, extra_grads, param_grads = self.op_backward(ctxs[0], dy, extra_output_grads[0])
+        return dx, [extra_grads], [param_grads]
+
+    def forward(self, x: torch.Tensor, *extra_inputs: torch.Tensor):
+        """Run this op alone, as a Sequential of one."""
+        from .sequential import Sequential
+
+        return Sequential._run_ops([self], x, extra_inputs)
+
+
+class FusedOperation(FusibleOperation):
+    """Stands for consecutive basic ops computed together (made by a fusion, once per setting);
+    it holds the ops, whose parameters stay where the user put them."""
+
+    is_fused_op = True
+
+    def __init__(self, basic_ops: list[BasicOperation]) -> None:
+        self.basic_ops = list(basic_ops)

@@ -1,0 +1,137 @@
+"""te.ops.Sequential: a container of operations whose consecutive fusible ops run fused.
+
+    block = te.ops.Sequential(te.ops.RMSNorm(4096), te.ops.Linear(4096, 11008),
+                              te.ops.SwiGLU(), te.ops.Linear(5504, 4096), te.ops.AddExtraInput())
+    y = block(x, residual)
+
+It holds basic ops, composite ops (te.ops.Linear: BasicLinear then Bias) and plain nn.Modules.
+Each run of consecutive basic ops is one OperationFuser (one autograd Function); a plain module
+runs as itself between runs. Extra inputs are handed to the ops that take them in op order, and
+the call returns y alone, or (y, extra outputs in op order) when some op makes one.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+from torch import nn
+
+from .fuser import OperationFuser
+from .op import BasicOperation
+
+__all__ = ["Sequential"]
+
+
+def _basic_ops(module: nn.Module) -> list[BasicOperation] | None:
+    """The basic ops a module stands for (a composite op's, in order); None: not fusible."""
+    if isinstance(module, BasicOperation):
+        return [module]
+    ops = getattr(module, "basic_ops", None)
+    return list(ops) if ops is not None else None
+
+
+class Sequential(nn.Module):
+    """Operations applied in order; runs of fusible ops are fused (see the module docstring)."""
+
+    def __init__(self, *args: nn.Module | OrderedDict) -> None:
+        super().__init__()
+        items = args[0].items() if len(args) == 1 and isinstance(args[0], OrderedDict) else None
+        if items is None:
+            items = ((str(i), m) for i, m in enumerate(args))
+        for name, module in items:
+            if not isinstance(module, nn.Module):
+                raise TypeError(
+                    f"te.ops.Sequential takes nn.Modules (operations), got {type(module).__name__}"
+                )
+            self.add_module(name, module)
+        _check_features(list(self._modules.values()))
+        self._stages = None
+
+    def __len__(self) -> int:
+        return len(self._modules)
+
+    def __getitem__(self, index: int) -> nn.Module:
+        return list(self._modules.values())[index]
+
+    def append(self, module: nn.Module) -> Sequential:
+        """Add an operation at the end."""
+        self.add_module(str(len(self._modules)), module)
+        _check_features(list(self._modules.values()))
+        self.__dict__["_stages"] = None
+        return self
+
+    def _build_stages(self) -> list:
+        """[OperationFuser | nn.Module] in order, the ops' sizes checked end to end."""
+        stages, run = [], []
+        for module in self._modules.values():
+            ops = _basic_ops(module)
+            if ops is None:
+                if run:
+                    stages.append(OperationFuser(run))
+                    run = []
+                stages.append(module)
+            else:
+                run += ops
+        if run:
+            stages.append(OperationFuser(run))
+        return stages
+
+    def forward(self, x: torch.Tensor, *extra_inputs: torch.Tensor):
+        """x (..., features) and the extra inputs in op order -> y [, extra outputs]."""
+        stages = self._stages
+        if stages is None:
+            stages = self._build_stages()
+            self.__dict__["_stages"] = stages
+        expected = sum(s.num_extra_inputs for s in stages if isinstance(s, OperationFuser))
+        if len(extra_inputs) != expected:
+            raise ValueError(
+                f"te.ops.Sequential takes {expected} extra input(s) (for the ops that take them, "
+                f"in op order), got {len(extra_inputs)}"
+            )
+        extra_outputs: list[torch.Tensor] = []
+        start = 0
+        for stage in stages:
+            if isinstance(stage, OperationFuser):
+                count = stage.num_extra_inputs
+                out = stage(x, extra_inputs[start : start + count])
+                start += count
+                x = out[0]
+                extra_outputs += out[1:]
+            else:
+                x = stage(x)
+        return (x, *extra_outputs) if extra_outputs else x
+
+    @staticmethod
+    def _run_ops(ops: list[BasicOperation], x: torch.Tensor, extra_inputs: tuple):
+        """One op (or a composite op's basic ops) called on its own."""
+        fuser = ops[0].__dict__.get("_own_fuser")
+        if fuser is None or fuser.ops != ops:
+            _check_features(ops)
+            fuser = OperationFuser(ops)
+            ops[0].__dict__["_own_fuser"] = fuser
+        if len(extra_inputs) != fuser.num_extra_inputs:
+            raise ValueError(
+                f"{type(ops[0]).__name__} takes {fuser.num_extra_inputs} extra input(s), "
+                f"got {len(extra_inputs)}"
+            )
+        out = fuser(x, tuple(extra_inputs))
+        return out if len(out) > 1 else out[0]
+
+
+def _check_features(modules: list[nn.Module]) -> None:
+    """ValueError naming the op and its position where an op's input size cannot be what the
+    ops before it make (sizes known from the ops' in/out features; a plain module or an op of
+    unknown size stops the check until the next op that says its size)."""
+    features = None
+    for position, module in enumerate(modules):
+        for op in _basic_ops(module) or []:
+            wanted = getattr(op, "input_features", None)
+            if features is not None and wanted is not None and wanted != features:
+                raise ValueError(
+                    f"te.ops.Sequential: op {position} ({type(module).__name__}) takes "
+                    f"{wanted} features, but the ops before it make {features}"
+                )
+            features = op.output_features(features)
+        if _basic_ops(module) is None:
+            features = None
