@@ -24,6 +24,8 @@ RECIPES = {
     "current": lambda: recipe.Float8CurrentScaling(),
 }
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+# Ops built without a device go to the CPU here, also on a GPU machine.
+pytestmark = pytest.mark.usefixtures("cpu_default_device")
 
 
 def _fp8(name):
@@ -102,16 +104,17 @@ def test_norm_linear_ops_equal_layernorm_linear(device, recipe_name, normalizati
         assert _equal(g_op[op_name], g_te[te_name]), (recipe_name, op_name)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("producer", ["RMSNorm", "SwiGLU"])
-def test_delayed_producer_linear_is_fused_and_equals_unfused(monkeypatch, producer):
+def test_delayed_producer_linear_is_fused_and_equals_unfused(monkeypatch, producer, device):
     """Under delayed scaling the norm or activation writes the GEMM's FP8 input itself: the
     same bytes as the op followed by the GEMM's own quantization."""
-    kw = {"dtype": torch.bfloat16}
-    first = te.ops.RMSNorm(64, **kw) if producer == "RMSNorm" else te.ops.SwiGLU()
+    kw = {"dtype": torch.bfloat16, "device": device}
+    first = te.ops.RMSNorm(64, **kw) if producer == "RMSNorm" else te.ops.SwiGLU(device=device)
     features = 64 if producer == "RMSNorm" else 32
     ops = te.ops.Sequential(first, te.ops.BasicLinear(features, 32, **kw))
     twin = copy.deepcopy(ops)  # the same weights and fresh scaling state
-    x = representable((4, 64), torch.bfloat16).to(torch.bfloat16)
+    x = representable((40, 64), torch.bfloat16, device=device).to(torch.bfloat16)
     fused = _run(ops, x, recipe_name="delayed")
     pipeline = next(iter(ops._stages[0]._pipelines.values()))
     assert [type(op).__name__ for op, _ in pipeline.forward] == ["ForwardLinear"]
