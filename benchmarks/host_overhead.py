@@ -75,6 +75,21 @@ def launches(step, device: str) -> int | None:
     return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
 
 
+def measure(steps: dict, rounds: int, calls: int, device: str) -> tuple[dict, dict]:
+    """({name: median host us per call}, {name: kernels per call}) of each step: warmed up,
+    then timed in interleaved rounds (a drift of the shared CPU touches all steps alike)."""
+    counts = {}
+    for name, step in steps.items():
+        for _ in range(20):
+            step()
+        counts[name] = launches(step, device)
+    samples = {name: [] for name in steps}
+    for _ in range(rounds):
+        for name, step in steps.items():
+            samples[name].append(host_round_us(step, calls, device))
+    return {name: statistics.median(v) for name, v in samples.items()}, counts
+
+
 def graphed_linear_steps(device: str) -> dict:
     """A graphed FP8 te.Linear forward+backward two ways: te.make_graphed_callables (the layer
     stays an autograd node) and the whole step captured by torch.cuda.graph (one replay).
@@ -117,7 +132,7 @@ def main() -> None:
     device = args.device
     if device == "cuda" and not torch.cuda.is_available():
         sys.exit("benchmarks/host_overhead.py needs a CUDA GPU (or --device cpu)")
-    steps, counts = {}, {}
+    steps = {}
     for kind in ("Linear", "LayerNormLinear", "LayerNormMLP", "GroupedLinear"):
         te_module, torch_module, tokens, extra = make_pair(kind, device)
         for phase, backward in (("fwd", False), ("fwd+bwd", True)):
@@ -128,15 +143,7 @@ def main() -> None:
                 name = f"{kind} te {rname} {phase}"
                 steps[name] = make_step(te_module, tokens, extra, fp8, backward, device)
     steps.update(graphed_linear_steps(device))
-    for name, step in steps.items():
-        for _ in range(20):
-            step()
-        counts[name] = launches(step, device)
-    samples = {name: [] for name in steps}
-    for _ in range(args.rounds):
-        for name, step in steps.items():
-            samples[name].append(host_round_us(step, args.calls, device))
-    host = {name: statistics.median(v) for name, v in samples.items()}
+    host, counts = measure(steps, args.rounds, args.calls, device)
     env = environment(argparse.Namespace(device=device, quick=False, host_shape=None,
                                          gemm_shape=None))  # fmt: skip
     if args.json:

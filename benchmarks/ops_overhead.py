@@ -12,11 +12,9 @@ Never asserts.
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
-from host_overhead import RECIPES, launches, make_step
-from linear import host_round_us
+from host_overhead import RECIPES, make_step, measure
 from torch import nn
 
 import torchte as te
@@ -57,16 +55,7 @@ def main() -> None:
             for label, layer in (("te.ops", ops), ("module", module)):
                 fp8 = make_recipe() if make_recipe else None
                 steps[f"{kind} {label} {rname}"] = make_step(layer, 16, (), fp8, True, device)
-    counts = {}
-    for name, step in steps.items():
-        for _ in range(20):
-            step()
-        counts[name] = launches(step, device)
-    samples = {name: [] for name in steps}
-    for _ in range(args.rounds):
-        for name, step in steps.items():
-            samples[name].append(host_round_us(step, args.calls, device))
-    host = {name: statistics.median(v) for name, v in samples.items()}
+    host, counts = measure(steps, args.rounds, args.calls, device)
     base = host["nn.Linear bf16"]
     head = ("config (fwd+bwd, 16 tokens)", "host us", "vs nn", "vs module", "kernels")
     print(f"{head[0]:36s} {head[1]:>9s} {head[2]:>7s} {head[3]:>10s} {head[4]:>8s}")
