@@ -54,11 +54,10 @@ class ForwardLinear(FusedOperation):
         columnwise = settings.requires_grad and linear.weight.requires_grad
         if isinstance(producer, _NormOp):
             bias = producer._parameters.get("bias")
-            _, z_fp8, _, mean, rstd = producer.norm.run(
+            x2d, z_fp8, _, mean, rstd = producer.norm.run(
                 x, producer.weight, bias, settings.dtype, quantizer, columnwise
             )
             if settings.requires_grad:
-                x2d = rows_of(x if x.dtype == settings.dtype else x.to(settings.dtype))
                 ctx.save_for_backward(x2d, mean, rstd)
             return z_fp8
         x2d = rows_of(x if x.dtype == settings.dtype else x.to(settings.dtype))
