@@ -84,6 +84,25 @@ if triton is not None:
         return group, pid_m - first_tile
 
     @triton.jit
+    def store_scale_invs(
+        scale_ptr, amax_ptr, scale_inv_ptr, G, amax_epsilon,
+        FP8_MAX: tl.constexpr, CURRENT: tl.constexpr, POWER_2: tl.constexpr,
+        G_BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        """Every group's scale_inv (G,), empty groups included (they have no programs): from
+        the amaxes (CURRENT) or the delayed scales."""
+        idx = tl.arange(0, G_BLOCK)
+        in_range = idx < G
+        if CURRENT:
+            amaxes = tl.load(amax_ptr + idx, mask=in_range, other=0.0)
+            scales = _scale_from_amax(amaxes, amax_epsilon, FP8_MAX, POWER_2)
+            scale_invs = _current_scale_inv(amaxes, scales)
+        else:
+            scales = tl.load(scale_ptr + idx, mask=in_range, other=1.0)
+            scale_invs = tl.math.div_rn(1.0, scales)
+        tl.store(scale_inv_ptr + idx, scale_invs, mask=in_range)
+
+    @triton.jit
     def _grouped_cast_transpose_kernel(
         x_ptr,  # (T, K) fp32 / bf16 / fp16, contiguous
         row_offsets_ptr,  # (G + 1,) int32: o_g
@@ -108,17 +127,10 @@ if triton is not None:
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         if (pid_m == 0) & (pid_n == 0):
-            # Every group's scale_inv, empty groups included (they have no programs).
-            idx = tl.arange(0, G_BLOCK)
-            in_range = idx < G
-            if CURRENT:
-                amaxes = tl.load(amax_ptr + idx, mask=in_range, other=0.0)
-                scales = _scale_from_amax(amaxes, amax_epsilon, FP8_MAX, POWER_2)
-                scale_invs = _current_scale_inv(amaxes, scales)
-            else:
-                scales = tl.load(scale_ptr + idx, mask=in_range, other=1.0)
-                scale_invs = tl.math.div_rn(1.0, scales)
-            tl.store(scale_inv_ptr + idx, scale_invs, mask=in_range)
+            store_scale_invs(
+                scale_ptr, amax_ptr, scale_inv_ptr, G, amax_epsilon, FP8_MAX, CURRENT, POWER_2,
+                G_BLOCK,
+            )  # fmt: skip
         group, tile = _tile_group(row_offsets_ptr, G, pid_m, BLOCK_M, G_BLOCK)
         row_start = tl.load(row_offsets_ptr + group)
         rows = tl.load(row_offsets_ptr + group + 1) - row_start

@@ -41,20 +41,25 @@ def grouped_fp8_weights(weights, setup, key, is_first_microbatch, columnwise) ->
 
 
 def fp8_forward(ctx, x, splits: GroupSplits, plan, biases, w_fp8: GroupedStorage, needs):
-    """y (T, N) under FP8; saves what fp8_backward needs on ctx."""
+    """y (T, N) under FP8; saves what fp8_backward needs on ctx. x (T, K) in high precision,
+    or a GroupedStorage a fused producer wrote with this GEMM's input quantizer (its groups
+    the splits', columnwise data present when need_wgrad)."""
     need_dgrad, need_wgrad = needs
     first = plan.gemms[0]
     dtype, sizes = first.dtype, splits.sizes()
-    x = cast_to(x, dtype).contiguous()
-    x_fp8 = first.setup.grouped_input.quantize(x, sizes, True, need_wgrad)
+    if isinstance(x, GroupedStorage):
+        x_fp8 = x
+    else:
+        x = cast_to(x, dtype).contiguous()
+        x_fp8 = first.setup.grouped_input.quantize(x, sizes, True, need_wgrad)
     num_groups, n = len(sizes), w_fp8.m_splits[0]
     bias = [cast_to(b, dtype) for b in biases] if biases else [None] * num_groups
-    if one_fprop_gemm(x.device, x_fp8.fp8_dtype, w_fp8.fp8_dtype, sizes):
+    if one_fprop_gemm(x_fp8.rowwise_data.device, x_fp8.fp8_dtype, w_fp8.fp8_dtype, sizes):
         y = scaled_grouped_fprop(x_fp8, w_fp8, splits, dtype)
         if biases:
             y.add_(torch.stack(bias).index_select(0, splits.row_groups()))
     else:
-        y = torch.empty(x.shape[0], n, dtype=dtype, device=x.device)
+        y = torch.empty(x_fp8.shape[0], n, dtype=dtype, device=x_fp8.rowwise_data.device)
         x_rows, _, x_scales = x_fp8.gemm_operands()
         w_rows, _, w_scales = w_fp8.gemm_operands()
         for g, (out, b) in enumerate(zip(y.split(sizes), bias, strict=True)):

@@ -159,7 +159,7 @@ class GroupedCall:
     num_bias: int
 
 
-def _forward(ctx, inp, call: GroupedCall, params, grads):
+def grouped_linear_forward(ctx, inp, call: GroupedCall, params, grads):
     """y (T, N); what backward needs goes on ctx. grads: needs_input_grad of the Function's
     inputs (inp, call, *weights, *biases)."""
     plan, splits, w_fp8 = call.plan, call.splits, call.w_fp8
@@ -182,11 +182,59 @@ def _forward(ctx, inp, call: GroupedCall, params, grads):
     return _per_group_forward(ctx, inp, splits, plan, (weights, biases), w_fp8, needs, param_grads)
 
 
-class _NoGradContext:
+class NoGradContext:
     """Stands in for the Function's ctx when autograd is off: nothing is saved."""
 
     def save_for_backward(self, *tensors) -> None:
         pass
+
+
+def grouped_plan(module, key: PlanKey, weight_names: list[str], who: str) -> GroupedPlan:
+    """The GroupedPlan of `module` (a te module with in/out_features, num_gemms and
+    fuse_wgrad_accumulation) for the plan key: one LinearPlan per GEMM and the path to run."""
+    fp8, dtype = key.fp8, key.dtype
+    if fp8:
+        check_fp8_dims(who, in_features=module.in_features, out_features=module.out_features)
+    p = module._parameters
+    gemms = [gemm_plan(module, key, [p[name]], g) for g, name in enumerate(weight_names)]
+    mode = "per_group"
+    if all(gemm.fast for gemm in gemms):
+        if dtype == torch.bfloat16 and grouped_mm_supported(module.device, dtype, True):
+            mode = "grouped"
+    elif fp8 and not module.fuse_wgrad_accumulation:
+        mode = "fp8"
+    return GroupedPlan(gemms, mode)
+
+
+def grouped_weights_fp8(module, plan: GroupedPlan, weights, is_first_microbatch, columnwise):
+    """The FP8 weights the plan's path reads: one GroupedStorage ("fp8"), a Float8Storage per
+    GEMM (FP8 "per_group"), or None (high precision)."""
+    first = plan.gemms[0]
+    if not first.fp8:
+        return None
+    if transforms_active():
+        raise NotImplementedError(
+            f"{type(module).__name__} under torch.func runs in high precision only: its FP8 "
+            "path quantizes the experts' weights and splits outside its autograd Function; run "
+            "it outside te.autocast there, or use te.Linear per expert"
+        )
+    if plan.mode == "fp8":
+        setup = first.setup
+        key = (weight_version(weights), (_STATE.step, setup.weight_generation()))
+        return grouped_fp8_weights(weights, setup, key, is_first_microbatch, columnwise)
+    return [
+        module._fp8_weight(w, gemm, is_first_microbatch, columnwise, (w,))
+        for w, gemm in zip(weights, plan.gemms, strict=True)
+    ]
+
+
+def grouped_linear_backward(ctx, dy: torch.Tensor):
+    """(dx, [dw_g], [db_g]) of the path grouped_linear_forward took."""
+    if ctx.plan.mode == "grouped":
+        return _grouped_backward(ctx, dy)
+    if ctx.plan.mode == "fp8":
+        return fp8_backward(ctx, dy)
+    return _per_group_backward(ctx, dy)
 
 
 class _GroupedLinearFunction(torch.autograd.Function):
@@ -195,16 +243,11 @@ class _GroupedLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, inp, call: GroupedCall, *params):
-        return _forward(ctx, inp, call, params, ctx.needs_input_grad)
+        return grouped_linear_forward(ctx, inp, call, params, ctx.needs_input_grad)
 
     @staticmethod
     def backward(ctx, dy):
-        if ctx.plan.mode == "grouped":
-            dx, dws, dbs = _grouped_backward(ctx, dy)
-        elif ctx.plan.mode == "fp8":
-            dx, dws, dbs = fp8_backward(ctx, dy)
-        else:
-            dx, dws, dbs = _per_group_backward(ctx, dy)
+        dx, dws, dbs = grouped_linear_backward(ctx, dy)
         return dx, None, *dws, *dbs
 
 
@@ -287,20 +330,7 @@ class GroupedLinear(TransformerEngineBaseModule):
         return inits + [ParameterInit((name,), fill(0.0)) for name in self.bias_names]
 
     def _build_plan(self, key: PlanKey) -> GroupedPlan:
-        fp8, dtype = key.fp8, key.dtype
-        if fp8:
-            check_fp8_dims(
-                "te.GroupedLinear", in_features=self.in_features, out_features=self.out_features
-            )
-        p = self._parameters
-        gemms = [gemm_plan(self, key, [p[f"weight{g}"]], g) for g in range(self.num_gemms)]
-        mode = "per_group"
-        if all(gemm.fast for gemm in gemms):
-            if dtype == torch.bfloat16 and grouped_mm_supported(self.device, dtype, True):
-                mode = "grouped"
-        elif fp8 and not self.fuse_wgrad_accumulation:
-            mode = "fp8"
-        return GroupedPlan(gemms, mode)
+        return grouped_plan(self, key, self.weight_names, "te.GroupedLinear")
 
     def forward(self, inp: torch.Tensor, m_splits, is_first_microbatch: bool | None = None):
         """inp (..., in_features) with the groups' rows stacked -> y (..., out_features)
@@ -316,32 +346,14 @@ class GroupedLinear(TransformerEngineBaseModule):
         first = plan.gemms[0]
 
         def run():
-            w_fp8 = None
-            if first.fp8 and transforms_active():
-                raise NotImplementedError(
-                    "te.GroupedLinear under torch.func runs in high precision only: its FP8 "
-                    "path quantizes the experts' weights and splits outside its autograd "
-                    "Function; run it outside te.autocast there, or use te.Linear per expert"
-                )
-            if plan.mode == "fp8":
-                setup = first.setup
-                key = (
-                    weight_version(weights),
-                    (_STATE.step, setup.weight_generation()),
-                )
-                w_fp8 = grouped_fp8_weights(
-                    weights, setup, key, is_first_microbatch, inp.requires_grad
-                )
-            elif first.fp8:
-                w_fp8 = [
-                    self._fp8_weight(w, gemm, is_first_microbatch, inp.requires_grad, (w,))
-                    for w, gemm in zip(weights, plan.gemms, strict=True)
-                ]
+            w_fp8 = grouped_weights_fp8(self, plan, weights, is_first_microbatch, inp.requires_grad)
             call = GroupedCall(plan, splits, w_fp8, len(biases))
             params = (*weights, *biases)
             if torch.is_grad_enabled():
                 return apply(_GroupedLinearFunction, x, call, *params)
-            return _forward(_NoGradContext(), x, call, params, (False,) * (len(params) + 2))
+            return grouped_linear_forward(
+                NoGradContext(), x, call, params, (False,) * (len(params) + 2)
+            )
 
         y = self._guarded_forward(first.setup, first.group, run)
         y = y.view(*inp.shape[:-1], self.out_features)

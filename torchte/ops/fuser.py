@@ -18,6 +18,7 @@ import torch
 
 from torchte.autocast import autocast_state
 from torchte.module._common import restore_saved, save_for_backward
+from torchte.module.base import SUPPORTED_DTYPES
 
 from .fused import BACKWARD_FUSIONS, FORWARD_FUSIONS
 from .op import BasicOperation, FusibleOperation, OperationContext, RunSettings
@@ -147,13 +148,27 @@ class OperationFuser:
         self.param_counts = [len(op.op_parameters()) for op in self.ops]
         self.num_extra_inputs = sum(self.extra_counts)
         self._pipelines: dict[tuple, Pipeline] = {}
+        # The op whose parameters set the compute dtype (None: no op of the run has any).
+        self._dtype_owner = next((op for op in self.ops if op.op_parameters()), None)
+
+    def _compute_dtype(self, x: torch.Tensor) -> torch.dtype:
+        """torch.autocast's dtype where it is on; else the params_dtype of the first op with
+        parameters; else (a run of ops without parameters) x's dtype."""
+        owner = self._dtype_owner
+        if owner is not None:
+            return owner._compute_dtype()
+        first = self.ops[0]
+        device_type = first._autocast_type
+        if device_type is not None and torch.is_autocast_enabled(device_type):
+            return torch.get_autocast_dtype(device_type)
+        return x.dtype if x.dtype in SUPPORTED_DTYPES else first.params_dtype
 
     def _pipeline(self, x: torch.Tensor, requires_grad: bool) -> Pipeline:
         state = _STATE
         fp8, calibrating = state.enabled, state.calibrating and not state.enabled
         recipe = state.recipe if (fp8 or calibrating) else None
         group = state.group if recipe is not None else None
-        dtype = self.ops[0]._compute_dtype()
+        dtype = self._compute_dtype(x)
         key = (fp8, calibrating, recipe, group, dtype, requires_grad)
         pipeline = self._pipelines.get(key)
         if pipeline is None:

@@ -44,7 +44,8 @@ class RunSettings:
     group: Any
     """The amax reduction group of the autocast region."""
     dtype: torch.dtype
-    """The compute dtype: torch.autocast's where it is on, else the first op's params_dtype."""
+    """The compute dtype: torch.autocast's where it is on, else the params_dtype of the run's
+    first op with parameters, else (no op has any) the input's dtype."""
     requires_grad: bool
     """Whether a backward will run (grad mode on and some input or parameter needs grad)."""
 
@@ -59,6 +60,11 @@ class OperationContext:
     def save_for_backward(self, *values) -> None:
         """Keep these tensors (or Storages, or None) for backward."""
         self.saved = values
+
+    @property
+    def saved_tensors(self) -> tuple:
+        """What save_for_backward kept (read by module code written for an autograd ctx)."""
+        return self.saved
 
 
 class FusibleOperation:

@@ -11,11 +11,17 @@ from __future__ import annotations
 
 import torch
 
-from torchte.kernels import activation_fp8, norm_fp8
+from torchte.kernels import activation_fp8, grouped_activation_fp8, grouped_cast, norm_fp8
 
 from .float8 import Float8Storage
+from .grouped import GroupedStorage
 
-__all__ = ["activation_grad_to_fp8", "activation_to_fp8", "norm_to_fp8"]
+__all__ = [
+    "activation_grad_to_fp8",
+    "activation_to_fp8",
+    "norm_to_fp8",
+    "scaled_activation_to_grouped_fp8",
+]
 
 
 def norm_to_fp8(
@@ -58,3 +64,18 @@ def activation_grad_to_fp8(
         da, h, activation, limit, alpha, spec
     )
     return quantizer.fused_output(data, data_t, scale_inv, shape), dbias
+
+
+def scaled_activation_to_grouped_fp8(
+    quantizer, h, s, activation: str, limit: float, alpha: float, m_splits, columnwise: bool
+) -> GroupedStorage:
+    """a = activation(h) * s[:, None] written group by group in FP8 by one kernel (delayed
+    scaling; current scaling: an amax pass first), h (T, K), s (T,), quantizer a
+    GroupedQuantizer (any scaling: the grouped kernel computes current scales itself)."""
+    rows, cols = grouped_cast.grouped_offsets(m_splits, h.device)
+    spec = quantizer.cast_spec(True, columnwise)
+    data, data_t, scale_inv = grouped_activation_fp8.scaled_activation_grouped_fp8(
+        h, s, activation, limit, alpha, m_splits, rows, cols, spec
+    )
+    shape = (h.shape[0], data.shape[1])
+    return GroupedStorage(data, data_t, scale_inv, quantizer.fp8_dtype, m_splits, shape)

@@ -18,12 +18,26 @@ from .basic_linear import BasicLinear
 from .bias import Bias
 from .constant_scale import ConstantScale
 from .dropout import Dropout
+from .grouped_linear import GroupedLinear
 from .identity import Identity
 from .linear import Linear
 from .make_extra_output import MakeExtraOutput
 from .norm import LayerNorm, RMSNorm
 from .quantize import Quantize
 from .reshape import Reshape
+from .scaled_activation import (
+    ScaledClampedSwiGLU,
+    ScaledGEGLU,
+    ScaledGELU,
+    ScaledQGEGLU,
+    ScaledQGELU,
+    ScaledReGLU,
+    ScaledReLU,
+    ScaledSiLU,
+    ScaledSReGLU,
+    ScaledSReLU,
+    ScaledSwiGLU,
+)
 
 __all__ = [
     "GEGLU",
@@ -36,6 +50,7 @@ __all__ = [
     "ClampedSwiGLU",
     "ConstantScale",
     "Dropout",
+    "GroupedLinear",
     "Identity",
     "LayerNorm",
     "Linear",
@@ -47,6 +62,17 @@ __all__ = [
     "Reshape",
     "SReGLU",
     "SReLU",
+    "ScaledClampedSwiGLU",
+    "ScaledGEGLU",
+    "ScaledGELU",
+    "ScaledQGEGLU",
+    "ScaledQGELU",
+    "ScaledReGLU",
+    "ScaledReLU",
+    "ScaledSReGLU",
+    "ScaledSReLU",
+    "ScaledSiLU",
+    "ScaledSwiGLU",
     "SiLU",
     "SwiGLU",
 ]

@@ -1,0 +1,341 @@
+"""te.ops for mixture-of-experts: GroupedLinear, the scaled activations and the fused grouped MLP.
+
+te.ops.GroupedLinear shares te.GroupedLinear's GEMM code, so the two agree bit for bit in every
+recipe. The scaled activations are held to an fp64 reference. The grouped MLP, fused under FP8
+(the scaled activation writes the second GEMM's FP8 input), agrees bit for bit with the same
+ops run one by one, and with te.Linear -> scaled activation -> te.Linear per expert.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from tolerances import assert_close, representable
+
+import torchte as te
+from torchte import recipe
+from torchte.kernels.grouped_activation_fp8 import scaled_activation_grouped_fp8
+from torchte.kernels.grouped_cast import grouped_offsets, quantize_grouped
+from torchte.kernels.scaled_activation import scaled_activation_forward
+from torchte.quantization.grouped_quantizer import GroupedQuantizer
+
+RECIPES = {
+    "bf16": None,
+    "delayed": lambda: recipe.DelayedScaling(amax_history_len=4),
+    "current": lambda: recipe.Float8CurrentScaling(),
+}
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+SPLITS = [16, 0, 48, 32]  # an expert without tokens among them
+pytestmark = pytest.mark.usefixtures("cpu_default_device")
+
+
+def _fp8(name):
+    make = RECIPES[name]
+    return te.autocast(enabled=make is not None, recipe=make() if make else None)
+
+
+def _equal(a, b) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
+
+
+def _grads(module) -> dict:
+    return {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
+
+
+def _data(tokens, features, device, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = representable((tokens, features), torch.bfloat16, generator=gen, device=device)
+    probs = representable(tokens, torch.bfloat16, generator=gen, device=device).abs()
+    return x.to(torch.bfloat16), probs
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("recipe_name", list(RECIPES))
+@pytest.mark.parametrize("bias", [True, False])
+def test_grouped_linear_op_equals_te_grouped_linear_bit_for_bit(device, recipe_name, bias):
+    groups, k, n = len(SPLITS), 64, 32
+    op = te.ops.GroupedLinear(groups, k, n, bias=bias, device=device, dtype=torch.bfloat16)
+    module = te.GroupedLinear(groups, k, n, bias=bias, device=device, params_dtype=torch.bfloat16)
+    with torch.no_grad():
+        for name, param in module.named_parameters():
+            value = representable(param.shape, torch.bfloat16, scale=0.125)
+            param.copy_(value)
+            op.get_parameter(name).copy_(value)
+    x, _ = _data(sum(SPLITS), k, device)
+    dy = representable((sum(SPLITS), n), torch.bfloat16, device=device).to(torch.bfloat16)
+    for step in range(2):  # the second step runs on updated delayed scales
+        outs = []
+        for layer in (op, module):
+            xi = x.clone().requires_grad_(True)
+            with _fp8(recipe_name):
+                y = layer(xi, SPLITS)
+            y.backward(dy)
+            outs.append((y.detach(), xi.grad, _grads(layer)))
+            layer.zero_grad(set_to_none=True)
+        (y_op, dx_op, g_op), (y_te, dx_te, g_te) = outs
+        assert _equal(y_op, y_te) and _equal(dx_op, dx_te), (step, recipe_name)
+        assert g_op.keys() == g_te.keys()
+        for name in g_te:
+            assert _equal(g_op[name], g_te[name]), (step, name)
+
+
+def test_grouped_linear_op_splits_as_tensor_and_names():
+    op = te.ops.GroupedLinear(3, 16, 8)
+    assert [n for n, _ in op.named_parameters()] == [
+        "weight0", "weight1", "weight2", "bias0", "bias1", "bias2",
+    ]  # fmt: skip
+    x = torch.randn(10, 16)
+    y_list = op(x, [3, 0, 7])
+    y_tensor = op(x, torch.tensor([3, 0, 7]))
+    assert _equal(y_list, y_tensor)
+    assert _equal(y_list[3:], x[3:] @ op.weight2.t() + op.bias2)
+
+
+def test_grouped_linear_op_main_grad():
+    op = te.ops.GroupedLinear(2, 16, 8, bias=False, accumulate_into_main_grad=True)
+    for g in range(2):
+        op.get_parameter(f"weight{g}").main_grad = torch.zeros(8, 16)
+    x = torch.randn(6, 16)
+    for _ in range(2):
+        op(x, [2, 4]).sum().backward()
+    assert_close(op.weight0.main_grad, 2 * torch.ones(2, 8).t() @ x[:2], torch.float32)
+    assert_close(op.weight1.main_grad, 2 * torch.ones(4, 8).t() @ x[2:], torch.float32)
+
+
+SCALED = ["ScaledSwiGLU", "ScaledGEGLU", "ScaledReGLU", "ScaledSReGLU", "ScaledGELU"]
+
+
+def _act_fp64(name, h):
+    gelu = lambda v: F.gelu(v, approximate="tanh")  # noqa: E731
+    acts = {
+        "ScaledSwiGLU": (F.silu, True),
+        "ScaledGEGLU": (gelu, True),
+        "ScaledReGLU": (F.relu, True),
+        "ScaledSReGLU": (lambda v: F.relu(v) ** 2, True),
+        "ScaledGELU": (gelu, False),
+    }
+    fn, gated = acts[name]
+    if gated:
+        half = h.shape[-1] // 2
+        return fn(h[..., :half]) * h[..., half:]
+    return fn(h)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", SCALED)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_scaled_activation_matches_fp64_reference(device, name, dtype):
+    op = getattr(te.ops, name)(device=device)
+    h = representable((3, 5, 64), torch.bfloat16, scale=2.0, device=device).to(dtype)
+    s = representable((3, 5), torch.bfloat16, device=device).to(dtype)
+    h.requires_grad_(True), s.requires_grad_(True)
+    y = op(h, s)  # an op without parameters computes in its input's dtype
+    dy = representable(y.shape, torch.bfloat16, device=device).to(dtype)
+    y.backward(dy)
+    h64 = h.detach().double().requires_grad_(True)
+    s64 = s.detach().double().requires_grad_(True)
+    y64 = _act_fp64(name, h64) * s64[..., None]
+    y64.backward(dy.double())
+    assert y.dtype == dtype and s.grad.shape == s.shape
+    assert_close(y, y64, dtype)
+    assert_close(h.grad, h64.grad, dtype)
+    # ds sums a row of products: its error grows with the row, not with the result
+    rtol = 4 * torch.finfo(dtype).eps * (dy.abs() * y64.detach().abs()).sum(-1).max().item()
+    assert (s.grad.double().cpu() - s64.grad.cpu()).abs().max().item() <= rtol + 1e-5
+
+
+def test_scaled_activation_refuses_bad_scales():
+    op = te.ops.ScaledSwiGLU()
+    with pytest.raises(ValueError, match="one scale per row"):
+        op(torch.randn(4, 8), torch.randn(3))
+    with pytest.raises(TypeError, match="floating-point"):
+        op(torch.randn(4, 8), [1.0] * 4)
+    with pytest.raises(ValueError, match="takes 1 extra input"):
+        op(torch.randn(4, 8))
+    with pytest.raises(NotImplementedError, match="gate_interleave_size"):
+        te.ops.ScaledSwiGLU(gate_interleave_size=32)
+
+
+def _mlp(device, bias=False, groups=len(SPLITS), hidden=64, ffn=32, act="ScaledSwiGLU"):
+    kw = {"device": device, "dtype": torch.bfloat16, "bias": bias}
+    mlp = te.ops.Sequential(
+        te.ops.GroupedLinear(groups, hidden, 2 * ffn, **kw),
+        getattr(te.ops, act)(device=device),
+        te.ops.GroupedLinear(groups, ffn, hidden, **kw),
+    )
+    with torch.no_grad():
+        for param in mlp.parameters():
+            param.copy_(representable(param.shape, torch.bfloat16, scale=0.125))
+    return mlp
+
+
+def _train_step(run, x, probs, mlp, recipe_name, dy_seed=7):
+    """(y, dx, dprobs, parameter grads) of one forward and backward; run(x, probs) -> y."""
+    x = x.clone().requires_grad_(True)
+    probs = probs.clone().requires_grad_(True)
+    with _fp8(recipe_name):
+        y = run(x, probs)
+    dy = representable(y.shape, torch.bfloat16, generator=torch.Generator().manual_seed(dy_seed))
+    y.backward(dy.to(y.device, y.dtype))
+    out = (y.detach(), x.grad, probs.grad, _grads(mlp))
+    mlp.zero_grad(set_to_none=True)
+    return out
+
+
+def _forward_ops(mlp) -> list[str]:
+    pipelines = mlp._stages[0]._pipelines.values()
+    return [type(op).__name__ for op, _ in list(pipelines)[-1].forward]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("recipe_name", ["delayed", "current"])
+@pytest.mark.parametrize("act", ["ScaledSwiGLU", "SwiGLU"])
+def test_grouped_mlp_fused_equals_ops_one_by_one(device, recipe_name, act):
+    fused = _mlp(device, act=act)
+    twin = copy.deepcopy(fused)  # the same weights and fresh scaling state
+    scaled = act.startswith("Scaled")
+    x, probs = _data(sum(SPLITS), 64, device)
+
+    def run_fused(x, p):
+        return fused(x, SPLITS, p, SPLITS) if scaled else fused(x, SPLITS, SPLITS)
+
+    def run_one_by_one(x, p):
+        h = twin[0](x, SPLITS)
+        a = twin[1](h, p) if scaled else twin[1](h)
+        return twin[2](a, SPLITS)
+
+    for step in range(2):
+        got = _train_step(run_fused, x, probs, fused, recipe_name)
+        want = _train_step(run_one_by_one, x, probs, twin, recipe_name)
+        assert _forward_ops(fused) == ["GroupedMLP"]
+        for a, b in zip(got[:2], want[:2], strict=True):
+            assert _equal(a, b), step
+        if scaled:
+            assert _equal(got[2], want[2]), step
+        assert got[3].keys() == want[3].keys()
+        for name in want[3]:
+            assert _equal(got[3][name], want[3][name]), (step, name)
+    if recipe_name == "delayed":
+        for op, op_twin in zip(fused, twin, strict=True):
+            if not op.num_gemms:
+                continue
+            for state, state_twin in zip(op._delayed_states[4], op_twin._delayed_states[4]):
+                assert _equal(state.amax_history, state_twin.amax_history)
+                assert _equal(state.scale, state_twin.scale)
+
+
+@pytest.mark.parametrize("recipe_name", ["bf16", "current"])
+def test_grouped_mlp_equals_te_linear_per_expert(recipe_name):
+    """The fused grouped MLP against te.Linear -> scaled SwiGLU -> te.Linear per expert on the
+    same weights: bit for bit (current scaling quantizes each expert with its own amax, as a
+    te.Linear per expert does)."""
+    mlp = _mlp("cpu")
+    fc1, fc2 = mlp[0], mlp[2]
+    experts = []
+    for g in range(len(SPLITS)):
+        first = te.Linear(64, 64, bias=False, params_dtype=torch.bfloat16)
+        second = te.Linear(32, 64, bias=False, params_dtype=torch.bfloat16)
+        with torch.no_grad():
+            first.weight.copy_(fc1.get_parameter(f"weight{g}"))
+            second.weight.copy_(fc2.get_parameter(f"weight{g}"))
+        experts.append((first, second))
+    x, probs = _data(sum(SPLITS), 64, "cpu")
+    got = _train_step(lambda x, p: mlp(x, SPLITS, p, SPLITS), x, probs, mlp, recipe_name)
+    if recipe_name != "bf16":
+        assert _forward_ops(mlp) == ["GroupedMLP"]
+
+    def per_expert(x, p):
+        outs = []
+        for (first, second), xg, pg in zip(experts, x.split(SPLITS), p.split(SPLITS), strict=True):
+            if xg.shape[0]:
+                outs.append(second(te.ops.ScaledSwiGLU()(first(xg), pg)))
+        return torch.cat(outs)
+
+    holder = torch.nn.ModuleList([m for pair in experts for m in pair])
+    want = _train_step(per_expert, x, probs, holder, recipe_name)
+    for a, b in zip(got[:3], want[:3], strict=True):
+        assert _equal(a, b)
+    for g in range(len(experts)):
+        for fc, index in (("0", 2 * g), ("2", 2 * g + 1)):
+            grad = got[3][f"{fc}.weight{g}"]
+            if SPLITS[g]:
+                assert _equal(grad, want[3][f"{index}.weight"]), (fc, g)
+            else:  # an expert without tokens: zero gradients
+                assert not grad.any() and f"{index}.weight" not in want[3]
+
+
+def test_grouped_mlp_bad_input_is_refused_before_any_kernel(monkeypatch):
+    mlp = _mlp("cpu")
+    x, probs = _data(sum(SPLITS), 64, "cpu")
+    calls = []
+    monkeypatch.setattr(
+        "torchte.quantization.fused.grouped_activation_fp8.scaled_activation_grouped_fp8",
+        lambda *a: calls.append(a),
+    )
+    with te.autocast(recipe=recipe.Float8CurrentScaling()):
+        with pytest.raises(ValueError, match="entries, but the layer has 4"):
+            mlp(x, SPLITS[:3], probs, SPLITS)
+        with pytest.raises(ValueError, match="negative|>= 0|non-negative"):
+            mlp(x, [16, -16, 64, 32], probs, SPLITS)
+        with pytest.raises(ValueError, match="sum"):
+            mlp(x, [16, 0, 48, 31], probs, SPLITS)
+        with pytest.raises(ValueError, match="takes 3 extra input"):
+            mlp(x, SPLITS, probs)
+        with pytest.raises(ValueError, match="one scale per row"):
+            mlp(x, SPLITS, probs[:-1], SPLITS)
+    assert not calls
+    odd = te.ops.Sequential(te.ops.GroupedLinear(2, 24, 16), te.ops.GELU())
+    with te.autocast(recipe=recipe.DelayedScaling()), pytest.raises(ValueError, match="by 16"):
+        odd(torch.randn(4, 24), [2, 2])
+    with pytest.raises(ValueError, match=r"op 2 \(GroupedLinear\) takes 48 features"):
+        te.ops.Sequential(te.ops.GroupedLinear(2, 8, 64), te.ops.SwiGLU(),
+                          te.ops.GroupedLinear(2, 48, 8))  # fmt: skip
+    with pytest.raises(NotImplementedError, match="delay_wgrad_compute"):
+        te.ops.GroupedLinear(2, 8, 8, delay_wgrad_compute=True)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("scaling", ["delayed", "current"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_scaled_activation_grouped_fp8_equals_activation_then_grouped_cast(device, scaling, dtype):
+    """The fused kernel writes the bytes, amaxes and scale_invs of the activation, the scaling
+    and the grouped cast done one after the other."""
+    gen = torch.Generator().manual_seed(3)
+    tokens = sum(SPLITS) + 5
+    splits = [*SPLITS[:-1], SPLITS[-1] + 5]  # a group not a multiple of 16 rows
+    h = (torch.randn(tokens, 96, generator=gen) * 3).to(device, dtype)
+    s = torch.rand(tokens, generator=gen).to(device)
+    rows, cols = grouped_offsets(splits, device)
+    outputs = []
+    for fused in (True, False):
+        if scaling == "delayed":
+            state = torch.tensor([0.5, 1.0, 2.0, 4.0], device=device)
+            quantizer = _DelayedVectors(state.clone(), torch.zeros(4, device=device))
+        else:
+            quantizer = GroupedQuantizer(torch.float8_e4m3fn)
+        spec = quantizer.cast_spec(True, True)
+        if fused:
+            out = scaled_activation_grouped_fp8(h, s, "swiglu", 7.0, 1.702, splits, rows, cols, spec)
+        else:
+            a = scaled_activation_forward(h, s, "swiglu")
+            out = quantize_grouped(a, splits, rows, cols, spec)
+        outputs.append((*out, spec.amax))
+    for a, b in zip(*outputs, strict=True):
+        if a is not None or b is not None:
+            assert torch.equal(a.view(torch.uint8) if a.dtype.itemsize == 1 else a,
+                               b.view(torch.uint8) if b.dtype.itemsize == 1 else b)  # fmt: skip
+
+
+class _DelayedVectors:
+    """A delayed-scaling GroupedQuantizer stand-in holding its own (G,) scale and amax."""
+
+    def __init__(self, scale, amax) -> None:
+        self.scale, self.amax = scale, amax
+
+    def cast_spec(self, rowwise, columnwise):
+        from torchte.kernels.cast_spec import CastSpec
+
+        return CastSpec(torch.float8_e4m3fn, rowwise, columnwise, self.scale, self.amax)

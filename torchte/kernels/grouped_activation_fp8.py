@@ -1,0 +1,192 @@
+"""The scaled activation of a mixture-of-experts MLP fused with the grouped FP8 quantization of
+the second GEMM's input: a = act(h) * s quantized group by group, each group with its own
+scale, in one launch (delayed scaling) or three (current: zeroing the amaxes, the amax pass,
+the cast), never writing a in high precision.
+
+Legend: h (T, K) the first grouped GEMM's output, K = 2N for gated activations (else N), s (T,)
+the per-row scales (the router's probabilities), G groups of m_g consecutive rows (m_splits),
+a (T, N). The output is laid out as grouped_cast's (rowwise (T, N), columnwise (N * C,) flat in
+per-group (N, round_up(m_g, 16)) blocks, scale_inv (G,)), and the bytes, amaxes and scale_invs
+are those of
+    grouped_cast.quantize_grouped(scaled_activation.scaled_activation_forward(h, s), ...)
+(the activation math is activation.py's jit helper in fp32, rounded to h's dtype before and
+after the multiplication by s, as storing a and then y would round it).
+
+How a program finds its group, and the grid: as in grouped_cast (row tiles numbered group by
+group, _tile_group). Elsewhere than on CUDA with Triton (and for an empty h), the composition
+above runs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import activation as act_mod
+from ._fp8_codec import FP8_MAX, check_fp8_dtype
+from ._triton import FastLaunch, int_key, ptr_key, tl, triton, triton_available
+from .cast_spec import CastSpec
+from .grouped_cast import (
+    _check_groups,
+    _group_block,
+    _padded_rows,
+    _row_tiles,
+    _zeroed_amax,
+    quantize_grouped,
+)
+from .scaled_activation import scaled_activation_forward
+
+__all__ = ["SCALED_ACT_CONFIG", "scaled_activation_grouped_fp8"]
+
+# (BLOCK_M, BLOCK_N, num_warps): activation_fp8's forward tile; BLOCK_M a multiple of 16 so a
+# group's last row tile also covers its columnwise padding.
+SCALED_ACT_CONFIG = (32, 128, 4)
+
+if triton is not None:
+    from ._fp8_codec import _encode_slice, _round_as, _scale_from_amax, _store_words
+    from .activation_fp8 import _act_values
+    from .grouped_cast import _tile_group, store_scale_invs
+
+    @triton.jit
+    def _scaled_act_grouped_kernel(
+        h_ptr,  # (T, K) fp32 / bf16 / fp16, contiguous; K = 2N when GATED else N
+        s_ptr,  # (T,) float: the per-row scales
+        row_offsets_ptr,  # (G + 1,) int32: o_g
+        col_offsets_ptr,  # (G + 1,) int32: c_g, multiples of 16
+        scale_ptr,  # (G,) fp32: the delayed scales; unused when CURRENT or AMAX_ONLY
+        amax_ptr,  # (G,) fp32: max-accumulated (delayed, AMAX_ONLY); read when CURRENT
+        scale_inv_ptr,  # (G,) fp32: written by program (0, 0) unless AMAX_ONLY
+        out_ptr,  # (T, N) fp8 rowwise data, written as uint8 bytes unless AMAX_ONLY
+        out_t_ptr,  # (N * C,) fp8 columnwise blocks, written as int32 words when COLUMNWISE
+        N,
+        G,
+        limit,  # fp32; clamped_silu only
+        alpha,  # fp32; clamped_silu only
+        amax_epsilon,  # fp32; CURRENT only
+        FP8_MAX: tl.constexpr,
+        ACT: tl.constexpr,
+        GATED: tl.constexpr,
+        CURRENT: tl.constexpr,
+        POWER_2: tl.constexpr,
+        AMAX_ONLY: tl.constexpr,  # the amax pass of current scaling: no output
+        COLUMNWISE: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        G_BLOCK: tl.constexpr,
+    ):
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        if not AMAX_ONLY:  # the amax pass writes no scale_inv
+            first = (pid_m == 0) & (pid_n == 0)
+            if first:
+                store_scale_invs(
+                    scale_ptr, amax_ptr, scale_inv_ptr, G, amax_epsilon, FP8_MAX, CURRENT,
+                    POWER_2, G_BLOCK,
+                )  # fmt: skip
+        group, tile = _tile_group(row_offsets_ptr, G, pid_m, BLOCK_M, G_BLOCK)
+        row_start = tl.load(row_offsets_ptr + group)
+        rows_g = tl.load(row_offsets_ptr + group + 1) - row_start
+        if AMAX_ONLY:
+            scale = 1.0
+        elif CURRENT:
+            scale = _scale_from_amax(tl.load(amax_ptr + group), amax_epsilon, FP8_MAX, POWER_2)
+        else:
+            scale = tl.load(scale_ptr + group)
+        k_cols = N * 2 if GATED else N
+        h_g = h_ptr + row_start.to(tl.int64) * k_cols
+        out_g = out_ptr + row_start.to(tl.int64) * N
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_in = cols < N
+        # Rows 4i + k of the tile, k = 0..3, as four slices: their bytes pack into int32 words.
+        quads = tile * BLOCK_M + 4 * tl.arange(0, BLOCK_M // 4)
+        bits = tl.zeros((BLOCK_M // 4, BLOCK_N), tl.int32)
+        words = tl.zeros((BLOCK_M // 4, BLOCK_N), tl.int32)
+        for k in tl.static_range(4):
+            rows = quads + k
+            row_in = rows < rows_g
+            mask = row_in[:, None] & col_in[None, :]
+            a = _act_values(h_g, rows, cols, mask, N, limit, alpha, ACT, GATED)
+            p = tl.load(s_ptr + row_start + rows, mask=row_in, other=0.0).to(tl.float32)
+            y = _round_as(a * p[:, None], h_ptr)
+            offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
+            bits, words = _encode_slice(
+                y, k, row_in, offs, mask, scale, bits, words, out_g, FP8_MAX, True,
+                not AMAX_ONLY, COLUMNWISE and not AMAX_ONLY,
+            )  # fmt: skip
+        if COLUMNWISE and not AMAX_ONLY:
+            col_start = tl.multiple_of(tl.load(col_offsets_ptr + group), 16)
+            out_t_g = out_t_ptr + col_start.to(tl.int64) * N
+            _store_words(out_t_g, words, cols, col_in, tile * (BLOCK_M // 4), rows_g, BLOCK_M)
+        if AMAX_ONLY or not CURRENT:
+            amax_bits = amax_ptr.to(tl.pointer_type(tl.int32))
+            tl.atomic_max(amax_bits + group, tl.max(bits), sem="relaxed")
+
+    _launch_scaled_act_grouped = FastLaunch(_scaled_act_grouped_kernel)
+
+
+def scaled_activation_grouped_fp8(
+    h: torch.Tensor,
+    s: torch.Tensor,
+    name: str,
+    limit: float,
+    alpha: float,
+    m_splits: list[int],
+    row_offsets: torch.Tensor,
+    col_offsets: torch.Tensor,
+    spec: CastSpec,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+    """a = name(h) * s[:, None] quantized group by group as spec says (see the module
+    docstring): h (T, K) contiguous, s (T,) -> (rowwise (T, N), columnwise (N * C,) or None,
+    scale_inv (G,)). spec.rowwise must be set (the GEMM reads the rowwise bytes)."""
+    act, gated = act_mod._spec(name)
+    n = act_mod._out_cols(h, gated, name)
+    if h.dim() != 2 or s.shape != (h.shape[0],):
+        raise ValueError(
+            f"h must be 2-D and s one value per row of h, got {tuple(h.shape)}, {tuple(s.shape)}"
+        )
+    if not spec.rowwise:
+        raise ValueError(f"scaled_activation_grouped_fp8 always writes rowwise data, got {spec!r}")
+    check_fp8_dtype(spec.fp8_dtype, ValueError)
+    if not (h.is_cuda and triton_available() and h.numel() > 0):
+        a = scaled_activation_forward(h, s, name, limit, alpha)
+        return quantize_grouped(a, m_splits, row_offsets, col_offsets, spec)
+    _check_groups(h[:, :n], m_splits, row_offsets, col_offsets, spec)
+    h = h if h.is_contiguous() else h.contiguous()
+    args = (h, s, n, act, gated, limit, alpha, m_splits, row_offsets, col_offsets, spec)
+    if spec.delayed:
+        return _launch(*args, amax=spec.amax, amax_only=False, current=False)
+    amax = _zeroed_amax(spec.amax, len(m_splits), h.device)
+    _launch(*args, amax=amax, amax_only=True, current=True)
+    return _launch(*args, amax=amax, amax_only=False, current=True)
+
+
+def _launch(
+    h, s, n, act, gated, limit, alpha, m_splits, row_offsets, col_offsets, spec, *, amax,
+    amax_only: bool, current: bool, config=SCALED_ACT_CONFIG,
+):  # fmt: skip
+    """One launch of _scaled_act_grouped_kernel; (rowwise, columnwise, scale_inv), the data
+    None in the amax pass."""
+    tokens, groups = h.shape[0], len(m_splits)
+    block_m, block_n, num_warps = config
+    fp8_dtype = spec.fp8_dtype
+    columnwise = spec.columnwise and not amax_only
+    scale_inv = torch.empty(groups, dtype=torch.float32, device=h.device)
+    data = data_t = None
+    if not amax_only:
+        data = torch.empty(tokens, n, dtype=fp8_dtype, device=h.device)
+    if columnwise:
+        data_t = torch.empty(n * _padded_rows(m_splits), dtype=fp8_dtype, device=h.device)
+    out = scale_inv if data is None else data  # never stored to when not asked for
+    out_t = scale_inv if data_t is None else data_t
+    scale = amax if spec.scale is None else spec.scale
+    grid = (_row_tiles(m_splits, block_m), (n + block_n - 1) // block_n, 1)
+    g_block = _group_block(groups)
+    power_2 = spec.power_2_scale
+    pointers = (h, s, row_offsets, col_offsets, scale, amax, scale_inv, out, out_t)
+    key = (h.dtype, s.dtype, fp8_dtype, act, gated, current, power_2, amax_only, columnwise)
+    key += (config, g_block, *int_key(n), *int_key(groups), *ptr_key(*pointers))
+    _launch_scaled_act_grouped(
+        key, grid, num_warps, *pointers, n, groups, float(limit), float(alpha),
+        float(spec.amax_epsilon), FP8_MAX[fp8_dtype], act, gated, current, power_2, amax_only,
+        columnwise, block_m, block_n, g_block,
+    )  # fmt: skip
+    return data, data_t, scale_inv

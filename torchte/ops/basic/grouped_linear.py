@@ -1,0 +1,177 @@
+"""te.ops.GroupedLinear: G linear maps over the consecutive row groups of one input, the group
+sizes an extra input (a host list or an integer tensor, on the CPU or the op's GPU).
+
+Legend: x (..., K) whose flattened rows T are stacked group by group (group g owns m_g rows),
+W_g (N, K), b_g (N,), y (..., N) with y[rows of g] = x[rows of g] W_g^T + b_g.
+
+The GEMMs are te.GroupedLinear's (module/grouped_linear.py): the same plans, paths ("grouped"
+bf16 grouped GEMMs, "fp8" grouped quantization, "per_group" te.Linear per group), FP8 weight
+cache and kernels, so the op and the module give the same bits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from torchte._group_splits import GroupSplits, group_splits
+from torchte.module._lifecycle import ParameterInit, fill
+from torchte.module._linear_core import default_init_method
+from torchte.module.base import PlanKey
+from torchte.module.grouped_linear import (
+    GroupedCall,
+    GroupedPlan,
+    NoGradContext,
+    grouped_linear_backward,
+    grouped_linear_forward,
+    grouped_plan,
+    grouped_weights_fp8,
+)
+from torchte.quantization.model_init import model_init_settings
+
+from ..op import BasicOperation, OperationContext, RunSettings
+
+__all__ = ["GroupedLinear"]
+
+_NOT_YET = ("single_grouped_weight", "single_grouped_bias", "delay_wgrad_compute", "scale_bias")
+
+
+class GroupedLinear(BasicOperation):
+    """y_g = x_g W_g^T (+ b_g) for G groups of rows; extra input: the split sizes.
+
+    Parameters weight0..weight{G-1} (out_features, in_features) and bias0..bias{G-1}, views
+    of one (G, N, K) and one (G, N) buffer, so grouped GEMMs read them in place.
+    accumulate_into_main_grad: each weight's gradient is added to its `main_grad` (fp32)
+    instead of being returned, as te.GroupedLinear's fuse_wgrad_accumulation.
+    """
+
+    num_extra_inputs = 1
+    _slot_major = True
+
+    def __init__(
+        self,
+        num_groups: int,
+        in_features: int,
+        out_features: int,
+        *,
+        bias: bool = True,
+        device=None,
+        dtype: torch.dtype | None = None,
+        rng_state_tracker_function: Callable | None = None,
+        accumulate_into_main_grad: bool = False,
+        single_grouped_weight: bool = False,
+        single_grouped_bias: bool = False,
+        delay_wgrad_compute: bool = False,
+        scale_bias: bool = False,
+        init_method: Callable[[torch.Tensor], None] | None = None,
+    ) -> None:
+        if not isinstance(num_groups, int) or num_groups <= 0:
+            raise ValueError(f"num_groups must be a positive int, got {num_groups!r}")
+        if in_features <= 0 or out_features <= 0:
+            raise ValueError(
+                f"in_features and out_features must be positive, got {in_features}, {out_features}"
+            )
+        given = (single_grouped_weight, single_grouped_bias, delay_wgrad_compute, scale_bias)
+        asked = [name for name, on in zip(_NOT_YET, given, strict=True) if on]
+        if asked:
+            raise NotImplementedError(
+                f"te.ops.GroupedLinear: {', '.join(asked)} not implemented in torchte yet"
+            )
+        if model_init_settings() is not None:
+            raise NotImplementedError(
+                "quantized_model_init is not implemented for te.ops.GroupedLinear yet: build it "
+                "outside the context (its weights are quantized per call under te.autocast)"
+            )
+        super().__init__(device, dtype, num_gemms=num_groups)
+        self.num_groups, self.in_features, self.out_features = num_groups, in_features, out_features
+        self.use_bias = bias
+        self.fuse_wgrad_accumulation = accumulate_into_main_grad
+        self._init_method = init_method or default_init_method
+        kw = {"dtype": self.params_dtype, "device": self.device}
+        weights = torch.empty(num_groups, out_features, in_features, **kw)
+        for g in range(num_groups):
+            if rng_state_tracker_function is not None:
+                with rng_state_tracker_function().fork():
+                    self._init_method(weights[g])
+            else:
+                self._init_method(weights[g])
+            self.register_parameter(f"weight{g}", nn.Parameter(weights[g]))
+        biases = torch.zeros(num_groups, out_features, **kw)
+        for g in range(num_groups):
+            self.register_parameter(f"bias{g}", nn.Parameter(biases[g]) if bias else None)
+        self.weight_names = [f"weight{g}" for g in range(num_groups)]
+        self.bias_names = [f"bias{g}" for g in range(num_groups)] if bias else []
+        self._finish_init()
+
+    @property
+    def input_features(self) -> int:
+        return self.in_features
+
+    def output_features(self, features: int | None) -> int:
+        return self.out_features
+
+    def _parameter_inits(self) -> list[ParameterInit]:
+        inits = [ParameterInit((name,), self._init_method) for name in self.weight_names]
+        return inits + [ParameterInit((name,), fill(0.0)) for name in self.bias_names]
+
+    def op_parameters(self) -> list[nn.Parameter]:
+        p = self._parameters
+        return [p[name] for name in (*self.weight_names, *self.bias_names)]
+
+    def check_settings(self, settings: RunSettings) -> None:
+        self.grouped_plan(settings)  # FP8 dims checked here, before any kernel runs
+
+    def grouped_plan(self, settings: RunSettings) -> GroupedPlan:
+        """The GroupedPlan of this op under `settings` (built once per setting)."""
+        plan = self._plans.get(settings)
+        if plan is None:
+            key = PlanKey(
+                settings.fp8, settings.calibrating, settings.recipe, settings.group,
+                settings.dtype, None, False, False,
+            )  # fmt: skip
+            plan = grouped_plan(self, key, self.weight_names, "te.ops.GroupedLinear")
+            self._plans[settings] = plan
+        return plan
+
+    def grouped_call(self, x2d, split_sizes, settings: RunSettings, need_dgrad: bool):
+        """(GroupedCall, parameters) of one call on x2d (T, K): the splits (as given, or a
+        GroupSplits already checked) checked against x."""
+        splits = split_sizes
+        if not isinstance(splits, GroupSplits):
+            splits = group_splits(split_sizes, self.num_groups, x2d.shape[0], self.device)
+        plan = self.grouped_plan(settings)
+        params = self.op_parameters()
+        weights = params[: self.num_groups]
+        w_fp8 = grouped_weights_fp8(self, plan, weights, None, need_dgrad)
+        return GroupedCall(plan, splits, w_fp8, len(self.bias_names)), params
+
+    def gemm_forward(self, ctx: OperationContext, x, split_sizes, settings: RunSettings):
+        """y (T, N) from x (T, K) (a tensor, or a GroupedStorage a fused producer wrote under
+        FP8); ctx filled for op_backward."""
+        need_dgrad = settings.requires_grad and ctx.input_requires_grad
+        call, params = self.grouped_call(x, split_sizes, settings, need_dgrad)
+        if not settings.requires_grad:
+            grads = (False,) * (len(params) + 2)
+            return grouped_linear_forward(NoGradContext(), x, call, params, grads)
+        grads = (need_dgrad, False, *(p.requires_grad for p in params))
+        return grouped_linear_forward(ctx, x, call, params, grads)
+
+    def op_forward(self, ctx, x, extra_inputs, settings):
+        self._check_input(x, self.in_features)
+        x2d = x.reshape(-1, self.in_features)
+        y = self.gemm_forward(ctx, x2d, extra_inputs[0], settings)
+        return y.view(*x.shape[:-1], self.out_features), ()
+
+    def op_backward(self, ctx, dy, extra_output_grads):
+        dx, dws, dbs = grouped_linear_backward(ctx, dy.reshape(-1, self.out_features))
+        if dx is not None:
+            dx = dx.view(*dy.shape[:-1], self.in_features)
+        return dx, (None,), (*dws, *dbs)
+
+    def extra_repr(self) -> str:
+        return (
+            f"num_groups={self.num_groups}, in_features={self.in_features}, "
+            f"out_features={self.out_features}, bias={self.use_bias}"
+        )

@@ -1,0 +1,89 @@
+"""GroupedMLP: te.ops.GroupedLinear -> a gated activation (scaled or not) -> te.ops.GroupedLinear
+under FP8, the mixture-of-experts MLP: the activation, its per-row scales (the router's
+probabilities) and the quantization of the second GEMM's input are one kernel
+(quantization/fused.py: one launch under delayed scaling, an amax pass and the cast under
+current), so the activation's output never exists in high precision.
+
+Legend: x (T, K) the tokens stacked expert by expert (the split sizes of the first op), h (T, 2F)
+the first GEMM's output, s (T,) the scales, a = act(h) * s (T, F), y (T, N).
+
+Each basic op's context is filled as its own op_forward would fill it, so backward runs the
+basic ops unchanged (grouped FP8 dgrad and wgrad, the scaled activation's backward).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from torchte._group_splits import group_splits
+from torchte.quantization.fused import scaled_activation_to_grouped_fp8
+
+from ..basic.activation import _Activation
+from ..basic.grouped_linear import GroupedLinear
+from ..op import FusedOperation, RunSettings
+
+__all__ = ["GroupedMLP", "fuse_grouped_mlp"]
+
+
+class GroupedMLP(FusedOperation):
+    """fc1 -> act -> fc2 in one forward (see the module docstring)."""
+
+    def __init__(self, fc1: GroupedLinear, act: _Activation, fc2: GroupedLinear) -> None:
+        super().__init__([fc1, act, fc2])
+        self.fc1, self.act, self.fc2 = fc1, act, fc2
+
+    def fuser_forward(self, ctxs, x, extra_inputs, settings):
+        ctx1, ctx_act, ctx2 = ctxs
+        fc1, act, fc2 = self.fc1, self.act, self.fc2
+        fc1._check_input(x, fc1.in_features)
+        x2d = x.reshape(-1, fc1.in_features)
+        tokens = x2d.shape[0]
+        h = fc1.gemm_forward(ctx1, x2d, extra_inputs[0][0], settings)
+        splits = group_splits(extra_inputs[2][0], fc2.num_groups, tokens, fc2.device)
+        scaled = act.num_extra_inputs == 1
+        if scaled:
+            s = act.scales_of(h, extra_inputs[1][0])
+        else:
+            s = torch.ones(tokens, dtype=torch.float32, device=h.device)  # times 1: exact
+        quantizer = fc2.grouped_plan(settings).gemms[0].setup.grouped_input
+        weights = fc2.op_parameters()[: fc2.num_groups]
+        columnwise = settings.requires_grad and any(w.requires_grad for w in weights)
+        name, limit, alpha = act.activation()
+        a_fp8 = scaled_activation_to_grouped_fp8(
+            quantizer, h, s, name, limit, alpha, splits.sizes(), columnwise
+        )
+        if settings.requires_grad:
+            if scaled:
+                ctx_act.save_for_backward(h, s)
+                ctx_act.scales_grad = extra_inputs[1][0].requires_grad
+                ctx_act.scales_shape = extra_inputs[1][0].shape
+            else:
+                ctx_act.save_for_backward(h)
+        y = fc2.gemm_forward(ctx2, a_fp8, splits, settings)
+        return y.view(*x.shape[:-1], fc2.out_features), [(), (), ()]
+
+
+def fuse_grouped_mlp(steps: list, settings: RunSettings) -> list:
+    """Replace each unfused GroupedLinear, gated activation, GroupedLinear whose second GEMM
+    runs the grouped FP8 path with one GroupedMLP."""
+    if not settings.fp8:
+        return steps
+    out, i = [], 0
+    while i < len(steps):
+        window = [op for op, _ in steps[i : i + 3]]
+        if len(window) == 3 and _matches(*window, settings):
+            indices = [idx for step in steps[i : i + 3] for idx in step[1]]
+            out.append((GroupedMLP(*window), indices))
+            i += 3
+        else:
+            out.append(steps[i])
+            i += 1
+    return out
+
+
+def _matches(fc1, act, fc2, settings: RunSettings) -> bool:
+    if not (isinstance(fc1, GroupedLinear) and isinstance(fc2, GroupedLinear)):
+        return False
+    if not isinstance(act, _Activation) or not act.gated or fc1.num_groups != fc2.num_groups:
+        return False
+    return fc2.grouped_plan(settings).mode == "fp8"
