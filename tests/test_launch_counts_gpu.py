@@ -48,6 +48,12 @@ EXPECTED = {
     ("GroupedLinear", "bf16", "fwdbwd"): 10,
     ("GroupedLinear", "delayed", "fwdbwd"): 41,
     ("GroupedLinear", "current", "fwdbwd"): 45,
+    ("GroupedMLP", "bf16", "fwd"): -1,
+    ("GroupedMLP", "delayed", "fwd"): -1,
+    ("GroupedMLP", "current", "fwd"): -1,
+    ("GroupedMLP", "bf16", "fwdbwd"): -1,
+    ("GroupedMLP", "delayed", "fwdbwd"): -1,
+    ("GroupedMLP", "current", "fwdbwd"): -1,
 }
 
 
@@ -60,12 +66,24 @@ def make_layer(kind: str):
         return te.LayerNormLinear(H, H, **kw), 16, ()
     if kind == "LayerNormMLP":
         return te.LayerNormMLP(H, FFN, **kw), 16, ()
-    return te.GroupedLinear(EXPERTS, H, H, **kw), sum(SPLITS), (SPLITS,)
+    if kind == "GroupedLinear":
+        return te.GroupedLinear(EXPERTS, H, H, **kw), sum(SPLITS), (SPLITS,)
+    # te.ops' fused grouped MLP: grouped FC1 -> SwiGLU times probabilities -> grouped FC2
+    kw = {"dtype": torch.bfloat16, "device": "cuda", "bias": False}
+    mlp = te.ops.Sequential(
+        te.ops.GroupedLinear(EXPERTS, H, 2 * FFN, **kw),
+        te.ops.ScaledSwiGLU(),
+        te.ops.GroupedLinear(EXPERTS, FFN, H, **kw),
+    )
+    probs = torch.rand(sum(SPLITS), device="cuda", requires_grad=True)
+    return mlp, sum(SPLITS), (SPLITS, probs, SPLITS)
 
 
 @pytest.mark.parametrize("phase", ["fwd", "fwdbwd"])
 @pytest.mark.parametrize("recipe_name", list(RECIPES))
-@pytest.mark.parametrize("kind", ["Linear", "LayerNormLinear", "LayerNormMLP", "GroupedLinear"])
+@pytest.mark.parametrize(
+    "kind", ["Linear", "LayerNormLinear", "LayerNormMLP", "GroupedLinear", "GroupedMLP"]
+)
 def test_launch_count(kind, recipe_name, phase):
     layer, tokens, extra = make_layer(kind)
     x = torch.randn(tokens, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)

@@ -17,9 +17,16 @@ from tolerances import assert_close, representable
 
 import torchte as te
 from torchte import recipe
-from torchte.kernels.grouped_activation_fp8 import scaled_activation_grouped_fp8
+from torchte.kernels.cast_spec import CastSpec
+from torchte.kernels.grouped_activation_fp8 import (
+    scaled_activation_backward_grouped_fp8,
+    scaled_activation_grouped_fp8,
+)
 from torchte.kernels.grouped_cast import grouped_offsets, quantize_grouped
-from torchte.kernels.scaled_activation import scaled_activation_forward
+from torchte.kernels.scaled_activation import (
+    scaled_activation_backward,
+    scaled_activation_forward,
+)
 from torchte.quantization.grouped_quantizer import GroupedQuantizer
 
 RECIPES = {
@@ -159,10 +166,11 @@ def test_scaled_activation_refuses_bad_scales():
         te.ops.ScaledSwiGLU(gate_interleave_size=32)
 
 
-def _mlp(device, bias=False, groups=len(SPLITS), hidden=64, ffn=32, act="ScaledSwiGLU"):
+def _mlp(device, bias=False, groups=4, hidden=64, ffn=32, act="ScaledSwiGLU"):
     kw = {"device": device, "dtype": torch.bfloat16, "bias": bias}
+    gated = act.endswith("GLU")
     mlp = te.ops.Sequential(
-        te.ops.GroupedLinear(groups, hidden, 2 * ffn, **kw),
+        te.ops.GroupedLinear(groups, hidden, 2 * ffn if gated else ffn, **kw),
         getattr(te.ops, act)(device=device),
         te.ops.GroupedLinear(groups, ffn, hidden, **kw),
     )
@@ -185,16 +193,20 @@ def _train_step(run, x, probs, mlp, recipe_name, dy_seed=7):
     return out
 
 
-def _forward_ops(mlp) -> list[str]:
+def _forward_ops(mlp, direction="forward") -> list[str]:
     pipelines = mlp._stages[0]._pipelines.values()
-    return [type(op).__name__ for op, _ in list(pipelines)[-1].forward]
+    return [type(op).__name__ for op, _ in getattr(list(pipelines)[-1], direction)]
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("recipe_name", ["delayed", "current"])
-@pytest.mark.parametrize("act", ["ScaledSwiGLU", "SwiGLU"])
-def test_grouped_mlp_fused_equals_ops_one_by_one(device, recipe_name, act):
-    fused = _mlp(device, act=act)
+@pytest.mark.parametrize(
+    ("act", "bias"), [("ScaledSwiGLU", False), ("SwiGLU", False), ("ScaledGELU", True)]
+)
+def test_grouped_mlp_fused_equals_ops_one_by_one(device, recipe_name, act, bias):
+    """Forward fused always; backward fused without biases (with them, FC1's bias gradient
+    needs dh in high precision: the basic ops run)."""
+    fused = _mlp(device, act=act, bias=bias, ffn=64 if act == "ScaledGELU" else 32)
     twin = copy.deepcopy(fused)  # the same weights and fresh scaling state
     scaled = act.startswith("Scaled")
     x, probs = _data(sum(SPLITS), 64, device)
@@ -207,14 +219,19 @@ def test_grouped_mlp_fused_equals_ops_one_by_one(device, recipe_name, act):
         a = twin[1](h, p) if scaled else twin[1](h)
         return twin[2](a, SPLITS)
 
+    backward = ["GroupedLinear", act, "GroupedLinear"] if bias else ["GroupedMLP"]
+
     for step in range(2):
         got = _train_step(run_fused, x, probs, fused, recipe_name)
         want = _train_step(run_one_by_one, x, probs, twin, recipe_name)
         assert _forward_ops(fused) == ["GroupedMLP"]
+        assert _forward_ops(fused, "backward") == backward
         for a, b in zip(got[:2], want[:2], strict=True):
             assert _equal(a, b), step
-        if scaled:
+        if scaled and device == "cpu":
             assert _equal(got[2], want[2]), step
+        elif scaled:  # the fused kernel sums d(scales) in another order
+            assert_close(got[2], want[2], torch.float32)
         assert got[3].keys() == want[3].keys()
         for name in want[3]:
             assert _equal(got[3][name], want[3][name]), (step, name)
@@ -222,7 +239,8 @@ def test_grouped_mlp_fused_equals_ops_one_by_one(device, recipe_name, act):
         for op, op_twin in zip(fused, twin, strict=True):
             if not op.num_gemms:
                 continue
-            for state, state_twin in zip(op._delayed_states[4], op_twin._delayed_states[4]):
+            states = zip(op._delayed_states[4], op_twin._delayed_states[4], strict=True)
+            for state, state_twin in states:
                 assert _equal(state.amax_history, state_twin.amax_history)
                 assert _equal(state.scale, state_twin.scale)
 
@@ -278,7 +296,7 @@ def test_grouped_mlp_bad_input_is_refused_before_any_kernel(monkeypatch):
     with te.autocast(recipe=recipe.Float8CurrentScaling()):
         with pytest.raises(ValueError, match="entries, but the layer has 4"):
             mlp(x, SPLITS[:3], probs, SPLITS)
-        with pytest.raises(ValueError, match="negative|>= 0|non-negative"):
+        with pytest.raises(ValueError, match=r"negative|>= 0|non-negative"):
             mlp(x, [16, -16, 64, 32], probs, SPLITS)
         with pytest.raises(ValueError, match="sum"):
             mlp(x, [16, 0, 48, 31], probs, SPLITS)
@@ -318,7 +336,9 @@ def test_scaled_activation_grouped_fp8_equals_activation_then_grouped_cast(devic
             quantizer = GroupedQuantizer(torch.float8_e4m3fn)
         spec = quantizer.cast_spec(True, True)
         if fused:
-            out = scaled_activation_grouped_fp8(h, s, "swiglu", 7.0, 1.702, splits, rows, cols, spec)
+            out = scaled_activation_grouped_fp8(
+                h, s, "swiglu", 7.0, 1.702, splits, rows, cols, spec
+            )
         else:
             a = scaled_activation_forward(h, s, "swiglu")
             out = quantize_grouped(a, splits, rows, cols, spec)
@@ -329,13 +349,56 @@ def test_scaled_activation_grouped_fp8_equals_activation_then_grouped_cast(devic
                                b.view(torch.uint8) if b.dtype.itemsize == 1 else b)  # fmt: skip
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("scaling", ["delayed", "current"])
+@pytest.mark.parametrize(("name", "usage"), [("swiglu", (True, True)), ("gelu", (False, True)),
+                                             ("clamped_swiglu", (True, False))])  # fmt: skip
+def test_scaled_activation_backward_grouped_fp8_equals_backward_then_grouped_cast(
+    device, scaling, name, usage
+):
+    """dh's bytes, amaxes and scale_invs as the backward then the grouped cast; ds as
+    scaled_activation_backward's (summed in another order on a GPU)."""
+    gen = torch.Generator().manual_seed(5)
+    splits = [*SPLITS[:-1], SPLITS[-1] + 5]
+    tokens, n = sum(splits), 80
+    k = 2 * n if name != "gelu" else n
+    h = (torch.randn(tokens, k, generator=gen) * 3).to(device, torch.bfloat16)
+    dy = torch.randn(tokens, n, generator=gen).to(device, torch.bfloat16)
+    s = torch.rand(tokens, generator=gen).to(device)
+    rows, cols = grouped_offsets(splits, device)
+    outputs = []
+    for fused in (True, False):
+        if scaling == "delayed":
+            state = torch.tensor([0.5, 1.0, 2.0, 4.0], device=device)
+            quantizer = _DelayedVectors(state, torch.zeros(4, device=device), torch.float8_e5m2)
+        else:
+            quantizer = GroupedQuantizer(torch.float8_e5m2)
+        spec = quantizer.cast_spec(*usage)
+        if fused:
+            *out, ds = scaled_activation_backward_grouped_fp8(
+                dy, h, s, name, 7.0, 1.702, splits, rows, cols, spec, True
+            )
+        else:
+            dh, ds = scaled_activation_backward(dy, h, s, name, 7.0, 1.702, True)
+            out = quantize_grouped(dh, splits, rows, cols, spec)
+        outputs.append((*out, spec.amax, ds))
+    got, want = outputs
+    for a, b in zip(got[:-1], want[:-1], strict=True):
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert torch.equal(a.view(torch.uint8) if a.dtype.itemsize == 1 else a,
+                               b.view(torch.uint8) if b.dtype.itemsize == 1 else b)  # fmt: skip
+    if device == "cpu":
+        assert torch.equal(got[-1], want[-1])
+    else:
+        assert_close(got[-1], want[-1], torch.float32)
+
+
 class _DelayedVectors:
     """A delayed-scaling GroupedQuantizer stand-in holding its own (G,) scale and amax."""
 
-    def __init__(self, scale, amax) -> None:
-        self.scale, self.amax = scale, amax
+    def __init__(self, scale, amax, fp8_dtype=torch.float8_e4m3fn) -> None:
+        self.scale, self.amax, self.fp8_dtype = scale, amax, fp8_dtype
 
     def cast_spec(self, rowwise, columnwise):
-        from torchte.kernels.cast_spec import CastSpec
-
-        return CastSpec(torch.float8_e4m3fn, rowwise, columnwise, self.scale, self.amax)
+        return CastSpec(self.fp8_dtype, rowwise, columnwise, self.scale, self.amax)

@@ -31,6 +31,7 @@ __all__ = [
     "grouped_wgrad",
     "hp_linear",
     "hp_mm",
+    "scaled_grouped_dgrad",
     "scaled_grouped_fprop",
     "scaled_grouped_mm_supported",
 ]
@@ -196,23 +197,33 @@ def _grouped_mm_agrees(device: torch.device, dtype: torch.dtype, sizes: list[int
 def scaled_grouped_fprop(x_fp8, w_fp8, splits, out_dtype: torch.dtype) -> torch.Tensor:
     """y (T, N) = per group (x_g * x_scale_inv[g]) @ (w_g * w_scale_inv[g]).T as one
     torch._scaled_grouped_mm: x_fp8 a GroupedStorage (rowwise (T, K)), w_fp8 a GroupedStorage
-    of G groups of N rows (rowwise (G * N, K)), splits the GroupSplits. The per-tensor scales
-    become the row scales it takes: x's scale_inv of each row's group, w's scale_inv repeated
-    over its N columns."""
+    of G groups of N rows (rowwise (G * N, K)), splits the GroupSplits."""
     num_groups, n = len(w_fp8.m_splits), w_fp8.m_splits[0]
     weights = w_fp8.rowwise_data.view(num_groups, n, -1)
-    w_scale = w_fp8.scale_inv
-    row_scale = x_fp8.scale_inv.index_select(0, splits.row_groups())
-    col_scale = w_scale[:, None].expand(num_groups, n).contiguous()
+    return _scaled_grouped(x_fp8, weights.transpose(1, 2), w_fp8.scale_inv, splits, out_dtype)
+
+
+def scaled_grouped_dgrad(dy_fp8, w_fp8, splits, out_dtype: torch.dtype) -> torch.Tensor:
+    """dx (T, K) = per group (dy_g * dy_scale_inv[g]) @ (w_g * w_scale_inv[g]) as one
+    torch._scaled_grouped_mm: dy_fp8 a GroupedStorage (rowwise (T, N)), w_fp8 one of G groups
+    of N rows with its columnwise data (G blocks of (K, N): N is a multiple of 16, so no
+    padding), which is the column-major (G, N, K) operand."""
+    num_groups, n = len(w_fp8.m_splits), w_fp8.m_splits[0]
+    weights_t = w_fp8.columnwise_data.view(num_groups, -1, n)  # (G, K, N) row-major
+    return _scaled_grouped(dy_fp8, weights_t.transpose(1, 2), w_fp8.scale_inv, splits, out_dtype)
+
+
+def _scaled_grouped(a_fp8, b, b_scale_inv, splits, out_dtype) -> torch.Tensor:
+    """a (T, I) rowwise of a GroupedStorage @ b (G, I, O) per group, b column-major (stride 1
+    along I, as torch._scaled_grouped_mm wants it): the per-tensor scales made the row scales
+    it takes, a's scale_inv of each row's group and b's repeated over its O columns."""
+    num_groups, n = b.shape[0], b.shape[2]
+    row_scale = a_fp8.scale_inv.index_select(0, splits.row_groups())
+    col_scale = b_scale_inv[:, None].expand(num_groups, n).contiguous()
     return torch._scaled_grouped_mm(
-        x_fp8.rowwise_data,
-        weights.transpose(1, 2),
-        row_scale,
-        col_scale,
-        offs=splits.offsets(),
-        out_dtype=out_dtype,
-        use_fast_accum=True,
-    )
+        a_fp8.rowwise_data, b, row_scale, col_scale, offs=splits.offsets(),
+        out_dtype=out_dtype, use_fast_accum=True,
+    )  # fmt: skip
 
 
 @functools.cache

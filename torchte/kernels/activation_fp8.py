@@ -84,6 +84,25 @@ if triton is not None:
         return _round_as(a, h_ptr)
 
     @triton.jit
+    def grads_of(dy, x, g, limit, alpha, ACT: tl.constexpr, GATED: tl.constexpr):
+        """(dx1, dx2, a), fp32, unrounded: the gradients for dy (fp32) of the activation's input
+        x and (GATED) of its gate input g, and a = act(x) [* gate(g)]. Not gated: dx2 is dx1
+        and g is not read."""
+        act, dact = _act_and_grad(x, limit, alpha, ACT)
+        if GATED:
+            gate = _gate(g, limit, ACT)
+            dx1 = dy * dact * gate
+            dx2 = dy * act
+            if ACT == "clamped_silu":
+                dx2 = tl.where((g >= -limit) & (g <= limit), dx2, 0.0)
+            a = act * gate
+        else:
+            dx1 = dy * dact
+            dx2 = dx1
+            a = act
+        return dx1, dx2, a
+
+    @triton.jit
     def _grad_values(
         dy_ptr, h_ptr, rows, cols, mask, N, limit, alpha, ACT: tl.constexpr, GATED: tl.constexpr
     ):
@@ -94,16 +113,10 @@ if triton is not None:
         k = N * 2 if GATED else N
         offs = r64 * k + cols[None, :]
         x = tl.load(h_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        act, dact = _act_and_grad(x, limit, alpha, ACT)
+        g = x
         if GATED:
             g = tl.load(h_ptr + offs + N, mask=mask, other=0.0).to(tl.float32)
-            dx1 = dy * dact * _gate(g, limit, ACT)
-            dx2 = dy * act
-            if ACT == "clamped_silu":
-                dx2 = tl.where((g >= -limit) & (g <= limit), dx2, 0.0)
-        else:
-            dx1 = dy * dact
-            dx2 = dx1
+        dx1, dx2, _ = grads_of(dy, x, g, limit, alpha, ACT, GATED)
         return _round_as(dx1, h_ptr), _round_as(dx2, h_ptr)
 
     @triton.jit

@@ -33,9 +33,13 @@ from .grouped_cast import (
     _zeroed_amax,
     quantize_grouped,
 )
-from .scaled_activation import scaled_activation_forward
+from .scaled_activation import scaled_activation_backward, scaled_activation_forward
 
-__all__ = ["SCALED_ACT_CONFIG", "scaled_activation_grouped_fp8"]
+__all__ = [
+    "SCALED_ACT_CONFIG",
+    "scaled_activation_backward_grouped_fp8",
+    "scaled_activation_grouped_fp8",
+]
 
 # (BLOCK_M, BLOCK_N, num_warps): activation_fp8's forward tile; BLOCK_M a multiple of 16 so a
 # group's last row tile also covers its columnwise padding.
@@ -43,7 +47,7 @@ SCALED_ACT_CONFIG = (32, 128, 4)
 
 if triton is not None:
     from ._fp8_codec import _encode_slice, _round_as, _scale_from_amax, _store_words
-    from .activation_fp8 import _act_values
+    from .activation_fp8 import _act_values, grads_of
     from .grouped_cast import _tile_group, store_scale_invs
 
     @triton.jit
@@ -122,6 +126,108 @@ if triton is not None:
 
     _launch_scaled_act_grouped = FastLaunch(_scaled_act_grouped_kernel)
 
+    @triton.jit
+    def _scaled_act_grad_grouped_kernel(
+        dy_ptr,  # (T, N) the gradient of a = act(h) * s, contiguous
+        h_ptr,  # (T, K) fp32 / bf16 / fp16, contiguous; K = 2N when GATED else N
+        s_ptr,  # (T,) float: the per-row scales
+        row_offsets_ptr,  # (G + 1,) int32: o_g
+        col_offsets_ptr,  # (G + 1,) int32: c_g, multiples of 16
+        scale_ptr,  # (G,) fp32: the delayed scales; unused when CURRENT or AMAX_ONLY
+        amax_ptr,  # (G,) fp32: max-accumulated (delayed, AMAX_ONLY); read when CURRENT
+        scale_inv_ptr,  # (G,) fp32: written by program (0, 0) unless AMAX_ONLY
+        out_ptr,  # (T, K) fp8 rowwise dh, written as uint8 bytes when ROWWISE
+        out_t_ptr,  # (K * C,) fp8 columnwise blocks, written as int32 words when COLUMNWISE
+        # (ROWWISE and COLUMNWISE are off in the amax pass)
+        partial_ptr,  # (column blocks, T) fp32: each block's part of ds (when DS)
+        N,
+        T,
+        G,
+        limit,
+        alpha,
+        amax_epsilon,
+        FP8_MAX: tl.constexpr,
+        ACT: tl.constexpr,
+        GATED: tl.constexpr,
+        CURRENT: tl.constexpr,
+        POWER_2: tl.constexpr,
+        AMAX_ONLY: tl.constexpr,
+        ROWWISE: tl.constexpr,
+        COLUMNWISE: tl.constexpr,
+        DS: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        G_BLOCK: tl.constexpr,
+    ):
+        """Program (p, q): row tile p (numbered group by group), columns [q BLOCK_N, (q + 1)
+        BLOCK_N) of dh's first half (and the same + N of the gate half when GATED)."""
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        if not AMAX_ONLY:  # the amax pass writes no scale_inv
+            first = (pid_m == 0) & (pid_n == 0)
+            if first:
+                store_scale_invs(
+                    scale_ptr, amax_ptr, scale_inv_ptr, G, amax_epsilon, FP8_MAX, CURRENT,
+                    POWER_2, G_BLOCK,
+                )  # fmt: skip
+        group, tile = _tile_group(row_offsets_ptr, G, pid_m, BLOCK_M, G_BLOCK)
+        row_start = tl.load(row_offsets_ptr + group)
+        rows_g = tl.load(row_offsets_ptr + group + 1) - row_start
+        if AMAX_ONLY:
+            scale = 1.0
+        elif CURRENT:
+            scale = _scale_from_amax(tl.load(amax_ptr + group), amax_epsilon, FP8_MAX, POWER_2)
+        else:
+            scale = tl.load(scale_ptr + group)
+        k_cols = N * 2 if GATED else N
+        h_g = h_ptr + row_start.to(tl.int64) * k_cols
+        dy_g = dy_ptr + row_start.to(tl.int64) * N
+        out_g = out_ptr + row_start.to(tl.int64) * k_cols
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_in = cols < N
+        quads = tile * BLOCK_M + 4 * tl.arange(0, BLOCK_M // 4)
+        bits = tl.zeros((BLOCK_M // 4, BLOCK_N), tl.int32)
+        words1 = tl.zeros((BLOCK_M // 4, BLOCK_N), tl.int32)
+        words2 = tl.zeros((BLOCK_M // 4, BLOCK_N), tl.int32)
+        for k in tl.static_range(4):
+            rows = quads + k
+            row_in = rows < rows_g
+            mask = row_in[:, None] & col_in[None, :]
+            r64 = rows.to(tl.int64)[:, None]
+            dy = tl.load(dy_g + r64 * N + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            p = tl.load(s_ptr + row_start + rows, mask=row_in, other=0.0).to(tl.float32)
+            offs = r64 * k_cols + cols[None, :]
+            x = tl.load(h_g + offs, mask=mask, other=0.0).to(tl.float32)
+            g = x
+            if GATED:
+                g = tl.load(h_g + offs + N, mask=mask, other=0.0).to(tl.float32)
+            dx1, dx2, a = grads_of(_round_as(dy * p[:, None], h_ptr), x, g, limit, alpha, ACT,
+                                   GATED)  # fmt: skip
+            if DS:
+                part = tl.sum(dy * _round_as(a, h_ptr), 1)
+                tl.store(partial_ptr + pid_n.to(tl.int64) * T + row_start + rows, part, mask=row_in)
+            bits, words1 = _encode_slice(
+                _round_as(dx1, h_ptr), k, row_in, offs, mask, scale, bits, words1, out_g,
+                FP8_MAX, True, ROWWISE, COLUMNWISE,
+            )  # fmt: skip
+            if GATED:
+                bits, words2 = _encode_slice(
+                    _round_as(dx2, h_ptr), k, row_in, offs + N, mask, scale, bits, words2,
+                    out_g, FP8_MAX, True, ROWWISE, COLUMNWISE,
+                )  # fmt: skip
+        if COLUMNWISE:
+            col_start = tl.multiple_of(tl.load(col_offsets_ptr + group), 16)
+            out_t_g = out_t_ptr + col_start.to(tl.int64) * k_cols
+            word0 = tile * (BLOCK_M // 4)
+            _store_words(out_t_g, words1, cols, col_in, word0, rows_g, BLOCK_M)
+            if GATED:
+                _store_words(out_t_g, words2, cols + N, col_in, word0, rows_g, BLOCK_M)
+        if AMAX_ONLY or not CURRENT:
+            amax_bits = amax_ptr.to(tl.pointer_type(tl.int32))
+            tl.atomic_max(amax_bits + group, tl.max(bits), sem="relaxed")
+
+    _launch_scaled_act_grad_grouped = FastLaunch(_scaled_act_grad_grouped_kernel)
+
 
 def scaled_activation_grouped_fp8(
     h: torch.Tensor,
@@ -188,5 +294,86 @@ def _launch(
         key, grid, num_warps, *pointers, n, groups, float(limit), float(alpha),
         float(spec.amax_epsilon), FP8_MAX[fp8_dtype], act, gated, current, power_2, amax_only,
         columnwise, block_m, block_n, g_block,
+    )  # fmt: skip
+    return data, data_t, scale_inv
+
+
+def scaled_activation_backward_grouped_fp8(
+    dy: torch.Tensor,
+    h: torch.Tensor,
+    s: torch.Tensor,
+    name: str,
+    limit: float,
+    alpha: float,
+    m_splits: list[int],
+    row_offsets: torch.Tensor,
+    col_offsets: torch.Tensor,
+    spec: CastSpec,
+    need_ds: bool,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+    """The backward of a = name(h) * s[:, None] with dh quantized group by group as spec says:
+    dy (T, N), h (T, K), s (T,) -> (dh rowwise (T, K) or None, columnwise (K * C,) or None,
+    scale_inv (G,), ds (T,) in s's dtype or None unless need_ds). One launch under delayed
+    scaling, three under current (zeroing, the amax pass, which also sums ds, the cast). dh
+    and ds as scaled_activation_backward computes them (ds summed in another order on a
+    GPU); the bytes those of grouped_cast.quantize_grouped(dh)."""
+    act, gated = act_mod._spec(name)
+    n = act_mod._out_cols(h, gated, name)
+    if h.dim() != 2 or s.shape != (h.shape[0],) or dy.shape != (h.shape[0], n):
+        raise ValueError(
+            f"h must be 2-D, s one value per row, dy (rows, {n}); got {tuple(h.shape)}, "
+            f"{tuple(s.shape)}, {tuple(dy.shape)}"
+        )
+    check_fp8_dtype(spec.fp8_dtype, ValueError)
+    if not (h.is_cuda and triton_available() and h.numel() > 0):
+        dh, ds = scaled_activation_backward(dy, h, s, name, limit, alpha, need_ds)
+        return (*quantize_grouped(dh, m_splits, row_offsets, col_offsets, spec), ds)
+    _check_groups(h, m_splits, row_offsets, col_offsets, spec)
+    h, dy = h.contiguous(), dy.contiguous()
+    col_blocks = (n + SCALED_ACT_CONFIG[1] - 1) // SCALED_ACT_CONFIG[1]
+    partial = torch.empty(col_blocks, h.shape[0], dtype=torch.float32, device=h.device)
+    partial = partial if need_ds else None
+    args = (dy, h, s, n, act, gated, limit, alpha, m_splits, row_offsets, col_offsets, spec)
+    if spec.delayed:
+        out = _launch_grad(*args, partial, amax=spec.amax, amax_only=False, current=False)
+    else:
+        amax = _zeroed_amax(spec.amax, len(m_splits), h.device)
+        _launch_grad(*args, partial, amax=amax, amax_only=True, current=True)
+        out = _launch_grad(*args, None, amax=amax, amax_only=False, current=True)
+    ds = partial.sum(0).to(s.dtype) if need_ds else None
+    return (*out, ds)
+
+
+def _launch_grad(
+    dy, h, s, n, act, gated, limit, alpha, m_splits, row_offsets, col_offsets, spec, partial,
+    *, amax, amax_only: bool, current: bool, config=SCALED_ACT_CONFIG,
+):  # fmt: skip
+    """One launch of _scaled_act_grad_grouped_kernel; (rowwise, columnwise, scale_inv), the
+    data None in the amax pass; ds's parts written to `partial` when given."""
+    tokens, k_cols, groups = h.shape[0], h.shape[1], len(m_splits)
+    block_m, block_n, num_warps = config
+    fp8_dtype = spec.fp8_dtype
+    rowwise, columnwise = spec.rowwise and not amax_only, spec.columnwise and not amax_only
+    scale_inv = torch.empty(groups, dtype=torch.float32, device=h.device)
+    data = data_t = None
+    if rowwise:
+        data = torch.empty(tokens, k_cols, dtype=fp8_dtype, device=h.device)
+    if columnwise:
+        data_t = torch.empty(k_cols * _padded_rows(m_splits), dtype=fp8_dtype, device=h.device)
+    out = scale_inv if data is None else data  # never stored to when not asked for
+    out_t = scale_inv if data_t is None else data_t
+    part = scale_inv if partial is None else partial
+    scale = amax if spec.scale is None else spec.scale
+    grid = (_row_tiles(m_splits, block_m), (n + block_n - 1) // block_n, 1)
+    g_block = _group_block(groups)
+    power_2 = spec.power_2_scale
+    pointers = (dy, h, s, row_offsets, col_offsets, scale, amax, scale_inv, out, out_t, part)
+    flags = (current, power_2, amax_only, rowwise, columnwise, partial is not None)
+    key = (dy.dtype, h.dtype, s.dtype, fp8_dtype, act, gated, *flags, config, g_block)
+    key += (*int_key(n), *int_key(tokens), *int_key(groups), *ptr_key(*pointers))
+    _launch_scaled_act_grad_grouped(
+        key, grid, num_warps, *pointers, n, tokens, groups, float(limit), float(alpha),
+        float(spec.amax_epsilon), FP8_MAX[fp8_dtype], act, gated, *flags, block_m, block_n,
+        g_block,
     )  # fmt: skip
     return data, data_t, scale_inv

@@ -14,7 +14,12 @@ import torch
 
 from torchte._device import graph_capturing
 from torchte._group_splits import GroupSplits
-from torchte.gemm import fp8_gemm, scaled_grouped_fprop, scaled_grouped_mm_supported
+from torchte.gemm import (
+    fp8_gemm,
+    scaled_grouped_dgrad,
+    scaled_grouped_fprop,
+    scaled_grouped_mm_supported,
+)
 from torchte.quantization.grouped import GroupedStorage
 
 from ._common import restore_saved, save_for_backward, stack_parameters
@@ -82,43 +87,69 @@ def one_fprop_gemm(device, a_dtype, b_dtype, sizes: list[int]) -> bool:
     return aligned and scaled_grouped_mm_supported(device, a_dtype, b_dtype, False)
 
 
-def fp8_backward(ctx, dy: torch.Tensor):
+def fp8_backward(ctx, dy: torch.Tensor | GroupedStorage):
     """(dx, [dw_g], [db_g]) under FP8, the GEMMs and sums as te.Linear's per group, each GEMM
-    writing its rows of one output buffer."""
+    writing its rows of one output buffer. dy (T, N) in high precision, or a GroupedStorage a
+    fused producer wrote with this GEMM's grad_output quantizer (only without biases)."""
     x_fp8, w_fp8 = restore_saved(ctx)
     plan, splits = ctx.plan, ctx.splits
     first = plan.gemms[0]
     dtype, sizes = first.dtype, splits.sizes()
-    dy = cast_to(dy, dtype).contiguous()
-    dy_fp8 = first.setup.grouped_grad_output.quantize(dy, sizes, ctx.need_dgrad, ctx.need_wgrad)
+    if isinstance(dy, GroupedStorage):
+        dy_fp8 = dy
+        device = dy.scale_inv.device
+    else:
+        dy = cast_to(dy, dtype).contiguous()
+        device = dy.device
+        quantizer = first.setup.grouped_grad_output
+        dy_fp8 = quantizer.quantize(dy, sizes, ctx.need_dgrad, ctx.need_wgrad)
     if first.backward_hook is not None:
         first.backward_hook()
-    dy_rows, dy_cols, dy_scales = dy_fp8.gemm_operands()
+    n = dy_fp8.shape[1]
     dx = None
     if ctx.need_dgrad:
-        _, w_cols, w_scales = w_fp8.gemm_operands()
-        dx = torch.empty(dy.shape[0], w_fp8.shape[1], dtype=dtype, device=dy.device)
-        for g, out in enumerate(dx.split(sizes)):
-            if sizes[g]:
-                fp8_gemm(dy_rows[g], dy_scales[g], w_cols[g], w_scales[g], dtype, out=out)
+        dx = _dgrad(dy_fp8, w_fp8, splits, dtype)
     dws = [None] * ctx.num_gemms
     if ctx.need_wgrad:
+        _, dy_cols, dy_scales = dy_fp8.gemm_operands()
         _, x_cols, x_scales = x_fp8.gemm_operands()
-        n, k = dy.shape[1], x_fp8.shape[1]
-        empty = torch.zeros if 0 in sizes else torch.empty  # a group without rows: zero wgrad
-        grads = empty(ctx.num_gemms, n, k, dtype=ctx.weight_dtype, device=dy.device)
+        k = x_fp8.shape[1]
+        # One GEMM per group into one buffer: the columnwise data of dy and x are one (K, Mp_g)
+        # block per group, not the single (K, T) matrix with groups as column ranges that
+        # torch._scaled_grouped_mm's 2-D x 2-D form takes.
+        grads = torch.empty(ctx.num_gemms, n, k, dtype=ctx.weight_dtype, device=device)
         for g in range(ctx.num_gemms):
             if sizes[g]:
                 fp8_gemm(
                     dy_cols[g], dy_scales[g], x_cols[g], x_scales[g], ctx.weight_dtype,
                     out=grads[g],
                 )  # fmt: skip
+            else:
+                grads[g].zero_()  # a group without rows: zero wgrad
         dws = list(grads.unbind(0))  # one buffer, one view per weight
     dbs = [None] * ctx.num_bias
     if ctx.num_bias and ctx.bias_grad:
-        sums = torch.zeros(ctx.num_bias, dy.shape[1], dtype=dtype, device=dy.device)
+        if not isinstance(dy, torch.Tensor):
+            raise NotImplementedError("bias gradients from an FP8 dy are not implemented")
+        sums = torch.zeros(ctx.num_bias, n, dtype=dtype, device=device)
         for g, part in enumerate(dy.split(sizes)):
             if sizes[g]:
                 torch.sum(part, 0, out=sums[g])
         dbs = list(sums.unbind(0))
     return dx, dws, dbs
+
+
+def _dgrad(dy_fp8: GroupedStorage, w_fp8: GroupedStorage, splits: GroupSplits, dtype):
+    """dx (T, K): per group dy_g W_g, as one torch._scaled_grouped_mm where it takes these
+    operands (the same probe as fprop's), else one GEMM per group into one buffer."""
+    sizes = splits.sizes()
+    device = w_fp8.scale_inv.device
+    if one_fprop_gemm(device, dy_fp8.fp8_dtype, w_fp8.fp8_dtype, sizes):
+        return scaled_grouped_dgrad(dy_fp8, w_fp8, splits, dtype)
+    dy_rows, _, dy_scales = dy_fp8.gemm_operands()
+    _, w_cols, w_scales = w_fp8.gemm_operands()
+    dx = torch.empty(dy_fp8.shape[0], w_fp8.shape[1], dtype=dtype, device=device)
+    for g, out in enumerate(dx.split(sizes)):
+        if sizes[g]:
+            fp8_gemm(dy_rows[g], dy_scales[g], w_cols[g], w_scales[g], dtype, out=out)
+    return dx

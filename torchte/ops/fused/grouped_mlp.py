@@ -1,4 +1,4 @@
-"""GroupedMLP: te.ops.GroupedLinear -> a gated activation (scaled or not) -> te.ops.GroupedLinear
+"""GroupedMLP: te.ops.GroupedLinear -> an activation (scaled or not) -> te.ops.GroupedLinear
 under FP8, the mixture-of-experts MLP: the activation, its per-row scales (the router's
 probabilities) and the quantization of the second GEMM's input are one kernel
 (quantization/fused.py: one launch under delayed scaling, an amax pass and the cast under
@@ -7,8 +7,12 @@ current), so the activation's output never exists in high precision.
 Legend: x (T, K) the tokens stacked expert by expert (the split sizes of the first op), h (T, 2F)
 the first GEMM's output, s (T,) the scales, a = act(h) * s (T, F), y (T, N).
 
-Each basic op's context is filled as its own op_forward would fill it, so backward runs the
-basic ops unchanged (grouped FP8 dgrad and wgrad, the scaled activation's backward).
+Backward (its own fusion, fuse_grouped_mlp_backward): FC2's grouped FP8 dgrad and wgrad, then
+one kernel computes the activation's gradient dh, writes it in FP8 group by group for FC1's
+GEMMs (current scaling: an amax pass first, which also sums ds) and ds = d(scales); then FC1's
+grouped FP8 dgrad and wgrad. It needs FC1 without bias (the bias gradient would need dh in
+high precision). Each basic op's context is filled as its own op_forward would fill it, so
+either direction also runs the basic ops unchanged.
 """
 
 from __future__ import annotations
@@ -16,13 +20,17 @@ from __future__ import annotations
 import torch
 
 from torchte._group_splits import group_splits
-from torchte.quantization.fused import scaled_activation_to_grouped_fp8
+from torchte.module.grouped_linear import grouped_linear_backward
+from torchte.quantization.fused import (
+    scaled_activation_grad_to_grouped_fp8,
+    scaled_activation_to_grouped_fp8,
+)
 
 from ..basic.activation import _Activation
 from ..basic.grouped_linear import GroupedLinear
 from ..op import FusedOperation, RunSettings
 
-__all__ = ["GroupedMLP", "fuse_grouped_mlp"]
+__all__ = ["GroupedMLP", "fuse_grouped_mlp", "fuse_grouped_mlp_backward"]
 
 
 class GroupedMLP(FusedOperation):
@@ -62,16 +70,55 @@ class GroupedMLP(FusedOperation):
         y = fc2.gemm_forward(ctx2, a_fp8, splits, settings)
         return y.view(*x.shape[:-1], fc2.out_features), [(), (), ()]
 
+    def fuser_backward(self, ctxs, dy, extra_output_grads):
+        ctx1, ctx_act, ctx2 = ctxs
+        fc1, act, fc2 = self.fc1, self.act, self.fc2
+        da, extra2, grads2 = fc2.op_backward(ctx2, dy, extra_output_grads[2])
+        usage = (ctx1.need_dgrad, ctx1.need_wgrad)
+        scaled = act.num_extra_inputs == 1
+        if not any(usage):  # only d(scales) is wanted: nothing to quantize
+            dh, extra_act, _ = act.op_backward(ctx_act, da, extra_output_grads[1])
+            dx, extra1, grads1 = fc1.op_backward(ctx1, dh, extra_output_grads[0])
+            return dx, [extra1, extra_act, extra2], [grads1, (), grads2]
+        if scaled:
+            h, s = ctx_act.saved
+            need_ds = ctx_act.scales_grad
+        else:
+            (h,) = ctx_act.saved
+            s, need_ds = torch.ones(h.shape[0], dtype=torch.float32, device=h.device), False
+        quantizer = ctx1.plan.gemms[0].setup.grouped_grad_output
+        name, limit, alpha = act.activation()
+        dh_fp8, ds = scaled_activation_grad_to_grouped_fp8(
+            quantizer, da.reshape(h.shape[0], -1), h, s, name, limit, alpha,
+            ctx1.splits.sizes(), usage, need_ds,
+        )  # fmt: skip
+        dx, dws, dbs = grouped_linear_backward(ctx1, dh_fp8)
+        if dx is not None:
+            dx = dx.view(*dy.shape[:-1], fc1.in_features)
+        extra_act = ()
+        if scaled:
+            extra_act = (None if ds is None else ds.view(ctx_act.scales_shape),)
+        return dx, [(None,), extra_act, extra2], [(*dws, *dbs), (), grads2]
+
 
 def fuse_grouped_mlp(steps: list, settings: RunSettings) -> list:
-    """Replace each unfused GroupedLinear, gated activation, GroupedLinear whose second GEMM
-    runs the grouped FP8 path with one GroupedMLP."""
+    """Forward: replace each unfused GroupedLinear, gated activation, GroupedLinear whose second
+    GEMM runs the grouped FP8 path with one GroupedMLP."""
+    return _fuse(steps, settings, backward=False)
+
+
+def fuse_grouped_mlp_backward(steps: list, settings: RunSettings) -> list:
+    """Backward: the same, when the first GEMM also runs the grouped FP8 path, without bias."""
+    return _fuse(steps, settings, backward=True)
+
+
+def _fuse(steps: list, settings: RunSettings, backward: bool) -> list:
     if not settings.fp8:
         return steps
     out, i = [], 0
     while i < len(steps):
         window = [op for op, _ in steps[i : i + 3]]
-        if len(window) == 3 and _matches(*window, settings):
+        if len(window) == 3 and _matches(*window, settings, backward):
             indices = [idx for step in steps[i : i + 3] for idx in step[1]]
             out.append((GroupedMLP(*window), indices))
             i += 3
@@ -81,9 +128,11 @@ def fuse_grouped_mlp(steps: list, settings: RunSettings) -> list:
     return out
 
 
-def _matches(fc1, act, fc2, settings: RunSettings) -> bool:
+def _matches(fc1, act, fc2, settings: RunSettings, backward: bool) -> bool:
     if not (isinstance(fc1, GroupedLinear) and isinstance(fc2, GroupedLinear)):
         return False
-    if not isinstance(act, _Activation) or not act.gated or fc1.num_groups != fc2.num_groups:
+    if not isinstance(act, _Activation) or fc1.num_groups != fc2.num_groups:
         return False
-    return fc2.grouped_plan(settings).mode == "fp8"
+    if fc2.grouped_plan(settings).mode != "fp8":
+        return False
+    return not backward or (fc1.grouped_plan(settings).mode == "fp8" and not fc1.use_bias)
