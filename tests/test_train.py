@@ -299,12 +299,13 @@ def test_moe_equals_a_loop_over_tokens_and_their_experts() -> None:
     for t in range(z.shape[0]):
         for j in range(k):
             e = int(chosen[t, j])
-            h = z[t] @ p[f"fc1.weight{e}"].T + p[f"fc1.bias{e}"]
+            h = z[t] @ p[f"experts.fc1.weight{e}"].T + p[f"experts.fc1.bias{e}"]
             h = torch.nn.functional.gelu(h, approximate="tanh")
-            expected[t] += gates[t, j] * (h @ p[f"fc2.weight{e}"].T + p[f"fc2.bias{e}"])
+            out = h @ p[f"experts.fc2.weight{e}"].T + p[f"experts.fc2.bias{e}"]
+            expected[t] += gates[t, j] * out
     torch.testing.assert_close(y.reshape(-1, hidden), expected, rtol=1.3e-6, atol=1e-5)
     y.sum().backward()
-    assert all(p[f"fc1.weight{e}"].grad is not None for e in range(n))
+    assert all(p[f"experts.fc1.weight{e}"].grad is not None for e in range(n))
 
 
 # -- errors --------------------------------------------------------------------------------------

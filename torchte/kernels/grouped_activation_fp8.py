@@ -19,6 +19,8 @@ above runs.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from . import activation as act_mod
@@ -140,6 +142,7 @@ if triton is not None:
         out_t_ptr,  # (K * C,) fp8 columnwise blocks, written as int32 words when COLUMNWISE
         # (ROWWISE and COLUMNWISE are off in the amax pass)
         partial_ptr,  # (column blocks, T) fp32: each block's part of ds (when DS)
+        dbias_ptr,  # (row tiles, K) fp32: each row tile's column sums of dh (when DBIAS)
         N,
         T,
         G,
@@ -155,6 +158,7 @@ if triton is not None:
         ROWWISE: tl.constexpr,
         COLUMNWISE: tl.constexpr,
         DS: tl.constexpr,
+        DBIAS: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         G_BLOCK: tl.constexpr,
@@ -189,6 +193,8 @@ if triton is not None:
         bits = tl.zeros((BLOCK_M // 4, BLOCK_N), tl.int32)
         words1 = tl.zeros((BLOCK_M // 4, BLOCK_N), tl.int32)
         words2 = tl.zeros((BLOCK_M // 4, BLOCK_N), tl.int32)
+        sum1 = tl.zeros((BLOCK_N,), tl.float32)
+        sum2 = tl.zeros((BLOCK_N,), tl.float32)
         for k in tl.static_range(4):
             rows = quads + k
             row_in = rows < rows_g
@@ -206,15 +212,24 @@ if triton is not None:
             if DS:
                 part = tl.sum(dy * _round_as(a, h_ptr), 1)
                 tl.store(partial_ptr + pid_n.to(tl.int64) * T + row_start + rows, part, mask=row_in)
+            dx1, dx2 = _round_as(dx1, h_ptr), _round_as(dx2, h_ptr)  # 0 in masked rows
+            if DBIAS:
+                sum1 += tl.sum(dx1, 0)
+                sum2 += tl.sum(dx2, 0)
             bits, words1 = _encode_slice(
-                _round_as(dx1, h_ptr), k, row_in, offs, mask, scale, bits, words1, out_g,
-                FP8_MAX, True, ROWWISE, COLUMNWISE,
+                dx1, k, row_in, offs, mask, scale, bits, words1, out_g, FP8_MAX, True, ROWWISE,
+                COLUMNWISE,
             )  # fmt: skip
             if GATED:
                 bits, words2 = _encode_slice(
-                    _round_as(dx2, h_ptr), k, row_in, offs + N, mask, scale, bits, words2,
-                    out_g, FP8_MAX, True, ROWWISE, COLUMNWISE,
+                    dx2, k, row_in, offs + N, mask, scale, bits, words2, out_g, FP8_MAX, True,
+                    ROWWISE, COLUMNWISE,
                 )  # fmt: skip
+        if DBIAS:
+            db = dbias_ptr + pid_m.to(tl.int64) * k_cols
+            tl.store(db + cols, sum1, mask=col_in)
+            if GATED:
+                tl.store(db + N + cols, sum2, mask=col_in)
         if COLUMNWISE:
             col_start = tl.multiple_of(tl.load(col_offsets_ptr + group), 16)
             out_t_g = out_t_ptr + col_start.to(tl.int64) * k_cols
@@ -309,14 +324,16 @@ def scaled_activation_backward_grouped_fp8(
     row_offsets: torch.Tensor,
     col_offsets: torch.Tensor,
     spec: CastSpec,
-    need_ds: bool,
-) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+    need: tuple[bool, bool],
+) -> tuple:
     """The backward of a = name(h) * s[:, None] with dh quantized group by group as spec says:
     dy (T, N), h (T, K), s (T,) -> (dh rowwise (T, K) or None, columnwise (K * C,) or None,
-    scale_inv (G,), ds (T,) in s's dtype or None unless need_ds). One launch under delayed
-    scaling, three under current (zeroing, the amax pass, which also sums ds, the cast). dh
-    and ds as scaled_activation_backward computes them (ds summed in another order on a
-    GPU); the bytes those of grouped_cast.quantize_grouped(dh)."""
+    scale_inv (G,), ds (T,) in s's dtype or None, dbias (G, K) in dy's dtype or None).
+    need = (ds, dbias): whether to compute them; dbias is each group's column sums of dh (the
+    bias gradient of the GEMM that made h). One launch under delayed scaling, three under
+    current (zeroing, the amax pass, which also sums ds and dbias, the cast). dh and ds as
+    scaled_activation_backward computes them, dbias as torch.sum over each group's rows of
+    dh (both summed in another order on a GPU); the bytes those of quantize_grouped(dh)."""
     act, gated = act_mod._spec(name)
     n = act_mod._out_cols(h, gated, name)
     if h.dim() != 2 or s.shape != (h.shape[0],) or dy.shape != (h.shape[0], n):
@@ -325,31 +342,58 @@ def scaled_activation_backward_grouped_fp8(
             f"{tuple(s.shape)}, {tuple(dy.shape)}"
         )
     check_fp8_dtype(spec.fp8_dtype, ValueError)
+    need_ds, need_dbias = need
     if not (h.is_cuda and triton_available() and h.numel() > 0):
         dh, ds = scaled_activation_backward(dy, h, s, name, limit, alpha, need_ds)
-        return (*quantize_grouped(dh, m_splits, row_offsets, col_offsets, spec), ds)
+        dbias = None
+        if need_dbias:
+            dbias = torch.zeros(len(m_splits), h.shape[1], dtype=dy.dtype, device=h.device)
+            for g, part in enumerate(dh.split(m_splits)):
+                if part.shape[0]:
+                    torch.sum(part, 0, out=dbias[g])
+        return (*quantize_grouped(dh, m_splits, row_offsets, col_offsets, spec), ds, dbias)
     _check_groups(h, m_splits, row_offsets, col_offsets, spec)
     h, dy = h.contiguous(), dy.contiguous()
-    col_blocks = (n + SCALED_ACT_CONFIG[1] - 1) // SCALED_ACT_CONFIG[1]
-    partial = torch.empty(col_blocks, h.shape[0], dtype=torch.float32, device=h.device)
-    partial = partial if need_ds else None
+    block_m, block_n, _ = SCALED_ACT_CONFIG
+    col_blocks = (n + block_n - 1) // block_n
+    f32 = {"dtype": torch.float32, "device": h.device}
+    sums = (
+        torch.empty(col_blocks, h.shape[0], **f32) if need_ds else None,
+        torch.empty(_row_tiles(m_splits, block_m), h.shape[1], **f32) if need_dbias else None,
+    )
     args = (dy, h, s, n, act, gated, limit, alpha, m_splits, row_offsets, col_offsets, spec)
     if spec.delayed:
-        out = _launch_grad(*args, partial, amax=spec.amax, amax_only=False, current=False)
+        out = _launch_grad(*args, sums, amax=spec.amax, amax_only=False, current=False)
     else:
         amax = _zeroed_amax(spec.amax, len(m_splits), h.device)
-        _launch_grad(*args, partial, amax=amax, amax_only=True, current=True)
-        out = _launch_grad(*args, None, amax=amax, amax_only=False, current=True)
-    ds = partial.sum(0).to(s.dtype) if need_ds else None
-    return (*out, ds)
+        _launch_grad(*args, sums, amax=amax, amax_only=True, current=True)
+        out = _launch_grad(*args, (None, None), amax=amax, amax_only=False, current=True)
+    ds = sums[0].sum(0).to(s.dtype) if need_ds else None
+    dbias = None
+    if need_dbias:
+        one_hot = _tile_one_hot(tuple(m_splits), block_m, h.device)
+        with torch.autocast(h.device.type, enabled=False):  # an fp32 product stays fp32
+            dbias = torch.mm(one_hot, sums[1]).to(dy.dtype)
+    return (*out, ds, dbias)
+
+
+@functools.lru_cache(maxsize=16)
+def _tile_one_hot(m_splits: tuple[int, ...], block_m: int, device) -> torch.Tensor:
+    """(G, row tiles) fp32: 1 where the tile belongs to the group (tiles numbered group by
+    group), to sum each group's tiles as one GEMM, in a fixed order."""
+    groups = [g for g, rows in enumerate(m_splits) for _ in range((rows + block_m - 1) // block_m)]
+    one_hot = torch.zeros(len(m_splits), len(groups), dtype=torch.float32)
+    one_hot[torch.tensor(groups, dtype=torch.int64), torch.arange(len(groups))] = 1.0
+    return one_hot.to(device)
 
 
 def _launch_grad(
-    dy, h, s, n, act, gated, limit, alpha, m_splits, row_offsets, col_offsets, spec, partial,
+    dy, h, s, n, act, gated, limit, alpha, m_splits, row_offsets, col_offsets, spec, sums,
     *, amax, amax_only: bool, current: bool, config=SCALED_ACT_CONFIG,
 ):  # fmt: skip
     """One launch of _scaled_act_grad_grouped_kernel; (rowwise, columnwise, scale_inv), the
-    data None in the amax pass; ds's parts written to `partial` when given."""
+    data None in the amax pass; sums = (ds parts | None, dbias parts | None) written when
+    given."""
     tokens, k_cols, groups = h.shape[0], h.shape[1], len(m_splits)
     block_m, block_n, num_warps = config
     fp8_dtype = spec.fp8_dtype
@@ -362,13 +406,14 @@ def _launch_grad(
         data_t = torch.empty(k_cols * _padded_rows(m_splits), dtype=fp8_dtype, device=h.device)
     out = scale_inv if data is None else data  # never stored to when not asked for
     out_t = scale_inv if data_t is None else data_t
-    part = scale_inv if partial is None else partial
+    partial, dbias = (scale_inv if t is None else t for t in sums)
     scale = amax if spec.scale is None else spec.scale
     grid = (_row_tiles(m_splits, block_m), (n + block_n - 1) // block_n, 1)
     g_block = _group_block(groups)
     power_2 = spec.power_2_scale
-    pointers = (dy, h, s, row_offsets, col_offsets, scale, amax, scale_inv, out, out_t, part)
-    flags = (current, power_2, amax_only, rowwise, columnwise, partial is not None)
+    pointers = (dy, h, s, row_offsets, col_offsets, scale, amax, scale_inv, out, out_t)
+    pointers += (partial, dbias)
+    flags = (current, power_2, amax_only, rowwise, columnwise, *(t is not None for t in sums))
     key = (dy.dtype, h.dtype, s.dtype, fp8_dtype, act, gated, *flags, config, g_block)
     key += (*int_key(n), *int_key(tokens), *int_key(groups), *ptr_key(*pointers))
     _launch_scaled_act_grad_grouped(

@@ -87,10 +87,11 @@ def one_fprop_gemm(device, a_dtype, b_dtype, sizes: list[int]) -> bool:
     return aligned and scaled_grouped_mm_supported(device, a_dtype, b_dtype, False)
 
 
-def fp8_backward(ctx, dy: torch.Tensor | GroupedStorage):
+def fp8_backward(ctx, dy: torch.Tensor | GroupedStorage, dbias: torch.Tensor | None = None):
     """(dx, [dw_g], [db_g]) under FP8, the GEMMs and sums as te.Linear's per group, each GEMM
     writing its rows of one output buffer. dy (T, N) in high precision, or a GroupedStorage a
-    fused producer wrote with this GEMM's grad_output quantizer (only without biases)."""
+    fused producer wrote with this GEMM's grad_output quantizer, with dbias (G, N), the bias
+    gradients it summed, when the biases want them."""
     x_fp8, w_fp8 = restore_saved(ctx)
     plan, splits = ctx.plan, ctx.splits
     first = plan.gemms[0]
@@ -106,12 +107,13 @@ def fp8_backward(ctx, dy: torch.Tensor | GroupedStorage):
     if first.backward_hook is not None:
         first.backward_hook()
     n = dy_fp8.shape[1]
+    dy_operands = None
     dx = None
     if ctx.need_dgrad:
-        dx = _dgrad(dy_fp8, w_fp8, splits, dtype)
+        dx, dy_operands = _dgrad(dy_fp8, w_fp8, splits, dtype)
     dws = [None] * ctx.num_gemms
     if ctx.need_wgrad:
-        _, dy_cols, dy_scales = dy_fp8.gemm_operands()
+        _, dy_cols, dy_scales = dy_operands or dy_fp8.gemm_operands()
         _, x_cols, x_scales = x_fp8.gemm_operands()
         k = x_fp8.shape[1]
         # One GEMM per group into one buffer: the columnwise data of dy and x are one (K, Mp_g)
@@ -128,9 +130,11 @@ def fp8_backward(ctx, dy: torch.Tensor | GroupedStorage):
                 grads[g].zero_()  # a group without rows: zero wgrad
         dws = list(grads.unbind(0))  # one buffer, one view per weight
     dbs = [None] * ctx.num_bias
-    if ctx.num_bias and ctx.bias_grad:
+    if ctx.num_bias and ctx.bias_grad and dbias is not None:
+        dbs = list(dbias.unbind(0))
+    elif ctx.num_bias and ctx.bias_grad:
         if not isinstance(dy, torch.Tensor):
-            raise NotImplementedError("bias gradients from an FP8 dy are not implemented")
+            raise ValueError("fp8_backward: an FP8 dy needs the bias gradients given (dbias)")
         sums = torch.zeros(ctx.num_bias, n, dtype=dtype, device=device)
         for g, part in enumerate(dy.split(sizes)):
             if sizes[g]:
@@ -140,16 +144,18 @@ def fp8_backward(ctx, dy: torch.Tensor | GroupedStorage):
 
 
 def _dgrad(dy_fp8: GroupedStorage, w_fp8: GroupedStorage, splits: GroupSplits, dtype):
-    """dx (T, K): per group dy_g W_g, as one torch._scaled_grouped_mm where it takes these
-    operands (the same probe as fprop's), else one GEMM per group into one buffer."""
+    """(dx (T, K), dy's gemm_operands or None): per group dy_g W_g, as one
+    torch._scaled_grouped_mm where it takes these operands (the same probe as fprop's; on sm90
+    not for e5m2 gradients), else one GEMM per group into one buffer."""
     sizes = splits.sizes()
     device = w_fp8.scale_inv.device
     if one_fprop_gemm(device, dy_fp8.fp8_dtype, w_fp8.fp8_dtype, sizes):
-        return scaled_grouped_dgrad(dy_fp8, w_fp8, splits, dtype)
-    dy_rows, _, dy_scales = dy_fp8.gemm_operands()
+        return scaled_grouped_dgrad(dy_fp8, w_fp8, splits, dtype), None
+    operands = dy_fp8.gemm_operands()
+    dy_rows, _, dy_scales = operands
     _, w_cols, w_scales = w_fp8.gemm_operands()
     dx = torch.empty(dy_fp8.shape[0], w_fp8.shape[1], dtype=dtype, device=device)
     for g, out in enumerate(dx.split(sizes)):
         if sizes[g]:
             fp8_gemm(dy_rows[g], dy_scales[g], w_cols[g], w_scales[g], dtype, out=out)
-    return dx
+    return dx, operands

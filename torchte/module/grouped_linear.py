@@ -228,12 +228,13 @@ def grouped_weights_fp8(module, plan: GroupedPlan, weights, is_first_microbatch,
     ]
 
 
-def grouped_linear_backward(ctx, dy: torch.Tensor):
-    """(dx, [dw_g], [db_g]) of the path grouped_linear_forward took."""
+def grouped_linear_backward(ctx, dy, dbias: torch.Tensor | None = None):
+    """(dx, [dw_g], [db_g]) of the path grouped_linear_forward took. On the "fp8" path dy may
+    be a GroupedStorage a fused producer wrote, with the bias gradients it summed (dbias)."""
+    if ctx.plan.mode == "fp8":
+        return fp8_backward(ctx, dy, dbias)
     if ctx.plan.mode == "grouped":
         return _grouped_backward(ctx, dy)
-    if ctx.plan.mode == "fp8":
-        return fp8_backward(ctx, dy)
     return _per_group_backward(ctx, dy)
 
 

@@ -83,16 +83,18 @@ def scaled_activation_to_grouped_fp8(
 
 
 def scaled_activation_grad_to_grouped_fp8(
-    quantizer, dy, h, s, activation: str, limit: float, alpha: float, m_splits, usage, need_ds
-) -> tuple[GroupedStorage, torch.Tensor | None]:
+    quantizer, dy, h, s, activation: str, limit: float, alpha: float, m_splits, usage, need
+) -> tuple[GroupedStorage, torch.Tensor | None, torch.Tensor | None]:
     """dh, the gradient of h for a = activation(h) * s[:, None] and da = dy (T, N), written
-    group by group in FP8 by one kernel (current scaling: an amax pass first), with ds (T,)
-    in s's dtype when need_ds: (dh as a GroupedStorage (T, K), ds or None). usage =
-    (rowwise, columnwise)."""
+    group by group in FP8 by one kernel (current scaling: an amax pass first): (dh as a
+    GroupedStorage (T, K), ds (T,) in s's dtype or None, dbias (G, K) in dy's dtype or None).
+    usage = (rowwise, columnwise) of dh; need = (ds, dbias): which sums to make."""
     rows, cols = grouped_cast.grouped_offsets(m_splits, h.device)
     spec = quantizer.cast_spec(*usage)
-    data, data_t, scale_inv, ds = grouped_activation_fp8.scaled_activation_backward_grouped_fp8(
-        dy, h, s, activation, limit, alpha, m_splits, rows, cols, spec, need_ds
+    data, data_t, scale_inv, ds, dbias = (
+        grouped_activation_fp8.scaled_activation_backward_grouped_fp8(
+            dy, h, s, activation, limit, alpha, m_splits, rows, cols, spec, need
+        )
     )
     dh = GroupedStorage(data, data_t, scale_inv, quantizer.fp8_dtype, m_splits, tuple(h.shape))
-    return dh, ds
+    return dh, ds, dbias

@@ -21,7 +21,7 @@ __all__ = ["GroupedQuantizer"]
 class GroupedQuantizer:
     """Quantizes grouped rows with one scale per group (see the module docstring)."""
 
-    __slots__ = ("amax_epsilon", "fp8_dtype", "power_2_scale", "slot", "state")
+    __slots__ = ("_specs", "amax_epsilon", "fp8_dtype", "power_2_scale", "slot", "state")
 
     def __init__(
         self,
@@ -36,14 +36,21 @@ class GroupedQuantizer:
         self.fp8_dtype = fp8_dtype
         self.state, self.slot = state, slot
         self.amax_epsilon, self.power_2_scale = amax_epsilon, power_2_scale
+        # CastSpecs per usage: the state's (G,) views stay valid (it is updated in place).
+        self._specs: dict[tuple[bool, bool], CastSpec] = {}
 
     def cast_spec(self, rowwise: bool, columnwise: bool) -> CastSpec:
         """How the grouped cast writes this quantizer's output (scale and amax (G,) views)."""
-        if self.state is None:
-            eps, power_2 = self.amax_epsilon, self.power_2_scale
-            return CastSpec(self.fp8_dtype, rowwise, columnwise, None, None, eps, power_2)
-        scale, amax = self.state.slot_vectors(self.slot)
-        return CastSpec(self.fp8_dtype, rowwise, columnwise, scale, amax)
+        spec = self._specs.get((rowwise, columnwise))
+        if spec is None:
+            if self.state is None:
+                eps, power_2 = self.amax_epsilon, self.power_2_scale
+                spec = CastSpec(self.fp8_dtype, rowwise, columnwise, None, None, eps, power_2)
+            else:
+                scale, amax = self.state.slot_vectors(self.slot)
+                spec = CastSpec(self.fp8_dtype, rowwise, columnwise, scale, amax)
+            self._specs[(rowwise, columnwise)] = spec
+        return spec
 
     def quantize(
         self, x: torch.Tensor, m_splits: list[int], rowwise: bool = True, columnwise: bool = True

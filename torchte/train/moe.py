@@ -1,4 +1,5 @@
-"""A mixture-of-experts MLP of te modules: LayerNorm, a router, two te.GroupedLinear layers.
+"""A mixture-of-experts MLP: te.LayerNorm, a router, and te.ops' fused grouped MLP (grouped
+FC1 -> GELU times the router's probabilities -> grouped FC2 whose bias is scaled the same way).
 
 Legend: T tokens (batch x sequence), H hidden, F the experts' hidden width, E experts, k experts
 per token, A = T k assignments (assignment a = t k + j is token t's j-th choice), P rows of
@@ -7,18 +8,23 @@ the permuted buffer (each expert's assignments, padded to a multiple of EXPERT_A
 Each token goes to the k experts with the largest router logits, weighted by the softmax over
 those k logits. The assignments are gathered expert by expert into one (P, H) buffer, each
 expert's rows padded with zero rows to a multiple of 16, and the padding rows are dropped
-afterwards, so they reach neither the output nor any gradient. te.GroupedLinear's FP8 GEMMs
-want aligned splits; in bf16 the padding keeps the set of GEMM shapes small, which matters on
-the CPU, where the GEMM library keeps code and buffers per shape (memory grows with every new
-token count otherwise).
+afterwards, so they reach neither the output nor any gradient. The grouped FP8 GEMMs want
+aligned splits; in bf16 the padding keeps the set of GEMM shapes small, which matters on the
+CPU, where the GEMM library keeps code and buffers per shape (memory grows with every new token
+count otherwise).
+
+Each assignment's gate (its router probability) multiplies the activation inside the fused
+kernel and FC2's bias (scale_bias), so FC2's output row is already gate * expert(x): the
+assignments of a token are then only summed. Under FP8 the activation, the gate and the
+quantization of FC2's input are one kernel, and so is their backward.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import torchte as te
@@ -63,8 +69,16 @@ class MoEMLP(nn.Module):
         # The router stays in fp32: its logits decide discrete choices.
         self.router = nn.Linear(hidden, num_experts, bias=False, device=device)
         init(self.router.weight)
-        self.fc1 = te.GroupedLinear(num_experts, hidden, ffn, init_method=init, **kw)
-        self.fc2 = te.GroupedLinear(num_experts, ffn, hidden, init_method=out_init, **kw)
+        ops = {"dtype": dtype, "device": device}
+        self.experts = te.ops.Sequential(
+            OrderedDict(
+                fc1=te.ops.GroupedLinear(num_experts, hidden, ffn, init_method=init, **ops),
+                act=te.ops.ScaledGELU(),
+                fc2=te.ops.GroupedLinear(
+                    num_experts, ffn, hidden, init_method=out_init, scale_bias=True, **ops
+                ),
+            )
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x_TH = x.reshape(-1, x.shape[-1])
@@ -74,10 +88,12 @@ class MoEMLP(nn.Module):
         top_logits_Tk, experts_Tk = logits_TE.topk(self.top_k, dim=-1)
         gates_Tk = top_logits_Tk.softmax(dim=-1)
         dest_A, m_splits = route(experts_Tk, self.num_experts, EXPERT_ALIGN)
+        rows = sum(m_splits)
         z_AH = z_TH.repeat_interleave(self.top_k, dim=0)
-        z_PH = z_TH.new_zeros(sum(m_splits), z_TH.shape[1]).index_copy(0, dest_A, z_AH)
-        h_PF = F.gelu(self.fc1(z_PH, m_splits), approximate="tanh")
-        y_PH = self.fc2(h_PF, m_splits)
+        z_PH = z_TH.new_zeros(rows, z_TH.shape[1]).index_copy(0, dest_A, z_AH)
+        # the padding rows get gate 0: their output is 0 (and dropped anyway)
+        gates_P = gates_Tk.new_zeros(rows).index_copy(0, dest_A, gates_Tk.reshape(-1))
+        y_PH = self.experts(z_PH, m_splits, gates_P, m_splits, gates_P)
         y_TkH = y_PH[dest_A].view(*experts_Tk.shape, -1)  # padding rows dropped here
-        y_TH = (y_TkH.float() * gates_Tk.unsqueeze(-1)).sum(dim=1)
+        y_TH = y_TkH.float().sum(dim=1)
         return y_TH.to(x.dtype).view(x.shape)

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from torchte._group_splits import GroupSplits, group_splits
+from torchte.gemm import fp32_mm
 from torchte.module._lifecycle import ParameterInit, fill
 from torchte.module._linear_core import default_init_method
 from torchte.module.base import PlanKey
@@ -35,7 +36,7 @@ from ..op import BasicOperation, OperationContext, RunSettings
 
 __all__ = ["GroupedLinear"]
 
-_NOT_YET = ("single_grouped_weight", "single_grouped_bias", "delay_wgrad_compute", "scale_bias")
+_NOT_YET = ("single_grouped_weight", "single_grouped_bias", "delay_wgrad_compute")
 
 
 class GroupedLinear(BasicOperation):
@@ -45,6 +46,9 @@ class GroupedLinear(BasicOperation):
     of one (G, N, K) and one (G, N) buffer, so grouped GEMMs read them in place.
     accumulate_into_main_grad: each weight's gradient is added to its `main_grad` (fp32)
     instead of being returned, as te.GroupedLinear's fuse_wgrad_accumulation.
+    scale_bias (with bias): a second extra input s (one value per row) scales the bias, y_t =
+    x_t W_g^T + s_t b_g, as an MoE layer whose router probabilities were applied before the
+    GEMM needs to stay p (x W^T + b).
     """
 
     num_extra_inputs = 1
@@ -73,7 +77,7 @@ class GroupedLinear(BasicOperation):
             raise ValueError(
                 f"in_features and out_features must be positive, got {in_features}, {out_features}"
             )
-        given = (single_grouped_weight, single_grouped_bias, delay_wgrad_compute, scale_bias)
+        given = (single_grouped_weight, single_grouped_bias, delay_wgrad_compute)
         asked = [name for name, on in zip(_NOT_YET, given, strict=True) if on]
         if asked:
             raise NotImplementedError(
@@ -87,6 +91,9 @@ class GroupedLinear(BasicOperation):
         super().__init__(device, dtype, num_gemms=num_groups)
         self.num_groups, self.in_features, self.out_features = num_groups, in_features, out_features
         self.use_bias = bias
+        self.scale_bias = scale_bias and bias
+        if self.scale_bias:
+            self.num_extra_inputs = 2  # the split sizes, then the scales of the bias
         self.fuse_wgrad_accumulation = accumulate_into_main_grad
         self._init_method = init_method or default_init_method
         kw = {"dtype": self.params_dtype, "device": self.device}
@@ -147,28 +154,71 @@ class GroupedLinear(BasicOperation):
         w_fp8 = grouped_weights_fp8(self, plan, weights, None, need_dgrad)
         return GroupedCall(plan, splits, w_fp8, len(self.bias_names)), params
 
-    def gemm_forward(self, ctx: OperationContext, x, split_sizes, settings: RunSettings):
+    def gemm_forward(self, ctx: OperationContext, x, split_sizes, settings, scales=None):
         """y (T, N) from x (T, K) (a tensor, or a GroupedStorage a fused producer wrote under
-        FP8); ctx filled for op_backward."""
+        FP8); ctx filled for op_backward. scales: the (T,) bias scales (scale_bias only)."""
         need_dgrad = settings.requires_grad and ctx.input_requires_grad
         call, params = self.grouped_call(x, split_sizes, settings, need_dgrad)
-        if not settings.requires_grad:
-            grads = (False,) * (len(params) + 2)
-            return grouped_linear_forward(NoGradContext(), x, call, params, grads)
-        grads = (need_dgrad, False, *(p.requires_grad for p in params))
-        return grouped_linear_forward(ctx, x, call, params, grads)
+        if self.scale_bias:
+            call.num_bias, params = 0, params[: self.num_groups]  # the bias is added below
+        target = ctx if settings.requires_grad else NoGradContext()
+        grads = (need_dgrad, False, *(p.requires_grad and settings.requires_grad for p in params))
+        y = grouped_linear_forward(target, x, call, params, grads)
+        if self.scale_bias:
+            y = self._add_scaled_bias(ctx, y, call.splits, scales, settings)
+        return y
+
+    def _add_scaled_bias(self, ctx, y, splits: GroupSplits, scales, settings: RunSettings):
+        """y + s[:, None] * b[group of each row], rounded once to y's dtype."""
+        if not isinstance(scales, torch.Tensor) or not scales.is_floating_point():
+            raise TypeError(
+                "te.ops.GroupedLinear(scale_bias=True): its second extra input (the bias "
+                f"scales) must be a floating-point tensor, got {scales!r:.80}"
+            )
+        if scales.numel() != y.shape[0] or scales.device != y.device:
+            raise ValueError(
+                f"te.ops.GroupedLinear(scale_bias=True): the bias scales have shape "
+                f"{tuple(scales.shape)} on {scales.device}; the input has {y.shape[0]} rows on "
+                f"{y.device}: one scale per row"
+            )
+        s = scales.reshape(-1)
+        biases = torch.stack([self._parameters[name] for name in self.bias_names])
+        rows = biases.float().index_select(0, splits.row_groups())
+        if settings.requires_grad:
+            ctx.bias_scales, ctx.scales_grad = s, scales.requires_grad
+            ctx.scales_shape = scales.shape
+        return (y.float() + rows * s.float()[:, None]).to(y.dtype)
 
     def op_forward(self, ctx, x, extra_inputs, settings):
         self._check_input(x, self.in_features)
         x2d = x.reshape(-1, self.in_features)
-        y = self.gemm_forward(ctx, x2d, extra_inputs[0], settings)
+        y = self.gemm_forward(ctx, x2d, extra_inputs[0], settings, *extra_inputs[1:])
         return y.view(*x.shape[:-1], self.out_features), ()
 
     def op_backward(self, ctx, dy, extra_output_grads):
-        dx, dws, dbs = grouped_linear_backward(ctx, dy.reshape(-1, self.out_features))
+        dy2d = dy.reshape(-1, self.out_features)
+        dx, dws, dbs = grouped_linear_backward(ctx, dy2d)
         if dx is not None:
             dx = dx.view(*dy.shape[:-1], self.in_features)
-        return dx, (None,), (*dws, *dbs)
+        if not self.scale_bias:
+            return dx, (None,), (*dws, *dbs)
+        dbs, ds = self._scaled_bias_grads(ctx, dy2d)
+        return dx, (None, ds), (*dws, *dbs)
+
+    def _scaled_bias_grads(self, ctx, dy2d):
+        """([db_g] (N,) each, ds (the scales' shape) or None) of y += s b[group]."""
+        s, splits = ctx.bias_scales, ctx.splits
+        biases = [self._parameters[name] for name in self.bias_names]
+        dbs = [None] * len(biases)
+        if any(b.requires_grad for b in biases):
+            scaled = dy2d.float() * s.float()[:, None]
+            sums = fp32_mm(splits.one_hot(torch.float32), scaled)  # (G, N), a fixed order
+            dbs = list(sums.to(biases[0].dtype).unbind(0))
+        ds = None
+        if ctx.scales_grad:
+            rows = torch.stack(biases).float().index_select(0, splits.row_groups())
+            ds = (dy2d.float() * rows).sum(-1).to(s.dtype).view(ctx.scales_shape)
+        return dbs, ds
 
     def extra_repr(self) -> str:
         return (

@@ -9,10 +9,10 @@ the first GEMM's output, s (T,) the scales, a = act(h) * s (T, F), y (T, N).
 
 Backward (its own fusion, fuse_grouped_mlp_backward): FC2's grouped FP8 dgrad and wgrad, then
 one kernel computes the activation's gradient dh, writes it in FP8 group by group for FC1's
-GEMMs (current scaling: an amax pass first, which also sums ds) and ds = d(scales); then FC1's
-grouped FP8 dgrad and wgrad. It needs FC1 without bias (the bias gradient would need dh in
-high precision). Each basic op's context is filled as its own op_forward would fill it, so
-either direction also runs the basic ops unchanged.
+GEMMs (current scaling: an amax pass first, which also makes the sums), ds = d(scales) and
+FC1's bias gradients (each group's column sums of dh); then FC1's grouped FP8 dgrad and wgrad.
+Each basic op's context is filled as its own op_forward would fill it, so either direction
+also runs the basic ops unchanged.
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ class GroupedMLP(FusedOperation):
                 ctx_act.scales_shape = extra_inputs[1][0].shape
             else:
                 ctx_act.save_for_backward(h)
-        y = fc2.gemm_forward(ctx2, a_fp8, splits, settings)
+        y = fc2.gemm_forward(ctx2, a_fp8, splits, settings, *extra_inputs[2][1:])
         return y.view(*x.shape[:-1], fc2.out_features), [(), (), ()]
 
     def fuser_backward(self, ctxs, dy, extra_output_grads):
@@ -88,11 +88,12 @@ class GroupedMLP(FusedOperation):
             s, need_ds = torch.ones(h.shape[0], dtype=torch.float32, device=h.device), False
         quantizer = ctx1.plan.gemms[0].setup.grouped_grad_output
         name, limit, alpha = act.activation()
-        dh_fp8, ds = scaled_activation_grad_to_grouped_fp8(
+        need = (need_ds, bool(ctx1.num_bias and ctx1.bias_grad))
+        dh_fp8, ds, dbias = scaled_activation_grad_to_grouped_fp8(
             quantizer, da.reshape(h.shape[0], -1), h, s, name, limit, alpha,
-            ctx1.splits.sizes(), usage, need_ds,
+            ctx1.splits.sizes(), usage, need,
         )  # fmt: skip
-        dx, dws, dbs = grouped_linear_backward(ctx1, dh_fp8)
+        dx, dws, dbs = grouped_linear_backward(ctx1, dh_fp8, dbias)
         if dx is not None:
             dx = dx.view(*dy.shape[:-1], fc1.in_features)
         extra_act = ()
@@ -108,7 +109,7 @@ def fuse_grouped_mlp(steps: list, settings: RunSettings) -> list:
 
 
 def fuse_grouped_mlp_backward(steps: list, settings: RunSettings) -> list:
-    """Backward: the same, when the first GEMM also runs the grouped FP8 path, without bias."""
+    """Backward: the same, when the first GEMM also runs the grouped FP8 path."""
     return _fuse(steps, settings, backward=True)
 
 
@@ -135,4 +136,4 @@ def _matches(fc1, act, fc2, settings: RunSettings, backward: bool) -> bool:
         return False
     if fc2.grouped_plan(settings).mode != "fp8":
         return False
-    return not backward or (fc1.grouped_plan(settings).mode == "fp8" and not fc1.use_bias)
+    return not backward or fc1.grouped_plan(settings).mode == "fp8"
