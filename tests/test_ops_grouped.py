@@ -17,6 +17,7 @@ from tolerances import assert_close, representable
 
 import torchte as te
 from torchte import recipe
+from torchte.kernels.activation import activation_forward
 from torchte.kernels.cast_spec import CastSpec
 from torchte.kernels.grouped_activation_fp8 import (
     scaled_activation_backward_grouped_fp8,
@@ -24,6 +25,7 @@ from torchte.kernels.grouped_activation_fp8 import (
 )
 from torchte.kernels.grouped_cast import grouped_offsets, quantize_grouped
 from torchte.kernels.scaled_activation import (
+    row_dots,
     scaled_activation_backward,
     scaled_activation_forward,
 )
@@ -421,8 +423,10 @@ def test_scaled_activation_backward_grouped_fp8_equals_backward_then_grouped_cas
                                b.view(torch.uint8) if b.dtype.itemsize == 1 else b)  # fmt: skip
     if device == "cpu":
         assert torch.equal(got[-1], want[-1])
-    else:
-        assert_close(got[-1], want[-1], torch.float32)
+    else:  # fp32 sums in another order: off by a few ulps of the sum of |terms|
+        a = activation_forward(h, name)
+        bound = 4 * torch.finfo(torch.float32).eps * row_dots(dy.abs(), a.abs()) + 1e-6
+        assert ((got[-1] - want[-1]).abs() <= bound).all()
 
 
 class _DelayedVectors:

@@ -9,8 +9,8 @@ a (T, N). The output is laid out as grouped_cast's (rowwise (T, N), columnwise (
 per-group (N, round_up(m_g, 16)) blocks, scale_inv (G,)), and the bytes, amaxes and scale_invs
 are those of
     grouped_cast.quantize_grouped(scaled_activation.scaled_activation_forward(h, s), ...)
-(the activation math is activation.py's jit helper in fp32, rounded to h's dtype before and
-after the multiplication by s, as storing a and then y would round it).
+(the activation math is activation.py's jit helper in fp32; a, s and their product each
+rounded to h's dtype, as scaled_activation.py defines them).
 
 How a program finds its group, and the grid: as in grouped_cast (row tiles numbered group by
 group, _tile_group). Elsewhere than on CUDA with Triton (and for an empty h), the composition
@@ -112,7 +112,7 @@ if triton is not None:
             mask = row_in[:, None] & col_in[None, :]
             a = _act_values(h_g, rows, cols, mask, N, limit, alpha, ACT, GATED)
             p = tl.load(s_ptr + row_start + rows, mask=row_in, other=0.0).to(tl.float32)
-            y = _round_as(a * p[:, None], h_ptr)
+            y = _round_as(a * _round_as(p, h_ptr)[:, None], h_ptr)
             offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
             bits, words = _encode_slice(
                 y, k, row_in, offs, mask, scale, bits, words, out_g, FP8_MAX, True,
@@ -202,6 +202,7 @@ if triton is not None:
             r64 = rows.to(tl.int64)[:, None]
             dy = tl.load(dy_g + r64 * N + cols[None, :], mask=mask, other=0.0).to(tl.float32)
             p = tl.load(s_ptr + row_start + rows, mask=row_in, other=0.0).to(tl.float32)
+            p = _round_as(p, h_ptr)
             offs = r64 * k_cols + cols[None, :]
             x = tl.load(h_g + offs, mask=mask, other=0.0).to(tl.float32)
             g = x

@@ -2,13 +2,14 @@
 experts MLP applied inside its activation.
 
 Legend: h (M, K), K = 2N for gated activations (else N), s (M,) (any float dtype), a = act(h)
-(M, N) in h's dtype, y (M, N) in h's dtype, dy (M, N).
+(M, N) in h's dtype, y (M, N) in h's dtype, dy (M, N) in h's dtype.
 
-The arithmetic, which grouped_activation_fp8's kernel reproduces value for value:
+The arithmetic, which grouped_activation_fp8's kernels reproduce value for value (s is first
+rounded to h's dtype, as every other operand of the MLP is; each product is rounded once):
   a = activation_forward(h)                       (rounded to h's dtype)
-  y = round_to_h_dtype(fp32(a) * fp32(s))
-  g = round_to_h_dtype(fp32(dy) * fp32(s))        dh = activation_backward(g, h)
-  ds = sum over the row of fp32(dy) * fp32(a)      (fp32, then s's dtype)
+  y = round(a * round(s))
+  g = round(dy * round(s))                         dh = activation_backward(g, h)
+  ds = sum over the row of dy * a                  (fp32 sums, then s's dtype)
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 
 from .activation import activation_backward, activation_forward
 
-__all__ = ["scaled_activation_backward", "scaled_activation_forward"]
+__all__ = ["row_dots", "scaled_activation_backward", "scaled_activation_forward"]
 
 
 def scaled_activation_forward(
@@ -25,7 +26,7 @@ def scaled_activation_forward(
 ) -> torch.Tensor:
     """y = act(h) * s[:, None], h (M, K), s (M,) -> y (M, N) in h's dtype."""
     a = activation_forward(h, name, limit, alpha)
-    return (a.float() * s.float()[:, None]).to(h.dtype)
+    return a.mul_(s.to(h.dtype)[:, None])
 
 
 def scaled_activation_backward(
@@ -38,11 +39,17 @@ def scaled_activation_backward(
     need_ds: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(dh (M, K) in h's dtype, ds (M,) in s's dtype or None unless need_ds)."""
-    s32 = s.float()[:, None]
-    g = (dy.float() * s32).to(h.dtype)
-    dh = activation_backward(g, h, name, limit, alpha)
+    dy = dy.to(h.dtype)
+    dh = activation_backward(dy * s.to(h.dtype)[:, None], h, name, limit, alpha)
     ds = None
     if need_ds:
-        a = activation_forward(h, name, limit, alpha)
-        ds = (dy.float() * a.float()).sum(-1).to(s.dtype)
+        ds = row_dots(dy, activation_forward(h, name, limit, alpha)).to(s.dtype)
     return dh, ds
+
+
+def row_dots(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """(M,) fp32: the dot product of each row of a and b (M, N), the products summed in fp32
+    without an fp32 copy of either on a GPU (a batched GEMM)."""
+    if a.is_cuda and a.dtype in (torch.bfloat16, torch.float16):
+        return torch.bmm(a[:, None, :], b[:, :, None], out_dtype=torch.float32).view(-1)
+    return (a.float() * b.float()).sum(-1)

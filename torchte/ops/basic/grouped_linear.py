@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from torchte._group_splits import GroupSplits, group_splits
-from torchte.gemm import fp32_mm
+from torchte.gemm import hp_mm
 from torchte.module._lifecycle import ParameterInit, fill
 from torchte.module._linear_core import default_init_method
 from torchte.module.base import PlanKey
@@ -169,7 +169,8 @@ class GroupedLinear(BasicOperation):
         return y
 
     def _add_scaled_bias(self, ctx, y, splits: GroupSplits, scales, settings: RunSettings):
-        """y + s[:, None] * b[group of each row], rounded once to y's dtype."""
+        """y += s[:, None] * b[group of each row] as one GEMM of K = G: (s_t where row t is in
+        group g) (T, G) @ b (G, N), s and b in y's dtype, products summed in fp32."""
         if not isinstance(scales, torch.Tensor) or not scales.is_floating_point():
             raise TypeError(
                 "te.ops.GroupedLinear(scale_bias=True): its second extra input (the bias "
@@ -182,12 +183,19 @@ class GroupedLinear(BasicOperation):
                 f"{y.device}: one scale per row"
             )
         s = scales.reshape(-1)
-        biases = torch.stack([self._parameters[name] for name in self.bias_names])
-        rows = biases.float().index_select(0, splits.row_groups())
         if settings.requires_grad:
             ctx.bias_scales, ctx.scales_grad = s, scales.requires_grad
             ctx.scales_shape = scales.shape
-        return (y.float() + rows * s.float()[:, None]).to(y.dtype)
+        return y.addmm_(self._scaled_one_hot(splits, s, y.dtype).t(), self._biases(y.dtype))
+
+    def _biases(self, dtype: torch.dtype) -> torch.Tensor:
+        """(G, N) in dtype."""
+        return torch.stack([self._parameters[name] for name in self.bias_names]).to(dtype)
+
+    @staticmethod
+    def _scaled_one_hot(splits: GroupSplits, s: torch.Tensor, dtype) -> torch.Tensor:
+        """(G, T) in dtype: s_t where row t belongs to group g, else 0."""
+        return splits.one_hot(dtype) * s.to(dtype)[None, :]
 
     def op_forward(self, ctx, x, extra_inputs, settings):
         self._check_input(x, self.in_features)
@@ -206,18 +214,23 @@ class GroupedLinear(BasicOperation):
         return dx, (None, ds), (*dws, *dbs)
 
     def _scaled_bias_grads(self, ctx, dy2d):
-        """([db_g] (N,) each, ds (the scales' shape) or None) of y += s b[group]."""
+        """([db_g] (N,) each, ds (the scales' shape) or None) of y += s b[group], as GEMMs
+        with fp32 sums: db = (s one-hot) (G, T) @ dy, ds_t = (dy @ b^T)[t, group of t]."""
         s, splits = ctx.bias_scales, ctx.splits
-        biases = [self._parameters[name] for name in self.bias_names]
-        dbs = [None] * len(biases)
-        if any(b.requires_grad for b in biases):
-            scaled = dy2d.float() * s.float()[:, None]
-            sums = fp32_mm(splits.one_hot(torch.float32), scaled)  # (G, N), a fixed order
-            dbs = list(sums.to(biases[0].dtype).unbind(0))
+        dtype = dy2d.dtype
+        params = [self._parameters[name] for name in self.bias_names]
+        dbs = [None] * len(params)
+        if any(b.requires_grad for b in params):
+            sums = torch.empty(len(params), dy2d.shape[1], dtype=torch.float32, device=s.device)
+            hp_mm(self._scaled_one_hot(splits, s, dtype), dy2d, out=sums)
+            dbs = list(sums.to(params[0].dtype).unbind(0))
         ds = None
         if ctx.scales_grad:
-            rows = torch.stack(biases).float().index_select(0, splits.row_groups())
-            ds = (dy2d.float() * rows).sum(-1).to(s.dtype).view(ctx.scales_shape)
+            per_group = torch.empty(dy2d.shape[0], len(params), dtype=torch.float32,
+                                    device=s.device)  # fmt: skip
+            hp_mm(dy2d, self._biases(dtype).t(), out=per_group)
+            rows = splits.row_groups()[:, None]
+            ds = per_group.gather(1, rows).to(s.dtype).view(ctx.scales_shape)
         return dbs, ds
 
     def extra_repr(self) -> str:
