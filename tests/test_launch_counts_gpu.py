@@ -48,12 +48,12 @@ EXPECTED = {
     ("GroupedLinear", "bf16", "fwdbwd"): 10,
     ("GroupedLinear", "delayed", "fwdbwd"): 41,
     ("GroupedLinear", "current", "fwdbwd"): 45,
-    ("GroupedMLP", "bf16", "fwd"): -1,
-    ("GroupedMLP", "delayed", "fwd"): -1,
-    ("GroupedMLP", "current", "fwd"): -1,
-    ("GroupedMLP", "bf16", "fwdbwd"): -1,
-    ("GroupedMLP", "delayed", "fwdbwd"): -1,
-    ("GroupedMLP", "current", "fwdbwd"): -1,
+    ("GroupedMLP", "bf16", "fwd"): 7,
+    ("GroupedMLP", "delayed", "fwd"): 14,
+    ("GroupedMLP", "current", "fwd"): 20,
+    ("GroupedMLP", "bf16", "fwdbwd"): 21,
+    ("GroupedMLP", "delayed", "fwdbwd"): 76,
+    ("GroupedMLP", "current", "fwdbwd"): 84,
 }
 
 
