@@ -29,6 +29,7 @@ from torchte.kernels.scaled_activation import (
     scaled_activation_backward,
     scaled_activation_forward,
 )
+from torchte.offload import SynchronousCopies
 from torchte.quantization.grouped_quantizer import GroupedQuantizer
 
 RECIPES = {
@@ -343,6 +344,9 @@ def test_grouped_mlp_bad_input_is_refused_before_any_kernel(monkeypatch):
                           te.ops.GroupedLinear(2, 48, 8))  # fmt: skip
     with pytest.raises(NotImplementedError, match="delay_wgrad_compute"):
         te.ops.GroupedLinear(2, 8, 8, delay_wgrad_compute=True)
+    mxfp8 = te.autocast(recipe=recipe.MXFP8BlockScaling())
+    with pytest.raises(NotImplementedError, match="MXFP8BlockScaling"), mxfp8:
+        mlp(x, SPLITS, probs, SPLITS)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -437,3 +441,83 @@ class _DelayedVectors:
 
     def cast_spec(self, rowwise, columnwise):
         return CastSpec(self.fp8_dtype, rowwise, columnwise, self.scale, self.amax)
+
+
+class _Counting(SynchronousCopies):
+    """SynchronousCopies recording the tensors it moved out."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.moved: list[torch.Tensor] = []
+
+    def to_host(self, tensor, host):
+        self.moved.append(tensor)
+        return super().to_host(tensor, host)
+
+
+@pytest.mark.parametrize("recipe_name", list(RECIPES))
+def test_grouped_mlp_offloaded_equals_kept_bit_for_bit(recipe_name):
+    """CPU offloading of everything the fused ops save (GroupedStorages component by
+    component): the same gradients, FP8 bytes among what moved, each tensor moved once, and
+    nothing left behind."""
+    blocks, twins = [_mlp("cpu", bias=True) for _ in range(3)], []
+    for block in blocks:
+        twins.append(copy.deepcopy(block))
+    copies = _Counting()
+    context, sync = te.get_cpu_offload_context(
+        enabled=True, num_layers=2, model_layers=3, min_offload_bytes=0, copies=copies
+    )
+    x, probs = _data(sum(SPLITS), 64, "cpu")
+
+    def run(layers, offload: bool):
+        h = x.clone().requires_grad_(True)
+        out = h
+        with _fp8(recipe_name):
+            for layer in layers:
+                if offload:
+                    with context:
+                        out = layer(out, SPLITS, probs, SPLITS)
+                    out = sync(out)
+                else:
+                    out = layer(out, SPLITS, probs, SPLITS)
+        out.float().square().mean().backward()
+        grads = [h.grad] + [p.grad for layer in layers for p in layer.parameters()]
+        for layer in layers:
+            layer.zero_grad(set_to_none=True)
+        return grads
+
+    for step in range(2):
+        copies.moved.clear()
+        got, want = run(blocks, True), run(twins, False)
+        for a, b in zip(got, want, strict=True):
+            assert (a is None) == (b is None) and (a is None or _equal(a, b)), step
+        assert copies.moved, "nothing was offloaded"
+        assert len({id(t) for t in copies.moved}) == len(copies.moved)  # each moved once
+        if recipe_name != "bf16":
+            fp8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+            assert any(t.dtype in fp8 for t in copies.moved)
+        assert not any(context.handler.saved.values())  # every offloaded tensor came back
+
+
+@pytest.mark.parametrize("recipe_name", ["bf16", "current"])
+def test_grouped_ops_checkpointed_equal_kept(recipe_name):
+    """torch.utils.checkpoint around the unfused grouped ops (te.autocast entered inside the
+    checkpointed function, so the recompute runs under the same recipe) gives the same
+    output and gradients."""
+    mlp = _mlp("cpu", bias=True)
+    fc1, act, fc2 = mlp
+    x, probs = _data(sum(SPLITS), 64, "cpu")
+
+    def block(x, p):
+        with _fp8(recipe_name):
+            return fc2(act(fc1(x, SPLITS), p), SPLITS)
+
+    def checkpointed(x, p):
+        return torch.utils.checkpoint.checkpoint(block, x, p, use_reentrant=False)
+
+    want = _train_step(block, x, probs, mlp, "bf16")
+    got = _train_step(checkpointed, x, probs, mlp, "bf16")
+    for a, b in zip(got[:3], want[:3], strict=True):
+        assert _equal(a, b)
+    for name in want[3]:
+        assert _equal(got[3][name], want[3][name]), name

@@ -1,0 +1,105 @@
+"""Per-step time of the training example with experts: step wall time, GPU busy time, launches
+and GPU kernel time by kind (kernel names matched in KINDS' order, so the grouped activation
+kernels, whose names contain "scale", count as "FP8 cast/amax/scale").
+
+    PYTHONPATH=. python benchmarks/train_profile.py medium large   # on a CUDA GPU
+
+Per size and recipe (bf16, current, delayed): 8 warm-up steps, 10 timed steps (wall), then 3
+profiled steps (kernel times). Never asserts.
+"""
+
+import sys
+import time
+from collections import defaultdict
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from torchte.train import cli
+from torchte.train.data import load_corpus
+from torchte.train.loop import Trainer
+
+KINDS = [
+    ("grouped GEMM (cutlass)", ("cutlass", "GroupProblem")),
+    ("GEMM", ("nvjet", "gemm", "sm90_xmma", "cublas")),
+    ("attention", ("flash", "fmha", "attention")),
+    (
+        "FP8 cast/amax/scale",
+        ("cast_transpose", "_amax", "delayed_scaling", "scale", "grouped_cast"),
+    ),
+    ("fused activation", ("_act", "activation", "_forward_kernel", "_backward_kernel")),
+    ("norm", ("norm", "layernorm", "rms")),
+    ("optimizer", ("adam", "multi_tensor", "foreach")),
+    (
+        "copy/fill/elementwise",
+        (
+            "elementwise",
+            "copy",
+            "fill",
+            "Fill",
+            "Memset",
+            "Memcpy",
+            "reduce",
+            "index",
+            "scatter",
+            "gather",
+            "cat",
+        ),
+    ),
+]
+
+
+def kind(name):
+    for label, keys in KINDS:
+        if any(k in name for k in keys):
+            return label
+    return "other"
+
+
+for size in sys.argv[1:]:
+    for recipe in ("bf16", "current", "delayed"):
+        args = [
+            "--device",
+            "cuda",
+            "--size",
+            size,
+            "--experts",
+            "8",
+            "--steps",
+            "30",
+            "--recipe",
+            recipe,
+            "--out",
+            "/tmp/o",
+        ]
+        model_config, config = cli.parse_args(args)
+        corpus = load_corpus(config.data, config.max_bytes, model_config.seq_len)
+        trainer = Trainer(recipe, model_config, config, corpus)
+        for _ in range(8):
+            trainer.train_step()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(10):
+            trainer.train_step()
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - t0) / 10 * 1e3
+        with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+            for _ in range(3):
+                trainer.train_step()
+            torch.cuda.synchronize()
+        per = defaultdict(float)
+        count = 0
+        for e in prof.events():
+            if e.device_type == torch.autograd.DeviceType.CUDA:
+                per[kind(e.name)] += e.device_time / 1e3 / 3
+                count += 1
+        gpu = sum(per.values())
+        print(
+            f"{size} {recipe}: step {wall:.1f} ms, GPU busy {gpu:.1f} ms, launches {count // 3}, "
+            f"tokens/s {config.batch_size * model_config.seq_len / wall * 1e3:,.0f}"
+        )
+        print(
+            "   " + ", ".join(f"{k} {v:.1f}" for k, v in sorted(per.items(), key=lambda kv: -kv[1]))
+        )
+        del trainer
+        torch.cuda.empty_cache()
