@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 
 import torch
 import torch.nn.functional as F
 from grouped_linear import EXPERTS, split_tokens
-from host_overhead import launches
-from linear import device_s, environment, host_round_us
+from host_overhead import launches, measure
+from linear import device_s, environment
 from torch import nn
 
 import torchte as te
@@ -157,14 +156,7 @@ def main() -> None:
         torch.cuda.empty_cache()
     steps = {name: make_step(name, 128, 1024, 1024) for name in CONFIGS}
     steps["te.Linear bf16 1024x1024"] = linear_step(128, 1024)
-    for step in steps.values():
-        for _ in range(30):
-            step()
-    samples = {name: [] for name in steps}
-    for _ in range(7):
-        for name, step in steps.items():
-            samples[name].append(host_round_us(step, 100, "cuda"))
-    host = {name: statistics.median(v) for name, v in samples.items()}
+    host, _ = measure(steps, 7, 100, "cuda")
     graphs = {
         "bf16": graph_capture(None),
         "fp8 delayed": graph_capture(recipe.DelayedScaling()),

@@ -363,12 +363,7 @@ def test_scaled_activation_grouped_fp8_equals_activation_then_grouped_cast(devic
     rows, cols = grouped_offsets(splits, device)
     outputs = []
     for fused in (True, False):
-        if scaling == "delayed":
-            state = torch.tensor([0.5, 1.0, 2.0, 4.0], device=device)
-            quantizer = _DelayedVectors(state.clone(), torch.zeros(4, device=device))
-        else:
-            quantizer = GroupedQuantizer(torch.float8_e4m3fn)
-        spec = quantizer.cast_spec(True, True)
+        spec = _grouped_spec(scaling, device, torch.float8_e4m3fn, (True, True))
         if fused:
             out = scaled_activation_grouped_fp8(
                 h, s, "swiglu", 7.0, 1.702, splits, rows, cols, spec
@@ -377,10 +372,7 @@ def test_scaled_activation_grouped_fp8_equals_activation_then_grouped_cast(devic
             a = scaled_activation_forward(h, s, "swiglu")
             out = quantize_grouped(a, splits, rows, cols, spec)
         outputs.append((*out, spec.amax))
-    for a, b in zip(*outputs, strict=True):
-        if a is not None or b is not None:
-            assert torch.equal(a.view(torch.uint8) if a.dtype.itemsize == 1 else a,
-                               b.view(torch.uint8) if b.dtype.itemsize == 1 else b)  # fmt: skip
+    _assert_same_bytes(*outputs)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -402,12 +394,7 @@ def test_scaled_activation_backward_grouped_fp8_equals_backward_then_grouped_cas
     rows, cols = grouped_offsets(splits, device)
     outputs = []
     for fused in (True, False):
-        if scaling == "delayed":
-            state = torch.tensor([0.5, 1.0, 2.0, 4.0], device=device)
-            quantizer = _DelayedVectors(state, torch.zeros(4, device=device), torch.float8_e5m2)
-        else:
-            quantizer = GroupedQuantizer(torch.float8_e5m2)
-        spec = quantizer.cast_spec(*usage)
+        spec = _grouped_spec(scaling, device, torch.float8_e5m2, usage)
         if fused:
             *out, ds, dbias = scaled_activation_backward_grouped_fp8(
                 dy, h, s, name, 7.0, 1.702, splits, rows, cols, spec, (True, True)
@@ -420,17 +407,30 @@ def test_scaled_activation_backward_grouped_fp8_equals_backward_then_grouped_cas
     got, want = outputs
     assert_close(got[-1], want[-1], torch.bfloat16)  # dbias: sums of dh in bf16
     got, want = got[:-1], want[:-1]
-    for a, b in zip(got[:-1], want[:-1], strict=True):
-        assert (a is None) == (b is None)
-        if a is not None:
-            assert torch.equal(a.view(torch.uint8) if a.dtype.itemsize == 1 else a,
-                               b.view(torch.uint8) if b.dtype.itemsize == 1 else b)  # fmt: skip
+    _assert_same_bytes(got[:-1], want[:-1])
     if device == "cpu":
         assert torch.equal(got[-1], want[-1])
     else:  # fp32 sums in another order: off by a few ulps of the sum of |terms|
         a = activation_forward(h, name)
         bound = 4 * torch.finfo(torch.float32).eps * row_dots(dy.abs(), a.abs()) + 1e-6
         assert ((got[-1] - want[-1]).abs() <= bound).all()
+
+
+def _grouped_spec(scaling: str, device, fp8_dtype, usage) -> CastSpec:
+    """A grouped CastSpec of 4 groups: fixed delayed scales and a zero amax, or current."""
+    if scaling == "delayed":
+        scale = torch.tensor([0.5, 1.0, 2.0, 4.0], device=device)
+        return _DelayedVectors(scale, torch.zeros(4, device=device), fp8_dtype).cast_spec(*usage)
+    return GroupedQuantizer(fp8_dtype).cast_spec(*usage)
+
+
+def _assert_same_bytes(got, want) -> None:
+    """Each pair the same tensor (FP8 ones compared as bytes) or both None."""
+    for a, b in zip(got, want, strict=True):
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert torch.equal(a.view(torch.uint8) if a.dtype.itemsize == 1 else a,
+                               b.view(torch.uint8) if b.dtype.itemsize == 1 else b)  # fmt: skip
 
 
 class _DelayedVectors:
