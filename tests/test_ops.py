@@ -127,6 +127,34 @@ def test_delayed_producer_linear_is_fused_and_equals_unfused(monkeypatch, produc
         assert _equal(grad, unfused[2][name]), name
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("recipe_name", ["delayed", "current"])
+def test_backward_activation_bias_quantize_fusion(monkeypatch, device, recipe_name):
+    """Under delayed scaling the backward of Linear -> SwiGLU computes dh, the bias gradient
+    and the FP8 dh in one kernel: the same input and weight gradients as the ops unfused, the
+    bias gradient summed in fp32 (within an ulp of bf16). Current scaling: not fused."""
+    kw = {"dtype": torch.bfloat16, "device": device}
+    first, last = te.ops.Linear(64, 64, **kw), te.ops.Linear(32, 16, **kw)
+    ops = te.ops.Sequential(first, te.ops.SwiGLU(), last)
+    with torch.no_grad():
+        ops[0].bias.copy_(representable(64, torch.bfloat16))
+    twin = copy.deepcopy(ops)
+    x = representable((40, 64), torch.bfloat16, device=device).to(torch.bfloat16)
+    fused = _run(ops, x, recipe_name=recipe_name)
+    pipeline = next(iter(ops._stages[0]._pipelines.values()))
+    names = [type(op).__name__ for op, _ in pipeline.backward]
+    expected_fused = recipe_name == "delayed"
+    assert ("BackwardActivationLinear" in names) == expected_fused, names
+    monkeypatch.setattr(fuser_mod, "BACKWARD_FUSIONS", ())
+    unfused = _run(twin, x, recipe_name=recipe_name)
+    assert _equal(fused[0], unfused[0]) and _equal(fused[1], unfused[1])
+    for name, grad in fused[2].items():
+        if name == "0.bias" and expected_fused:
+            assert_close(grad, unfused[2][name], torch.bfloat16)
+        else:
+            assert _equal(grad, unfused[2][name]), name
+
+
 def _block_reference(block, x, residual):
     """fp64 RMSNorm -> Linear -> SwiGLU -> Linear -> + residual with the block's parameters."""
     p = {n: t.detach().double() for n, t in block.named_parameters()}

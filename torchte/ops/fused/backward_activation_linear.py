@@ -1,0 +1,98 @@
+"""Backward fusion: BasicLinear [-> Bias] -> activation, under FP8 where the GEMM's output
+gradient quantizer allows it (`fusable`: delayed scaling). Going backward, the activation's
+gradient dh, the Bias's gradient (the column sums of dh) and the FP8 dh that the GEMM's dgrad
+and wgrad read come from one kernel (quantization/fused.activation_grad_to_fp8), as in
+te.LayerNormMLP's backward, instead of three: the activation's backward, the bias sum, the
+cast.
+
+Legend: x (..., K) the GEMM's input, h (..., M) its output (plus the bias), a = act(h),
+da the gradient of a.
+"""
+
+from __future__ import annotations
+
+from torchte.module._linear_core import linear_backward
+from torchte.module._norm_spec import rows_of
+from torchte.quantization.fused import activation_grad_to_fp8
+
+from ..basic.activation import _Activation
+from ..basic.basic_linear import BasicLinear
+from ..basic.bias import Bias
+from ..op import FusedOperation, RunSettings
+
+__all__ = ["BackwardActivationLinear", "fuse_backward_activation_linear"]
+
+
+class BackwardActivationLinear(FusedOperation):
+    """The backward of BasicLinear [-> Bias] -> activation (see the module docstring); the
+    forward is never fused by this class."""
+
+    def __init__(self, linear: BasicLinear, bias: Bias | None, activation: _Activation) -> None:
+        super().__init__([op for op in (linear, bias, activation) if op is not None])
+        self.linear, self.bias, self.activation = linear, bias, activation
+
+    def fuser_backward(self, ctxs, da, extra_output_grads):
+        ctx_linear, ctx_act = ctxs[0], ctxs[-1]
+        record = ctx_linear.record
+        if not (record.need_dgrad or record.need_wgrad):  # only the bias (or nothing) wanted
+            return self._unfused(ctxs, da, extra_output_grads)
+        (h2d,) = ctx_act.saved
+        da2d = rows_of(da).to(h2d.dtype)
+        shape = (*record.inp_shape[:-1], h2d.shape[-1])
+        usage = (record.need_dgrad, record.need_wgrad)
+        quantizer = record.plan.grad_output_quantizer()
+        dh_fp8, dbias = activation_grad_to_fp8(
+            quantizer, da2d, h2d, *self.activation.activation(), usage, shape
+        )
+        x_saved, w_saved = ctx_linear.saved
+        dx, dw, _ = linear_backward(record, None, x_saved, w_saved, dy_fp8=dh_fp8)
+        param_grads = [(dw,)]
+        if self.bias is not None:
+            wanted = self.bias.bias.requires_grad
+            param_grads.append((dbias.to(self.bias.bias.dtype) if wanted else None,))
+        param_grads.append(())
+        return dx, [() for _ in self.basic_ops], param_grads
+
+    def _unfused(self, ctxs, dy, extra_output_grads):
+        """The basic ops' own backwards, last op first."""
+        extras, params = [], []
+        steps = list(zip(self.basic_ops, ctxs, extra_output_grads, strict=True))
+        for op, ctx, out_grads in reversed(steps):
+            dy, extra, grads = op.op_backward(ctx, dy, out_grads)
+            extras.insert(0, extra)
+            params.insert(0, grads)
+        return dy, extras, params
+
+
+def fuse_backward_activation_linear(steps: list, settings: RunSettings) -> list:
+    """The matcher: each unfused BasicLinear [Bias] activation whose GEMM's output gradient
+    quantizer is fusable becomes one BackwardActivationLinear."""
+    if not settings.fp8:
+        return steps
+    out, i = [], 0
+    while i < len(steps):
+        found = _match([op for op, _ in steps[i : i + 3]], settings)
+        if found is None:
+            out.append(steps[i])
+            i += 1
+            continue
+        count = 2 + (found[1] is not None)
+        indices = [idx for step in steps[i : i + count] for idx in step[1]]
+        out.append((BackwardActivationLinear(*found), indices))
+        i += count
+    return out
+
+
+def _match(ops, settings):
+    if len(ops) < 2 or not isinstance(ops[0], BasicLinear):
+        return None
+    linear, bias = ops[0], None
+    rest = ops[1:]
+    if isinstance(rest[0], Bias) and rest[0].size == linear.out_features:
+        bias, rest = rest[0], rest[1:]
+    if not rest or not isinstance(rest[0], _Activation) or rest[0].num_extra_inputs:
+        return None
+    quantizer = linear.linear_plan(settings).grad_output_quantizer()
+    if quantizer is None or not quantizer.fusable:
+        return None
+    return linear, bias, rest[0]
