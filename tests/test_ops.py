@@ -278,3 +278,23 @@ def test_linear_op_state_dict_and_move():
     )
     op.to(torch.float64)
     assert op.weight.dtype == torch.float64 and op.basic_ops[0].weight is op.weight
+
+
+@pytest.mark.parametrize("recipe_name", ["bf16", "current"])
+def test_compiled_sequential_equals_eager(recipe_name):
+    """torch.compile of a te.ops.Sequential runs (each fused run is one autograd Function that
+    Dynamo leaves to eager: a graph break, so fullgraph=True is refused) with eager's numbers."""
+    block = te.ops.Sequential(te.ops.Linear(32, 64), te.ops.SwiGLU(), te.ops.Linear(32, 32))
+    x = representable((16, 32), torch.bfloat16)
+    want = _run(block, x, recipe_name=recipe_name)
+    block.zero_grad(set_to_none=True)
+    torch._dynamo.reset()
+    try:
+        got = _run(torch.compile(block, backend="eager"), x, recipe_name=recipe_name)
+    finally:
+        torch._dynamo.reset()
+    assert _equal(got[0], want[0]) and _equal(got[1], want[1])
+    got_grads = {name.removeprefix("_orig_mod."): grad for name, grad in got[2].items()}
+    assert got_grads.keys() == want[2].keys()
+    for name, grad in want[2].items():
+        assert _equal(got_grads[name], grad), name
