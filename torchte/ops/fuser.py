@@ -67,6 +67,10 @@ def _split(flat, counts: list[int]) -> list[tuple]:
 def _run_forward(pipeline: Pipeline, ops, x, extra_inputs: list[tuple], x_requires_grad: bool):
     """(y, extra outputs per basic op, contexts per basic op): the forward list run in order."""
     settings = pipeline.settings
+    rows = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else None
+    for op, extra in zip(ops, extra_inputs, strict=True):
+        op.check_extra_inputs(extra, rows)  # bad extra inputs: an error before any kernel
+        rows = op.output_rows(rows)
     ctxs = [OperationContext() for _ in ops]
     extra_outputs: list[tuple] = [() for _ in ops]
     needs_grad = x_requires_grad

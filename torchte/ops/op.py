@@ -114,6 +114,14 @@ class BasicOperation(FusibleOperation, TransformerEngineBaseModule):
     def check_settings(self, settings: RunSettings) -> None:
         """Raise before any kernel runs when this op cannot run under `settings`."""
 
+    def check_extra_inputs(self, extra_inputs: tuple, rows: int | None) -> None:
+        """Raise before any op of the run computes when the extra inputs cannot fit an input
+        of `rows` rows (its elements over the last dimension; None: not known here)."""
+
+    def output_rows(self, rows: int | None) -> int | None:
+        """The rows of the output for an input of `rows` rows (None: unknown)."""
+        return rows
+
     def forward_done(self, settings: RunSettings) -> None:
         """The run's forward succeeded: an op with FP8 state (num_gemms > 0) registers the
         delayed-scaling update of the amaxes it recorded."""

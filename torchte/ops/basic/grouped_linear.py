@@ -130,6 +130,12 @@ class GroupedLinear(BasicOperation):
     def check_settings(self, settings: RunSettings) -> None:
         self.grouped_plan(settings)  # FP8 dims checked here, before any kernel runs
 
+    def check_extra_inputs(self, extra_inputs: tuple, rows: int | None) -> None:
+        if rows is not None:
+            group_splits(extra_inputs[0], self.num_groups, rows, self.device)
+            if self.scale_bias:
+                self._check_scales(extra_inputs[1], rows, self.device)
+
     def grouped_plan(self, settings: RunSettings) -> GroupedPlan:
         """The GroupedPlan of this op under `settings` (built once per setting)."""
         plan = self._plans.get(settings)
@@ -171,22 +177,27 @@ class GroupedLinear(BasicOperation):
     def _add_scaled_bias(self, ctx, y, splits: GroupSplits, scales, settings: RunSettings):
         """y += s[:, None] * b[group of each row] as one GEMM of K = G: (s_t where row t is in
         group g) (T, G) @ b (G, N), s and b in y's dtype, products summed in fp32."""
-        if not isinstance(scales, torch.Tensor) or not scales.is_floating_point():
-            raise TypeError(
-                "te.ops.GroupedLinear(scale_bias=True): its second extra input (the bias "
-                f"scales) must be a floating-point tensor, got {scales!r:.80}"
-            )
-        if scales.numel() != y.shape[0] or scales.device != y.device:
-            raise ValueError(
-                f"te.ops.GroupedLinear(scale_bias=True): the bias scales have shape "
-                f"{tuple(scales.shape)} on {scales.device}; the input has {y.shape[0]} rows on "
-                f"{y.device}: one scale per row"
-            )
+        self._check_scales(scales, y.shape[0], y.device)
         s = scales.reshape(-1)
         if settings.requires_grad:
             ctx.bias_scales, ctx.scales_grad = s, scales.requires_grad
             ctx.scales_shape = scales.shape
         return y.addmm_(self._scaled_one_hot(splits, s, y.dtype).t(), self._biases(y.dtype))
+
+    @staticmethod
+    def _check_scales(scales, rows: int, device) -> None:
+        """TypeError / ValueError unless the bias scales are one float per row on device."""
+        if not isinstance(scales, torch.Tensor) or not scales.is_floating_point():
+            raise TypeError(
+                "te.ops.GroupedLinear(scale_bias=True): its second extra input (the bias "
+                f"scales) must be a floating-point tensor, got {scales!r:.80}"
+            )
+        if scales.numel() != rows or scales.device != device:
+            raise ValueError(
+                f"te.ops.GroupedLinear(scale_bias=True): the bias scales have shape "
+                f"{tuple(scales.shape)} on {scales.device}; the input has {rows} rows on "
+                f"{device}: one scale per row"
+            )
 
     def _biases(self, dtype: torch.dtype) -> torch.Tensor:
         """(G, N) in dtype."""

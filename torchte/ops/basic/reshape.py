@@ -21,6 +21,9 @@ class Reshape(BasicOperation):
         last = self.shape[-1] if self.shape else None
         return None if last in (None, -1) else last
 
+    def output_rows(self, rows: int | None) -> int | None:
+        return None  # the last dimension may change
+
     def op_forward(self, ctx, x, extra_inputs, settings):
         ctx.input_shape = x.shape
         return x.reshape(self.shape), ()

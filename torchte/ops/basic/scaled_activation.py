@@ -58,6 +58,15 @@ class _Scaled:
             )
         super().__init__(*args, **kwargs)
 
+    def check_extra_inputs(self, extra_inputs: tuple, rows: int | None) -> None:
+        if rows is not None and isinstance(extra_inputs[0], torch.Tensor):
+            scales = extra_inputs[0]
+            if scales.numel() != rows:
+                raise ValueError(
+                    f"te.ops.{type(self).__name__}: the scales have shape "
+                    f"{tuple(scales.shape)}, but the input has {rows} rows: one scale per row"
+                )
+
     def scales_of(self, x: torch.Tensor, scales) -> torch.Tensor:
         """The scales as (rows of x,): ValueError naming the op when they do not fit x."""
         rows = x.numel() // x.shape[-1] if x.dim() else 0
