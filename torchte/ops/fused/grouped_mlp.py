@@ -4,8 +4,9 @@ probabilities) and the quantization of the second GEMM's input are one kernel
 (quantization/fused.py: one launch under delayed scaling, an amax pass and the cast under
 current), so the activation's output never exists in high precision.
 
-Legend: x (T, K) the tokens stacked expert by expert (the split sizes of the first op), h (T, 2F)
-the first GEMM's output, s (T,) the scales, a = act(h) * s (T, F), y (T, N).
+Legend: x (T, K) the tokens stacked expert by expert (the split sizes of the first op), h the
+first GEMM's output ((T, 2F) for a gated activation, else (T, F)), s (T,) the scales,
+a = act(h) * s (T, F), y (T, N).
 
 Backward (its own fusion, fuse_grouped_mlp_backward): FC2's grouped FP8 dgrad and wgrad, then
 one kernel computes the activation's gradient dh, writes it in FP8 group by group for FC1's
