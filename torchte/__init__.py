@@ -15,6 +15,7 @@ from .module.norm import LayerNorm, RMSNorm
 from .offload import get_cpu_offload_context
 from .quantization.float8_tensor import Float8Tensor
 from .quantization.model_init import fp8_model_init, quantized_model_init
+from .recompute import checkpoint
 
 __all__ = [
     "Float8Tensor",
@@ -25,6 +26,7 @@ __all__ = [
     "Linear",
     "RMSNorm",
     "autocast",
+    "checkpoint",
     "fp8_autocast",
     "fp8_model_init",
     "get_cpu_offload_context",

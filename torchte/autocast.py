@@ -56,6 +56,10 @@ class AutocastState(threading.local):
         self.depth = 0
         # state -> (state, recipe, group): each state is updated once however often used.
         self.pending_forward: dict[DelayedScalingState, tuple] = {}
+        # te.checkpoint: the states a checkpointed forward records into (None outside one),
+        # and whether a checkpointed forward is being recomputed (it owes no update).
+        self.recorded_states: list[DelayedScalingState] | None = None
+        self.replaying = False
 
     @property
     def step(self) -> int:
@@ -78,6 +82,10 @@ class AutocastState(threading.local):
         backward state of a forward that will have a backward is updated there too: at that
         point its row 0 holds the amaxes the previous backward recorded, so each backward
         still quantizes with the scales of all backwards before it, as in eager mode."""
+        if self.replaying:  # te.checkpoint's recompute: its amaxes are taken back
+            return
+        if self.recorded_states is not None:
+            self.recorded_states.append(fwd_state)
         self.pending_forward[fwd_state] = (fwd_state, recipe, group)
         if torch.compiler.is_compiling() and torch.is_grad_enabled():
             self.pending_forward[bwd_state] = (bwd_state, recipe, group)
