@@ -132,6 +132,10 @@ def test_weight_grads_share_one_buffer():
 def test_main_grad_accumulation(recipe_name):
     splits = [6, 0, 3]
     grouped, stack = make_pair(3, torch.float32, fuse_wgrad_accumulation=True)
+    fp8_recipe = RECIPES[recipe_name]
+    with te.autocast(enabled=fp8_recipe is not None, recipe=fp8_recipe):
+        mode = grouped._plan(torch.float32, None, False, False).mode
+    assert mode == ("per_group" if fp8_recipe is None else "fp8")  # main_grad on either path
     weights = [getattr(grouped, f"weight{g}") for g in range(3)] + [s.weight for s in stack]
     for w in weights:
         w.main_grad = torch.full(w.shape, 0.5)

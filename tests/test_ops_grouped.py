@@ -144,6 +144,37 @@ def test_grouped_linear_op_scale_bias_matches_fp64_reference(device):
         assert_close(param.grad, params64[name].grad, torch.float32)
 
 
+@pytest.mark.parametrize("recipe_name", ["delayed", "current"])
+def test_grouped_mlp_main_grad_fused_equals_one_by_one(recipe_name):
+    """accumulate_into_main_grad (Megatron-style): the grouped MLP still fuses under FP8, and
+    each expert's main_grad equals the ops one by one, over two accumulating steps."""
+    mlp = te.ops.Sequential(
+        te.ops.GroupedLinear(4, 64, 64, bias=False, dtype=torch.bfloat16,
+                             accumulate_into_main_grad=True),
+        te.ops.ScaledSwiGLU(),
+        te.ops.GroupedLinear(4, 32, 64, bias=False, dtype=torch.bfloat16,
+                             accumulate_into_main_grad=True),
+    )  # fmt: skip
+    twin = copy.deepcopy(mlp)
+    for module in (mlp, twin):
+        for param in module.parameters():
+            param.main_grad = torch.zeros(param.shape, dtype=torch.float32)
+    x, probs = _data(sum(SPLITS), 64, "cpu")
+    dy = representable((sum(SPLITS), 64), torch.bfloat16).to(torch.bfloat16)
+    for _ in range(2):
+        with _fp8(recipe_name):
+            y_fused = mlp(x, SPLITS, probs, SPLITS)
+            h = twin[0](x, SPLITS)
+            y_one = twin[2](twin[1](h, probs), SPLITS)
+        y_fused.backward(dy)
+        y_one.backward(dy)
+    assert _forward_ops(mlp) == ["GroupedMLP"] and _forward_ops(mlp, "backward") == ["GroupedMLP"]
+    assert _equal(y_fused.detach(), y_one.detach())
+    for (name, a), b in zip(mlp.named_parameters(), twin.parameters(), strict=True):
+        assert a.main_grad.any() or name.endswith("1"), name  # expert 1 has no tokens
+        assert _equal(a.main_grad, b.main_grad), name
+
+
 SCALED = ["ScaledSwiGLU", "ScaledGEGLU", "ScaledReGLU", "ScaledSReGLU", "ScaledGELU"]
 
 

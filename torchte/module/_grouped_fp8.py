@@ -22,7 +22,7 @@ from torchte.gemm import (
 )
 from torchte.quantization.grouped import GroupedStorage
 
-from ._common import restore_saved, save_for_backward, stack_parameters
+from ._common import restore_saved, save_for_backward, should_overwrite, stack_parameters
 from ._linear_core import cast_to
 from .base import cached_quantization
 
@@ -116,19 +116,11 @@ def fp8_backward(ctx, dy: torch.Tensor | GroupedStorage, dbias: torch.Tensor | N
         _, dy_cols, dy_scales = dy_operands or dy_fp8.gemm_operands()
         _, x_cols, x_scales = x_fp8.gemm_operands()
         k = x_fp8.shape[1]
-        # One GEMM per group into one buffer: the columnwise data of dy and x are one (K, Mp_g)
-        # block per group, not the single (K, T) matrix with groups as column ranges that
-        # torch._scaled_grouped_mm's 2-D x 2-D form takes.
-        grads = torch.empty(ctx.num_gemms, n, k, dtype=ctx.weight_dtype, device=device)
-        for g in range(ctx.num_gemms):
-            if sizes[g]:
-                fp8_gemm(
-                    dy_cols[g], dy_scales[g], x_cols[g], x_scales[g], ctx.weight_dtype,
-                    out=grads[g],
-                )  # fmt: skip
-            else:
-                grads[g].zero_()  # a group without rows: zero wgrad
-        dws = list(grads.unbind(0))  # one buffer, one view per weight
+        operands = (dy_cols, dy_scales, x_cols, x_scales)
+        if first.main_grad is not None:
+            dws = _wgrad_into_main_grad(ctx, sizes, operands, device)
+        else:
+            dws = _wgrad_buffer(ctx, sizes, operands, (n, k), device)
     dbs = [None] * ctx.num_bias
     if ctx.num_bias and ctx.bias_grad and dbias is not None:
         dbs = list(dbias.unbind(0))
@@ -141,6 +133,46 @@ def fp8_backward(ctx, dy: torch.Tensor | GroupedStorage, dbias: torch.Tensor | N
                 torch.sum(part, 0, out=sums[g])
         dbs = list(sums.unbind(0))
     return dx, dws, dbs
+
+
+def _wgrad_into_main_grad(ctx, sizes: list[int], operands, device) -> list:
+    """fuse_wgrad_accumulation: GEMM g's weight gradient written into (overwrite_main_grad,
+    the first microbatch) or added to weight g's main_grad (fp32), as te.Linear does; the
+    grads autograd gets (a dummy where the weight has grad_added_to_main_grad, else None)."""
+    dy_cols, dy_scales, x_cols, x_scales = operands
+    dws = []
+    for g, gemm in enumerate(ctx.plan.gemms):
+        target = gemm.main_grad
+        ((param, _, _),) = target.params()
+        overwrite = should_overwrite(param, gemm.is_first_microbatch)
+        if sizes[g]:
+            fp8_gemm(
+                dy_cols[g], dy_scales[g], x_cols[g], x_scales[g], torch.float32,
+                out=param.main_grad, accumulate=not overwrite,
+            )  # fmt: skip
+        elif overwrite:  # a group without rows adds nothing
+            param.main_grad.zero_()
+        finished = target.finish(param.shape, ctx.weight_dtype, device)
+        dws.append(finished if ctx.weight_grads[g] else None)
+    return dws
+
+
+def _wgrad_buffer(ctx, sizes: list[int], operands, shape, device) -> list:
+    """The weight gradients in one (G, N, K) buffer, handed out as views: one GEMM per group.
+    (The columnwise data of dy and x are one (K, Mp_g) block per group, not the single (K, T)
+    matrix with groups as column ranges that torch._scaled_grouped_mm's 2-D x 2-D form
+    takes.)"""
+    dy_cols, dy_scales, x_cols, x_scales = operands
+    grads = torch.empty(ctx.num_gemms, *shape, dtype=ctx.weight_dtype, device=device)
+    for g in range(ctx.num_gemms):
+        if sizes[g]:
+            fp8_gemm(
+                dy_cols[g], dy_scales[g], x_cols[g], x_scales[g], ctx.weight_dtype,
+                out=grads[g],
+            )  # fmt: skip
+        else:
+            grads[g].zero_()  # a group without rows: zero wgrad
+    return list(grads.unbind(0))
 
 
 def _dgrad(dy_fp8: GroupedStorage, w_fp8: GroupedStorage, splits: GroupSplits, dtype):

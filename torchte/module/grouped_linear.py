@@ -10,11 +10,12 @@ Three paths, chosen per setting (the plan's mode):
   G is, and no host-device synchronization when m_splits is a device tensor. The weights are
   views of one (G, N, K) buffer, so the GEMM reads them in place; the weight gradients come
   out of one (G, N, K) buffer as views.
-- "fp8": FP8 recipes without fused wgrad accumulation (_grouped_fp8.py): x and dy quantized for
-  all groups in one launch (delayed scaling; three under current scaling) into a
-  GroupedStorage, the GEMMs per group as te.Linear runs them (fprop as one
-  torch._scaled_grouped_mm where that runs). The group sizes are read on the host.
-- "per_group": everything else (fp32/fp16, calibration, main_grad, bf16 off the GPU): group g
+- "fp8": FP8 recipes (_grouped_fp8.py): x and dy quantized for all groups in one launch
+  (delayed scaling; three under current scaling) into a GroupedStorage, the GEMMs per group as
+  te.Linear runs them (fprop as one torch._scaled_grouped_mm where that runs), the weight
+  gradients accumulated into each weight's main_grad with fuse_wgrad_accumulation. The group
+  sizes are read on the host.
+- "per_group": everything else (fp32/fp16, calibration, bf16 main_grad, bf16 off the GPU): group g
   goes through te.Linear's own forward and backward (module/_linear_core.py) with GEMM g's
   quantizers. The weight gradients are stacked into one buffer and handed out as views.
 Outside the grouped fprop GEMMs, results equal a stack of te.Linear layers bit for bit.
@@ -171,6 +172,7 @@ def grouped_linear_forward(ctx, inp, call: GroupedCall, params, grads):
     ctx.splits, ctx.plan, ctx.num_gemms, ctx.num_bias = splits, plan, num_gemms, call.num_bias
     ctx.need_dgrad, ctx.need_wgrad = need_dgrad, need_wgrad
     ctx.bias_grad = any(grads[2 + num_gemms :])
+    ctx.weight_grads = grads[2 : 2 + num_gemms]
     ctx.weight_dtype = weights[0].dtype
     needs = (need_dgrad, need_wgrad)
     if plan.mode == "grouped":
@@ -201,7 +203,7 @@ def grouped_plan(module, key: PlanKey, weight_names: list[str], who: str) -> Gro
     if all(gemm.fast for gemm in gemms):
         if dtype == torch.bfloat16 and grouped_mm_supported(module.device, dtype, True):
             mode = "grouped"
-    elif fp8 and not module.fuse_wgrad_accumulation:
+    elif fp8:
         mode = "fp8"
     return GroupedPlan(gemms, mode)
 
