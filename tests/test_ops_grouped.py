@@ -175,6 +175,31 @@ def test_grouped_mlp_main_grad_fused_equals_one_by_one(recipe_name):
         assert _equal(a.main_grad, b.main_grad), name
 
 
+@pytest.mark.parametrize("recipe_name", ["delayed", "current"])
+def test_grouped_mlp_takes_leading_dims_and_device_splits(recipe_name):
+    """x (B, S, H) with probabilities (B, S), and the split sizes as a tensor: the fused MLP
+    equals the ops one by one."""
+    fused = _mlp("cpu")
+    twin = copy.deepcopy(fused)
+    x, probs = _data(sum(SPLITS), 64, "cpu")
+    x3, p3 = x.view(4, 16, 64), probs.view(4, 16)
+    splits = torch.tensor(SPLITS)
+
+    def run_fused(x, p):
+        return fused(x, splits, p, splits)
+
+    def run_one_by_one(x, p):
+        return twin[2](twin[1](twin[0](x, splits), p), splits)
+
+    got = _train_step(run_fused, x3, p3, fused, recipe_name)
+    want = _train_step(run_one_by_one, x3, p3, twin, recipe_name)
+    assert _forward_ops(fused) == ["GroupedMLP"] and got[0].shape == (4, 16, 64)
+    for a, b in zip(got[:3], want[:3], strict=True):
+        assert _equal(a, b)
+    for name in want[3]:
+        assert _equal(got[3][name], want[3][name]), name
+
+
 SCALED = ["ScaledSwiGLU", "ScaledGEGLU", "ScaledReGLU", "ScaledSReGLU", "ScaledGELU"]
 
 

@@ -51,7 +51,7 @@ class GroupedMLP(FusedOperation):
         splits = group_splits(extra_inputs[2][0], fc2.num_groups, tokens, fc2.device)
         scaled = act.num_extra_inputs == 1
         if scaled:
-            s = act.scales_of(h, extra_inputs[1][0])
+            s = act.scales_of(h.view(*x.shape[:-1], h.shape[-1]), extra_inputs[1][0])
         else:
             s = torch.ones(tokens, dtype=torch.float32, device=h.device)  # times 1: exact
         quantizer = fc2.grouped_plan(settings).gemms[0].setup.grouped_input
