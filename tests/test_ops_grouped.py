@@ -182,7 +182,7 @@ def test_grouped_mlp_takes_leading_dims_and_device_splits(recipe_name):
     fused = _mlp("cpu")
     twin = copy.deepcopy(fused)
     x, probs = _data(sum(SPLITS), 64, "cpu")
-    x3, p3 = x.view(4, 16, 64), probs.view(4, 16)
+    x3, p3 = x.view(6, 16, 64), probs.view(6, 16)
     splits = torch.tensor(SPLITS)
 
     def run_fused(x, p):
@@ -193,7 +193,7 @@ def test_grouped_mlp_takes_leading_dims_and_device_splits(recipe_name):
 
     got = _train_step(run_fused, x3, p3, fused, recipe_name)
     want = _train_step(run_one_by_one, x3, p3, twin, recipe_name)
-    assert _forward_ops(fused) == ["GroupedMLP"] and got[0].shape == (4, 16, 64)
+    assert _forward_ops(fused) == ["GroupedMLP"] and got[0].shape == (6, 16, 64)
     for a, b in zip(got[:3], want[:3], strict=True):
         assert _equal(a, b)
     for name in want[3]:
