@@ -18,9 +18,10 @@ if [[ $PHASE != bench ]]; then
   echo "pytest exit: $?" >>"$OUT/pytest_gpu.log"
 fi
 if [[ $PHASE != tests ]]; then
-  for bench in quantize linear host_profile norm activation layernorm_mlp grouped_linear offload host_overhead; do
+  for bench in quantize linear host_profile norm activation layernorm_mlp grouped_linear grouped_mlp offload host_overhead; do
     python "benchmarks/$bench.py" --json "$OUT/$bench.json" >"$OUT/$bench.log" 2>&1
   done
+  python benchmarks/train_profile.py medium large >"$OUT/train_profile.log" 2>&1
 fi
 
 if [[ $PHASE != bench ]]; then
@@ -28,7 +29,7 @@ if [[ $PHASE != bench ]]; then
   grep -E "^(FAILED|ERROR)|passed|failed|launches|pytest exit" "$OUT/pytest_gpu.log" | tail -40
 fi
 if [[ $PHASE != tests ]]; then
-  for bench in quantize linear host_profile norm activation layernorm_mlp grouped_linear offload host_overhead; do
+  for bench in quantize linear host_profile norm activation layernorm_mlp grouped_linear grouped_mlp offload host_overhead train_profile; do
     echo "== $bench"
     tail -n 14 "$OUT/$bench.log"
   done
