@@ -85,10 +85,13 @@ class LinearPlan:
         return self.setup.grad_output[self.gemm] if self.fp8 else None
 
 
-def fprop(x, w, bias, plan: LinearPlan) -> torch.Tensor:
+def fprop(x, w, bias, plan: LinearPlan, residual=None) -> torch.Tensor:
     """y (M, N) = x (M, K) w (N, K)^T + bias in plan.dtype: FP8 operands (Float8Storage, rowwise
     data) under FP8, else high-precision tensors of plan.dtype; bias (N,) | None in plan.dtype.
-    The one forward GEMM call, so a recompute in backward gives the same bits."""
+    residual (M, N) in plan.dtype (high precision, no bias): added by the GEMM itself (one
+    rounding). The one forward GEMM call, so a recompute in backward gives the same bits."""
+    if residual is not None:
+        return torch.addmm(residual, x, w.t())
     if plan.fp8:
         return fp8_gemm(
             x.rowwise_data,
@@ -103,11 +106,13 @@ def fprop(x, w, bias, plan: LinearPlan) -> torch.Tensor:
 
 
 def linear_forward(
-    inp, weight, bias, w_fp8, plan: LinearPlan, need_dgrad, need_wgrad, keep_rowwise=False
-):
+    inp, weight, bias, w_fp8, plan: LinearPlan, need_dgrad, need_wgrad, keep_rowwise=False,
+    residual=None,
+):  # fmt: skip
     """y (..., N) and what backward needs: (x_saved, w_saved). inp may be a Float8Storage made
     by a fused producer (FP8 only). With keep_rowwise the saved FP8 input keeps its rowwise data
-    too (for a recompute of this GEMM in backward)."""
+    too (for a recompute of this GEMM in backward). residual (M, N) (high precision, no bias):
+    y = x W^T + residual from the GEMM (see fprop)."""
     produced = isinstance(inp, Float8Storage)
     x2d = None if produced else inp.reshape(-1, inp.shape[-1])
     dtype = plan.dtype
@@ -133,7 +138,7 @@ def linear_forward(
         if plan.calibrating:
             plan.setup.input[plan.gemm].record_amax(x2d)
             plan.setup.weight[plan.gemm].record_amax(weight)
-        y = fprop(x_hp, w_hp, bias, plan)
+        y = fprop(x_hp, w_hp, bias, plan, residual)
         x_saved = x_hp if need_wgrad else None
         w_saved = w_hp if need_dgrad else None
     y = y.view(*inp.shape[:-1], y.shape[-1])

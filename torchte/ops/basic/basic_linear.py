@@ -101,9 +101,10 @@ class BasicLinear(BasicOperation):
             plan = self._plans[settings] = gemm_plan(self, key, [self.weight])
         return plan
 
-    def gemm_forward(self, ctx: OperationContext, x, bias, settings: RunSettings):
-        """y = x W^T (+ bias, (out_features,) or None, in the GEMM's epilogue); ctx filled for
-        op_backward. x may be a Float8Storage a fused producer wrote (FP8 only)."""
+    def gemm_forward(self, ctx: OperationContext, x, bias, settings: RunSettings, residual=None):
+        """y = x W^T (+ bias, (out_features,) or None, in the GEMM's epilogue; + residual,
+        x's rows by out_features, added by the GEMM: high precision without bias only); ctx
+        filled for op_backward. x may be a Float8Storage a fused producer wrote (FP8 only)."""
         if isinstance(x, torch.Tensor):
             self._check_input(x, self.in_features)
         plan = self.linear_plan(settings)
@@ -111,7 +112,9 @@ class BasicLinear(BasicOperation):
         need_dgrad = settings.requires_grad and ctx.input_requires_grad
         need_wgrad = settings.requires_grad and (weight.requires_grad or plan.main_grad is not None)
         w_fp8 = self._fp8_weight(weight, plan, None, need_dgrad, [weight])
-        y, x_saved, w_saved = linear_forward(x, weight, bias, w_fp8, plan, need_dgrad, need_wgrad)
+        y, x_saved, w_saved = linear_forward(
+            x, weight, bias, w_fp8, plan, need_dgrad, need_wgrad, residual=residual
+        )
         if settings.requires_grad:
             ctx.save_for_backward(x_saved, w_saved)
             grads = (weight.requires_grad, False)

@@ -1,0 +1,53 @@
+"""Fusion: BasicLinear -> AddExtraInput in high precision (no bias between them): the GEMM adds
+the residual itself (torch.addmm, cuBLAS's beta = 1), so y = x W^T + residual is one launch and
+one rounding instead of a GEMM, a rounding, an add and another rounding. Under FP8 (where the
+scaled GEMM takes no addend) and calibration the ops run unfused. Backward is unchanged: the
+GEMM's as BasicLinear's, the residual's gradient dy itself."""
+
+from __future__ import annotations
+
+from ..basic.add_extra_input import AddExtraInput
+from ..basic.basic_linear import BasicLinear
+from ..op import FusedOperation, RunSettings
+
+__all__ = ["ForwardLinearAdd", "fuse_linear_add"]
+
+
+class ForwardLinearAdd(FusedOperation):
+    """BasicLinear -> AddExtraInput in one forward GEMM (see the module docstring)."""
+
+    def __init__(self, linear: BasicLinear, add: AddExtraInput) -> None:
+        super().__init__([linear, add])
+        self.linear, self.add = linear, add
+
+    def fuser_forward(self, ctxs, x, extra_inputs, settings):
+        (residual,) = extra_inputs[1]
+        out_shape = (*x.shape[:-1], self.linear.out_features)
+        if residual.shape != out_shape:
+            raise ValueError(
+                f"te.ops.AddExtraInput: the extra input has shape {tuple(residual.shape)}, but "
+                f"the op's input has {out_shape}; they must match"
+            )
+        if residual.dtype != settings.dtype:
+            residual = residual.to(settings.dtype)
+        residual2d = residual.reshape(-1, out_shape[-1])
+        y = self.linear.gemm_forward(ctxs[0], x, None, settings, residual2d)
+        return y.view(out_shape), [(), ()]
+
+
+def fuse_linear_add(steps: list, settings: RunSettings) -> list:
+    """The matcher: each unfused BasicLinear directly followed by AddExtraInput, in high
+    precision, becomes one ForwardLinearAdd."""
+    if settings.fp8 or settings.calibrating:
+        return steps
+    out, i = [], 0
+    while i < len(steps):
+        pair = [op for op, _ in steps[i : i + 2]]
+        if len(pair) == 2 and type(pair[0]) is BasicLinear and isinstance(pair[1], AddExtraInput):
+            indices = [idx for step in steps[i : i + 2] for idx in step[1]]
+            out.append((ForwardLinearAdd(*pair), indices))
+            i += 2
+        else:
+            out.append(steps[i])
+            i += 1
+    return out
