@@ -243,8 +243,8 @@ def test_scaled_activation_refuses_bad_scales():
         te.ops.ScaledSwiGLU(gate_interleave_size=32)
 
 
-def _mlp(device, bias=False, groups=4, hidden=64, ffn=32, act="ScaledSwiGLU"):
-    kw = {"device": device, "dtype": torch.bfloat16, "bias": bias}
+def _mlp(device, bias=False, groups=4, hidden=64, ffn=32, act="ScaledSwiGLU", dtype=None):
+    kw = {"device": device, "dtype": dtype or torch.bfloat16, "bias": bias}
     gated = act.endswith("GLU")
     mlp = te.ops.Sequential(
         te.ops.GroupedLinear(groups, hidden, 2 * ffn if gated else ffn, **kw),
@@ -278,13 +278,21 @@ def _forward_ops(mlp, direction="forward") -> list[str]:
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("recipe_name", ["delayed", "current"])
 @pytest.mark.parametrize(
-    ("act", "bias"), [("ScaledSwiGLU", False), ("SwiGLU", False), ("ScaledGELU", True)]
+    ("act", "bias", "dtype"),
+    [
+        ("ScaledSwiGLU", False, torch.bfloat16),
+        ("SwiGLU", False, torch.bfloat16),
+        ("ScaledGELU", True, torch.bfloat16),
+        ("ScaledSwiGLU", True, torch.float32),
+    ],
 )
-def test_grouped_mlp_fused_equals_ops_one_by_one(device, recipe_name, act, bias):
-    fused = _mlp(device, act=act, bias=bias, ffn=64 if act == "ScaledGELU" else 32)
+def test_grouped_mlp_fused_equals_ops_one_by_one(device, recipe_name, act, bias, dtype):
+    ffn = 64 if act == "ScaledGELU" else 32
+    fused = _mlp(device, act=act, bias=bias, ffn=ffn, dtype=dtype)
     twin = copy.deepcopy(fused)  # the same weights and fresh scaling state
     scaled = act.startswith("Scaled")
     x, probs = _data(sum(SPLITS), 64, device)
+    x = x.to(dtype)
 
     def run_fused(x, p):
         return fused(x, SPLITS, p, SPLITS) if scaled else fused(x, SPLITS, SPLITS)
@@ -308,7 +316,7 @@ def test_grouped_mlp_fused_equals_ops_one_by_one(device, recipe_name, act, bias)
         assert got[3].keys() == want[3].keys()
         for name in want[3]:
             if device == "cuda" and "bias" in name:  # the fused kernel sums dh in fp32 tiles
-                assert_close(got[3][name], want[3][name], torch.bfloat16)
+                assert_close(got[3][name], want[3][name], dtype)
             else:
                 assert _equal(got[3][name], want[3][name]), (step, name)
     if recipe_name == "delayed":
@@ -321,7 +329,7 @@ def test_grouped_mlp_fused_equals_ops_one_by_one(device, recipe_name, act, bias)
                 assert _equal(state.scale, state_twin.scale)
 
 
-@pytest.mark.parametrize("recipe_name", ["bf16", "current"])
+@pytest.mark.parametrize("recipe_name", ["bf16", "delayed", "current"])
 def test_grouped_mlp_equals_te_linear_per_expert(recipe_name):
     """The fused grouped MLP against te.Linear -> scaled SwiGLU -> te.Linear per expert on the
     same weights: bit for bit (current scaling quantizes each expert with its own amax, as a
