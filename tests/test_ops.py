@@ -321,3 +321,39 @@ def test_linear_residual_add_is_one_gemm(monkeypatch, device, dtype):
     assert _equal(fused[1], unfused[1])
     for name, grad in fused[2].items():
         assert _equal(grad, unfused[2][name]), name
+
+
+def _func_blocks():
+    dense = te.ops.Sequential(
+        te.ops.Linear(16, 32), te.ops.SwiGLU(), te.ops.Linear(16, 16), te.ops.AddExtraInput()
+    )
+    grouped = te.ops.Sequential(
+        te.ops.GroupedLinear(2, 16, 32), te.ops.ScaledSwiGLU(), te.ops.GroupedLinear(2, 16, 16)
+    )
+    return [(dense, (torch.randn(16, 16),)), (grouped, ([16, 0], torch.rand(16), [16, 0]))]
+
+
+@pytest.mark.parametrize("which", [0, 1], ids=["dense", "grouped"])
+def test_torch_func_grad_equals_autograd(which):
+    """torch.func.grad through functional_call (the parameters swapped for others, also those
+    te.ops.Linear hands to its ops) gives autograd's gradients, bit for bit."""
+    block, extra = _func_blocks()[which]
+    params = {n: p.detach().clone() for n, p in block.named_parameters()}
+    x = torch.randn(16, 16)
+
+    def loss(p, x):
+        return torch.func.functional_call(block, p, (x, *extra)).square().sum()
+
+    got = torch.func.grad(loss, argnums=(0, 1))(params, x)
+    leaves = {n: p.clone().requires_grad_(True) for n, p in params.items()}
+    x_leaf = x.clone().requires_grad_(True)
+    loss(leaves, x_leaf).backward()
+    assert torch.equal(got[1], x_leaf.grad)
+    for name, leaf in leaves.items():
+        assert torch.equal(got[0][name], leaf.grad), name
+    assert all(p.grad is None for p in block.parameters())  # the module's own are untouched
+    with (
+        te.autocast(recipe=recipe.Float8CurrentScaling()),
+        pytest.raises(NotImplementedError, match="high precision only"),
+    ):
+        torch.func.grad(loss)(params, x)

@@ -18,6 +18,7 @@ import torch
 
 from torchte.autocast import autocast_state
 from torchte.module._common import restore_saved, save_for_backward
+from torchte.module._functorch import apply, transforms_active
 from torchte.module.base import SUPPORTED_DTYPES
 
 from .fused import BACKWARD_FUSIONS, FORWARD_FUSIONS
@@ -133,6 +134,19 @@ class _FuserFunction(torch.autograd.Function):
         return (dy, None, *flat_extra, *flat_params)
 
 
+def _transformed(x, call: _Call, extra_inputs, params, settings: RunSettings) -> tuple:
+    """The run under a torch.func transform (grad, vjp): the Function through module/
+    _functorch's adapter, in high precision only."""
+    if settings.fp8 or settings.calibrating:
+        raise NotImplementedError(
+            "te.ops under torch.func (grad, vjp) runs in high precision only: its FP8 path "
+            "quantizes weights and records amaxes inside the fused Function; run it outside "
+            "te.autocast there"
+        )
+    out = apply(_FuserFunction, x, call, *extra_inputs, *params)
+    return out if isinstance(out, tuple) else (out,)
+
+
 def _flat(per_op: list[tuple], counts: list[int]) -> list:
     """The gradients of every op, each op's as exactly its `count` entries (an op may return
     () for "no gradients")."""
@@ -195,7 +209,9 @@ class OperationFuser:
         pipeline = self._pipeline(x, requires_grad)
         settings = pipeline.settings
         try:
-            if requires_grad:
+            if requires_grad and transforms_active():
+                out = _transformed(x, _Call(self, pipeline), extra_inputs, params, settings)
+            elif requires_grad:
                 out = _FuserFunction.apply(x, _Call(self, pipeline), *extra_inputs, *params)
             else:
                 extra = _split(extra_inputs, self.extra_counts)

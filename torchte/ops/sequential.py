@@ -62,8 +62,12 @@ class Sequential(nn.Module):
         return self
 
     def _build_stages(self) -> list:
-        """[OperationFuser | nn.Module] in order, the ops' sizes checked end to end."""
+        """[OperationFuser | nn.Module] in order, the ops' sizes checked end to end; also the
+        composite ops (te.ops.Linear), whose parameters are handed to their ops per call."""
         stages, run = [], []
+        self.__dict__["_composites"] = [
+            m for m in self._modules.values() if hasattr(m, "sync_op_parameters")
+        ]
         for module in self._modules.values():
             ops = _basic_ops(module)
             if ops is None:
@@ -83,6 +87,8 @@ class Sequential(nn.Module):
         if stages is None:
             stages = self._build_stages()
             self.__dict__["_stages"] = stages
+        for composite in self.__dict__["_composites"]:
+            composite.sync_op_parameters()
         expected = sum(s.num_extra_inputs for s in stages if isinstance(s, OperationFuser))
         if len(extra_inputs) != expected:
             raise ValueError(

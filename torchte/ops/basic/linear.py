@@ -57,6 +57,17 @@ class Linear(nn.Module):
         self.register_parameter("weight", ops[0].weight)
         self.register_parameter("bias", ops[1].bias if len(ops) > 1 else None)
 
+    def sync_op_parameters(self) -> None:
+        """Hand this module's `weight` and `bias` to the ops again where something replaced
+        them here (torch.func.functional_call and load_state_dict(assign=True) swap this
+        module's entries, not the ops'): a few identity checks per call."""
+        params, ops = self._parameters, self.basic_ops
+        weight = params["weight"]
+        if ops[0]._parameters["weight"] is not weight:
+            ops[0]._parameters["weight"] = weight
+        if len(ops) > 1 and ops[1]._parameters["bias"] is not params["bias"]:
+            ops[1]._parameters["bias"] = params["bias"]
+
     def _apply(self, fn, recurse: bool = True):
         # The ops own the parameters and the FP8 state: they move, then are shown again.
         for op in self.basic_ops:
@@ -83,6 +94,7 @@ class Linear(nn.Module):
         """x (..., in_features) -> (..., out_features)."""
         from ..sequential import Sequential
 
+        self.sync_op_parameters()
         return Sequential._run_ops(self.basic_ops, x, ())
 
     def extra_repr(self) -> str:
