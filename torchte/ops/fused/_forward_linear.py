@@ -17,6 +17,7 @@ from ..basic.basic_linear import BasicLinear
 from ..basic.bias import Bias
 from ..basic.norm import _NormOp
 from ..op import BasicOperation, FusedOperation, RunSettings
+from ._runs import replace_runs
 
 __all__ = ["ForwardLinear", "producer_fusable"]
 
@@ -73,22 +74,11 @@ class ForwardLinear(FusedOperation):
 def fuse_forward_linear(steps: list, settings: RunSettings, producers: tuple) -> list:
     """Replace each unfused [producer of `producers` types] BasicLinear [Bias] with one
     ForwardLinear; with producers == () only BasicLinear [Bias] (the bias epilogue)."""
-    out, i = [], 0
-    while i < len(steps):
-        found = _match(steps, i, settings, producers)
-        if found is None:
-            out.append(steps[i])
-            i += 1
-            continue
-        producer, linear, bias, count = found
-        indices = [idx for step in steps[i : i + count] for idx in step[1]]
-        out.append((ForwardLinear(producer, linear, bias), indices))
-        i += count
-    return out
+    return replace_runs(steps, lambda ops: _match(ops, settings, producers))
 
 
-def _match(steps, i, settings, producers):
-    ops = [op for op, _ in steps[i : i + 3]]
+def _match(ops, settings, producers):
+    """(ForwardLinear, steps it takes) for the run starting at ops[0], or None."""
     if any(op.is_fused_op for op in ops):
         ops = ops[: next(k for k, op in enumerate(ops) if op.is_fused_op)]
     producer = None
@@ -105,7 +95,7 @@ def _match(steps, i, settings, producers):
     if bias is not None and bias.size != linear.out_features:
         bias = None
     count = (producer is not None) + 1 + (bias is not None)
-    return producer, linear, bias, count
+    return ForwardLinear(producer, linear, bias), count
 
 
 NORM_PRODUCERS = (_NormOp,)

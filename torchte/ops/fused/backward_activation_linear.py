@@ -19,6 +19,7 @@ from ..basic.activation import _Activation
 from ..basic.basic_linear import BasicLinear
 from ..basic.bias import Bias
 from ..op import FusedOperation, RunSettings
+from ._runs import replace_runs
 
 __all__ = ["BackwardActivationLinear", "fuse_backward_activation_linear"]
 
@@ -69,18 +70,7 @@ def fuse_backward_activation_linear(steps: list, settings: RunSettings) -> list:
     quantizer is fusable becomes one BackwardActivationLinear."""
     if not settings.fp8:
         return steps
-    out, i = [], 0
-    while i < len(steps):
-        found = _match([op for op, _ in steps[i : i + 3]], settings)
-        if found is None:
-            out.append(steps[i])
-            i += 1
-            continue
-        count = 2 + (found[1] is not None)
-        indices = [idx for step in steps[i : i + count] for idx in step[1]]
-        out.append((BackwardActivationLinear(*found), indices))
-        i += count
-    return out
+    return replace_runs(steps, lambda ops: _match(ops, settings))
 
 
 def _match(ops, settings):
@@ -95,4 +85,4 @@ def _match(ops, settings):
     quantizer = linear.linear_plan(settings).grad_output_quantizer()
     if quantizer is None or not quantizer.fusable:
         return None
-    return linear, bias, rest[0]
+    return BackwardActivationLinear(linear, bias, rest[0]), 2 + (bias is not None)

@@ -30,6 +30,7 @@ from torchte.quantization.fused import (
 from ..basic.activation import _Activation
 from ..basic.grouped_linear import GroupedLinear
 from ..op import FusedOperation, RunSettings
+from ._runs import replace_runs
 
 __all__ = ["GroupedMLP", "fuse_grouped_mlp", "fuse_grouped_mlp_backward"]
 
@@ -117,17 +118,13 @@ def fuse_grouped_mlp_backward(steps: list, settings: RunSettings) -> list:
 def _fuse(steps: list, settings: RunSettings, backward: bool) -> list:
     if not settings.fp8:
         return steps
-    out, i = [], 0
-    while i < len(steps):
-        window = [op for op, _ in steps[i : i + 3]]
-        if len(window) == 3 and _matches(*window, settings, backward):
-            indices = [idx for step in steps[i : i + 3] for idx in step[1]]
-            out.append((GroupedMLP(*window), indices))
-            i += 3
-        else:
-            out.append(steps[i])
-            i += 1
-    return out
+
+    def match(ops):
+        if len(ops) == 3 and _matches(*ops, settings, backward):
+            return GroupedMLP(*ops), 3
+        return None
+
+    return replace_runs(steps, match)
 
 
 def _matches(fc1, act, fc2, settings: RunSettings, backward: bool) -> bool:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from ..basic.add_extra_input import AddExtraInput
 from ..basic.basic_linear import BasicLinear
 from ..op import FusedOperation, RunSettings
+from ._runs import replace_runs
 
 __all__ = ["ForwardLinearAdd", "fuse_linear_add"]
 
@@ -40,14 +41,10 @@ def fuse_linear_add(steps: list, settings: RunSettings) -> list:
     precision, becomes one ForwardLinearAdd."""
     if settings.fp8 or settings.calibrating:
         return steps
-    out, i = [], 0
-    while i < len(steps):
-        pair = [op for op, _ in steps[i : i + 2]]
-        if len(pair) == 2 and type(pair[0]) is BasicLinear and isinstance(pair[1], AddExtraInput):
-            indices = [idx for step in steps[i : i + 2] for idx in step[1]]
-            out.append((ForwardLinearAdd(*pair), indices))
-            i += 2
-        else:
-            out.append(steps[i])
-            i += 1
-    return out
+    return replace_runs(steps, _match)
+
+
+def _match(ops):
+    if len(ops) >= 2 and type(ops[0]) is BasicLinear and isinstance(ops[1], AddExtraInput):
+        return ForwardLinearAdd(ops[0], ops[1]), 2
+    return None
