@@ -189,6 +189,29 @@ def test_grouped_mlp_takes_leading_dims_and_device_splits(recipe_name):
         assert _equal(got[3][name], want[3][name]), name
 
 
+@pytest.mark.parametrize("recipe_name", ["delayed", "current"])
+def test_grouped_mlp_only_probabilities_want_gradients(recipe_name):
+    """FC1 frozen and x without gradient: the fused backward has nothing to quantize and runs
+    the activation's and FC1's own backwards; d(probs) equals the ops one by one."""
+    fused = _mlp("cpu")
+    for param in fused[0].parameters():
+        param.requires_grad_(False)
+    twin = copy.deepcopy(fused)
+    x, probs = _data(sum(SPLITS), 64, "cpu")
+    grads = []
+    for run in (
+        lambda p: fused(x, SPLITS, p, SPLITS),
+        lambda p: twin[2](twin[1](twin[0](x, SPLITS), p), SPLITS),
+    ):
+        p = probs.clone().requires_grad_(True)
+        with _fp8(recipe_name):
+            y = run(p)
+        y.float().square().sum().backward()
+        grads.append(p.grad)
+    assert _forward_ops(fused, "backward") == ["GroupedMLP"]
+    assert grads[0].any() and _equal(grads[0], grads[1])
+
+
 SCALED = ["ScaledSwiGLU", "ScaledGEGLU", "ScaledReGLU", "ScaledSReGLU", "ScaledGELU"]
 
 

@@ -29,6 +29,7 @@ __all__ = [
     "FusibleOperation",
     "OperationContext",
     "RunSettings",
+    "backward_one_by_one",
 ]
 
 
@@ -149,6 +150,17 @@ class BasicOperation(FusibleOperation, TransformerEngineBaseModule):
         from .sequential import Sequential
 
         return Sequential._run_ops([self], x, extra_inputs)
+
+
+def backward_one_by_one(ops: list, ctxs: list, dy, extra_output_grads: list):
+    """The basic ops' own backwards, last op first: (dx, [extra input grads per op], [param
+    grads per op]); what a fused op runs where its fused backward does not apply."""
+    extras, params = [], []
+    for op, ctx, out_grads in reversed(list(zip(ops, ctxs, extra_output_grads, strict=True))):
+        dy, extra, grads = op.op_backward(ctx, dy, out_grads)
+        extras.insert(0, extra)
+        params.insert(0, grads)
+    return dy, extras, params
 
 
 class FusedOperation(FusibleOperation):

@@ -18,7 +18,7 @@ from torchte.quantization.fused import activation_grad_to_fp8
 from ..basic.activation import _Activation
 from ..basic.basic_linear import BasicLinear
 from ..basic.bias import Bias
-from ..op import FusedOperation, RunSettings
+from ..op import FusedOperation, RunSettings, backward_one_by_one
 from ._runs import replace_runs
 
 __all__ = ["BackwardActivationLinear", "fuse_backward_activation_linear"]
@@ -36,7 +36,7 @@ class BackwardActivationLinear(FusedOperation):
         ctx_linear, ctx_act = ctxs[0], ctxs[-1]
         record = ctx_linear.record
         if not (record.need_dgrad or record.need_wgrad):  # only the bias (or nothing) wanted
-            return self._unfused(ctxs, da, extra_output_grads)
+            return backward_one_by_one(self.basic_ops, ctxs, da, extra_output_grads)
         (h2d,) = ctx_act.saved
         da2d = rows_of(da).to(h2d.dtype)
         shape = (*record.inp_shape[:-1], h2d.shape[-1])
@@ -53,16 +53,6 @@ class BackwardActivationLinear(FusedOperation):
             param_grads.append((dbias.to(self.bias.bias.dtype) if wanted else None,))
         param_grads.append(())
         return dx, [() for _ in self.basic_ops], param_grads
-
-    def _unfused(self, ctxs, dy, extra_output_grads):
-        """The basic ops' own backwards, last op first."""
-        extras, params = [], []
-        steps = list(zip(self.basic_ops, ctxs, extra_output_grads, strict=True))
-        for op, ctx, out_grads in reversed(steps):
-            dy, extra, grads = op.op_backward(ctx, dy, out_grads)
-            extras.insert(0, extra)
-            params.insert(0, grads)
-        return dy, extras, params
 
 
 def fuse_backward_activation_linear(steps: list, settings: RunSettings) -> list:

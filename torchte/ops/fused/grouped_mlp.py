@@ -29,7 +29,7 @@ from torchte.quantization.fused import (
 
 from ..basic.activation import _Activation
 from ..basic.grouped_linear import GroupedLinear
-from ..op import FusedOperation, RunSettings
+from ..op import FusedOperation, RunSettings, backward_one_by_one
 from ._runs import replace_runs
 
 __all__ = ["GroupedMLP", "fuse_grouped_mlp", "fuse_grouped_mlp_backward"]
@@ -79,9 +79,10 @@ class GroupedMLP(FusedOperation):
         usage = (ctx1.need_dgrad, ctx1.need_wgrad)
         scaled = act.num_extra_inputs == 1
         if not any(usage):  # only d(scales) is wanted: nothing to quantize
-            dh, extra_act, _ = act.op_backward(ctx_act, da, extra_output_grads[1])
-            dx, extra1, grads1 = fc1.op_backward(ctx1, dh, extra_output_grads[0])
-            return dx, [extra1, extra_act, extra2], [grads1, (), grads2]
+            dx, extras, grads = backward_one_by_one(
+                [fc1, act], [ctx1, ctx_act], da, extra_output_grads[:2]
+            )
+            return dx, [*extras, extra2], [*grads, grads2]
         if scaled:
             h, s = ctx_act.saved
             need_ds = ctx_act.scales_grad
