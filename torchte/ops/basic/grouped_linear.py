@@ -33,6 +33,7 @@ from torchte.module.grouped_linear import (
 from torchte.quantization.model_init import model_init_settings
 
 from ..op import BasicOperation, OperationContext, RunSettings
+from ._row_scales import check_row_scales
 
 __all__ = ["GroupedLinear"]
 
@@ -187,17 +188,8 @@ class GroupedLinear(BasicOperation):
     @staticmethod
     def _check_scales(scales, rows: int, device) -> None:
         """TypeError / ValueError unless the bias scales are one float per row on device."""
-        if not isinstance(scales, torch.Tensor) or not scales.is_floating_point():
-            raise TypeError(
-                "te.ops.GroupedLinear(scale_bias=True): its second extra input (the bias "
-                f"scales) must be a floating-point tensor, got {scales!r:.80}"
-            )
-        if scales.numel() != rows or scales.device != device:
-            raise ValueError(
-                f"te.ops.GroupedLinear(scale_bias=True): the bias scales have shape "
-                f"{tuple(scales.shape)} on {scales.device}; the input has {rows} rows on "
-                f"{device}: one scale per row"
-            )
+        who = "te.ops.GroupedLinear(scale_bias=True)"
+        check_row_scales(who, "its second extra input (the bias scales)", scales, rows, device)
 
     def _biases(self, dtype: torch.dtype) -> torch.Tensor:
         """(G, N) in dtype."""

@@ -16,6 +16,7 @@ from torchte.kernels.scaled_activation import (
 )
 from torchte.module._norm_spec import rows_of
 
+from ._row_scales import check_row_scales
 from .activation import (
     GEGLU,
     GELU,
@@ -45,6 +46,9 @@ __all__ = [
 ]
 
 
+_WHAT = "its extra input (the per-row scales)"
+
+
 class _Scaled:
     """Mixed in before an activation op: the per-row scales come as one extra input."""
 
@@ -59,32 +63,20 @@ class _Scaled:
         super().__init__(*args, **kwargs)
 
     def check_extra_inputs(self, extra_inputs: tuple, rows: int | None) -> None:
-        if rows is not None and isinstance(extra_inputs[0], torch.Tensor):
-            scales = extra_inputs[0]
-            if scales.numel() != rows:
-                raise ValueError(
-                    f"te.ops.{type(self).__name__}: the scales have shape "
-                    f"{tuple(scales.shape)}, but the input has {rows} rows: one scale per row"
-                )
+        if rows is not None:
+            check_row_scales(f"te.ops.{type(self).__name__}", _WHAT, extra_inputs[0], rows)
 
     def scales_of(self, x: torch.Tensor, scales) -> torch.Tensor:
-        """The scales as (rows of x,): ValueError naming the op when they do not fit x."""
+        """The scales as (rows of x,): TypeError / ValueError naming the op when they do not
+        fit x (one per row: shaped (rows,), x's leading dims, or those and a trailing 1)."""
         rows = x.numel() // x.shape[-1] if x.dim() else 0
-        if not isinstance(scales, torch.Tensor) or not scales.is_floating_point():
-            raise TypeError(
-                f"te.ops.{type(self).__name__}: its extra input (the per-row scales) must be a "
-                f"floating-point tensor, got {scales!r:.80}"
-            )
+        who = f"te.ops.{type(self).__name__}"
+        check_row_scales(who, _WHAT, scales, rows, x.device)
         fitting = {(rows,), tuple(x.shape[:-1]), (*x.shape[:-1], 1)}
         if tuple(scales.shape) not in fitting:
             raise ValueError(
-                f"te.ops.{type(self).__name__}: the scales have shape {tuple(scales.shape)}, "
-                f"but the input has {rows} rows (shape {tuple(x.shape)}): one scale per row"
-            )
-        if scales.device != x.device:
-            raise ValueError(
-                f"te.ops.{type(self).__name__}: the scales are on {scales.device}, the input on "
-                f"{x.device}"
+                f"{who}: {_WHAT} has shape {tuple(scales.shape)}, but the input has shape "
+                f"{tuple(x.shape)}: one scale per row, shaped as its leading dims"
             )
         return scales.reshape(-1)
 
