@@ -68,10 +68,6 @@ def _split(flat, counts: list[int]) -> list[tuple]:
 def _run_forward(pipeline: Pipeline, ops, x, extra_inputs: list[tuple], x_requires_grad: bool):
     """(y, extra outputs per basic op, contexts per basic op): the forward list run in order."""
     settings = pipeline.settings
-    rows = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else None
-    for op, extra in zip(ops, extra_inputs, strict=True):
-        op.check_extra_inputs(extra, rows)  # bad extra inputs: an error before any kernel
-        rows = op.output_rows(rows)
     ctxs = [OperationContext() for _ in ops]
     extra_outputs: list[tuple] = [() for _ in ops]
     needs_grad = x_requires_grad
@@ -198,6 +194,14 @@ class OperationFuser:
             pipeline = self._pipelines[key] = Pipeline(settings, forward, backward)
         return pipeline
 
+    def _check_extra_inputs(self, x: torch.Tensor, extra_inputs: tuple) -> None:
+        """Each op's extra inputs against the rows its input will have: a bad one is an error
+        before any op of the run computes."""
+        rows = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else None
+        for op, extra in zip(self.ops, _split(extra_inputs, self.extra_counts), strict=True):
+            op.check_extra_inputs(extra, rows)
+            rows = op.output_rows(rows)
+
     def __call__(self, x: torch.Tensor, extra_inputs: tuple) -> tuple:
         """(y, extra outputs in op order)."""
         params = [p for op in self.ops for p in op.op_parameters()]
@@ -208,6 +212,8 @@ class OperationFuser:
         )
         pipeline = self._pipeline(x, requires_grad)
         settings = pipeline.settings
+        if self.num_extra_inputs:
+            self._check_extra_inputs(x, extra_inputs)
         try:
             if requires_grad and transforms_active():
                 out = _transformed(x, _Call(self, pipeline), extra_inputs, params, settings)
