@@ -3,6 +3,7 @@ and GPU kernel time by kind (kernel names matched in KINDS' order, so the groupe
 kernels, whose names contain "scale", count as "FP8 cast/amax/scale").
 
     PYTHONPATH=. python benchmarks/train_profile.py medium large   # on a CUDA GPU
+    PYTHONPATH=. python benchmarks/train_profile.py --host-splits medium   # sizes read back
 
 Per size and recipe (bf16, current, delayed): 8 warm-up steps, 10 timed steps (wall), then 3
 profiled steps (kernel times). Never asserts.
@@ -15,7 +16,7 @@ from collections import defaultdict
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from torchte.train import cli
+from torchte.train import cli, moe
 from torchte.train.data import load_corpus
 from torchte.train.loop import Trainer
 
@@ -56,7 +57,11 @@ def kind(name):
     return "other"
 
 
-for size in sys.argv[1:]:
+sizes = sys.argv[1:]
+if "--host-splits" in sizes:  # the experts' sizes read back each step instead of kept on the GPU
+    sizes.remove("--host-splits")
+    moe.DEVICE_SPLITS = False
+for size in sizes:
     for recipe in ("bf16", "current", "delayed"):
         args = [
             "--device",

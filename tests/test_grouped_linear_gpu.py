@@ -48,7 +48,7 @@ def test_fp8_equals_stack_of_linear(recipe_name):
     grouped, stack = make_pair(len(SPLITS), torch.bfloat16, device="cuda")
     a, b = run_both(grouped, stack, SPLITS, RECIPES[recipe_name], torch.bfloat16)
     fmt = RECIPES[recipe_name].fp8_format
-    one_gemm = one_fprop_gemm(grouped.device, fmt.fwd_dtype, fmt.fwd_dtype, SPLITS)
+    one_gemm = one_fprop_gemm(grouped.device, fmt.fwd_dtype, fmt.fwd_dtype, SPLITS, torch.bfloat16)
     print(f"\nGroupedLinear {recipe_name}: fprop as one _scaled_grouped_mm: {one_gemm}")
     if one_gemm:
         for ra, rb in zip(a, b, strict=True):

@@ -23,7 +23,16 @@ class GroupSplits:
     from a device tensor they are computed there, with no synchronization; sizes() reads a
     device tensor back (one synchronization) and checks it."""
 
-    __slots__ = ("_offsets", "_row_groups", "_sizes", "_tensor", "device", "num_groups", "total")
+    __slots__ = (
+        "_offsets",
+        "_row_groups",
+        "_sizes",
+        "_tensor",
+        "device",
+        "kernel_offsets",
+        "num_groups",
+        "total",
+    )
 
     def __init__(self, sizes, tensor, num_groups: int, total: int, device: torch.device) -> None:
         self._sizes: list[int] | None = sizes
@@ -31,6 +40,19 @@ class GroupSplits:
         self.num_groups, self.total, self.device = num_groups, total, device
         self._offsets: torch.Tensor | None = None
         self._row_groups: torch.Tensor | None = None
+        # (o_g, c_g) int32 (G + 1,) as the grouped FP8 kernels read them, made once per call by
+        # the quantization layer (quantization/grouped_quantizer.split_offsets).
+        self.kernel_offsets: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def host_sizes(self) -> list[int] | None:
+        """The sizes when the host has them (given as a list, or read already), else None:
+        never synchronizes."""
+        return self._sizes
+
+    @property
+    def tensor(self) -> torch.Tensor | None:
+        """The device tensor of sizes, when they were given as one."""
+        return self._tensor
 
     def sizes(self) -> list[int]:
         if self._sizes is None:
@@ -64,6 +86,10 @@ class GroupSplits:
                 self._row_groups = torch.searchsorted(offsets, rows, right=True)
         return self._row_groups
 
+
+# A split tensor on the CPU is read on the host (free there). Tests set this False to run the
+# path for sizes known only on the device (no reading back) on the CPU.
+READ_CPU_SPLITS = True
 
 # Device tensors built from host sizes are kept for the last few distinct splits (a layer called
 # with the same splits again, as in gradient accumulation or evaluation, skips the host-to-device
@@ -105,7 +131,7 @@ def group_splits(m_splits, num_groups: int, total: int, device: torch.device) ->
                 f"m_splits must be a 1-D integer tensor or a list of ints, got a "
                 f"{m_splits.dim()}-D {m_splits.dtype} tensor"
             )
-        if m_splits.device.type == "cpu":
+        if m_splits.device.type == "cpu" and READ_CPU_SPLITS:
             return group_splits(m_splits.tolist(), num_groups, total, device)
         if m_splits.device != device:
             raise ValueError(f"m_splits is on {m_splits.device}, the layer on {device}")

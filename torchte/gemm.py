@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from ._group_splits import GroupSplits
+from .kernels.grouped_gemm_fp8 import grouped_reduction_gemm, grouped_rows_gemm
 
 __all__ = [
     "fp8_gemm",
@@ -211,6 +212,27 @@ def scaled_grouped_dgrad(dy_fp8, w_fp8, splits, out_dtype: torch.dtype) -> torch
     num_groups, n = len(w_fp8.m_splits), w_fp8.m_splits[0]
     weights_t = w_fp8.columnwise_data.view(num_groups, -1, n)  # (G, K, N) row-major
     return _scaled_grouped(dy_fp8, weights_t.transpose(1, 2), w_fp8.scale_inv, splits, out_dtype)
+
+
+def device_grouped_rows(a_fp8, b: torch.Tensor, b_scale_inv, out_dtype) -> torch.Tensor:
+    """(T, O): per group (a_g * a_scale_inv[g]) @ (b[g] * b_scale_inv[g]).T for a_fp8 a
+    GroupedStorage (rowwise (T, I)) and b (G, O, I) fp8, as one Triton kernel that reads the
+    group sizes on the device (kernels/grouped_gemm_fp8.py): any FP8 dtypes, any out_dtype.
+    fprop with b the weights (G, N, K); dgrad with b their columnwise blocks (G, K, N)."""
+    row_offsets, _ = a_fp8.device_offsets()
+    a, a_scale_inv = a_fp8.rowwise_data, a_fp8.scale_inv
+    return grouped_rows_gemm(a, a_scale_inv, b, b_scale_inv, row_offsets, out_dtype)
+
+
+def device_grouped_wgrad(dy_fp8, x_fp8, out_dtype) -> torch.Tensor:
+    """(G, N, K): per group dy_g^T x_g from the columnwise blocks of two GroupedStorages of the
+    same splits (dy (T, N), x (T, K)), as one Triton kernel reading the offsets on the device;
+    zeros for a group without rows."""
+    _, col_offsets = dy_fp8.device_offsets()
+    n, k = dy_fp8.shape[1], x_fp8.shape[1]
+    dy_cols, x_cols = dy_fp8.columnwise_data, x_fp8.columnwise_data
+    dy_si, x_si = dy_fp8.scale_inv, x_fp8.scale_inv
+    return grouped_reduction_gemm(dy_cols, dy_si, x_cols, x_si, col_offsets, n, k, out_dtype)
 
 
 def _scaled_grouped(a_fp8, b, b_scale_inv, splits, out_dtype) -> torch.Tensor:

@@ -13,8 +13,9 @@ are those of
 rounded to h's dtype, as scaled_activation.py defines them).
 
 How a program finds its group, and the grid: as in grouped_cast (row tiles numbered group by
-group, _tile_group). Elsewhere than on CUDA with Triton (and for an empty h), the composition
-above runs.
+group, _tile_group_or_last), also with m_splits None (sizes on the device: worst-case grid and
+columnwise room, grouped_cast.grouped_columns). Elsewhere than on CUDA with Triton (and for
+an empty h), the composition above runs.
 """
 
 from __future__ import annotations
@@ -30,9 +31,9 @@ from .cast_spec import CastSpec
 from .grouped_cast import (
     _check_groups,
     _group_block,
-    _padded_rows,
     _row_tiles,
     _zeroed_amax,
+    grouped_columns,
     quantize_grouped,
 )
 from .scaled_activation import scaled_activation_backward, scaled_activation_forward
@@ -50,7 +51,7 @@ SCALED_ACT_CONFIG = (32, 128, 4)
 if triton is not None:
     from ._fp8_codec import _encode_slice, _round_as, _scale_from_amax, _store_words
     from .activation_fp8 import _act_values, grads_of
-    from .grouped_cast import _tile_group, store_scale_invs
+    from .grouped_cast import _tile_group_or_last, store_scale_invs
 
     @triton.jit
     def _scaled_act_grouped_kernel(
@@ -88,7 +89,7 @@ if triton is not None:
                     scale_ptr, amax_ptr, scale_inv_ptr, G, amax_epsilon, FP8_MAX, CURRENT,
                     POWER_2, G_BLOCK,
                 )  # fmt: skip
-        group, tile = _tile_group(row_offsets_ptr, G, pid_m, BLOCK_M, G_BLOCK)
+        group, tile = _tile_group_or_last(row_offsets_ptr, G, pid_m, BLOCK_M, G_BLOCK)
         row_start = tl.load(row_offsets_ptr + group)
         rows_g = tl.load(row_offsets_ptr + group + 1) - row_start
         if AMAX_ONLY:
@@ -174,7 +175,7 @@ if triton is not None:
                     scale_ptr, amax_ptr, scale_inv_ptr, G, amax_epsilon, FP8_MAX, CURRENT,
                     POWER_2, G_BLOCK,
                 )  # fmt: skip
-        group, tile = _tile_group(row_offsets_ptr, G, pid_m, BLOCK_M, G_BLOCK)
+        group, tile = _tile_group_or_last(row_offsets_ptr, G, pid_m, BLOCK_M, G_BLOCK)
         row_start = tl.load(row_offsets_ptr + group)
         rows_g = tl.load(row_offsets_ptr + group + 1) - row_start
         if AMAX_ONLY:
@@ -251,7 +252,7 @@ def scaled_activation_grouped_fp8(
     name: str,
     limit: float,
     alpha: float,
-    m_splits: list[int],
+    m_splits: list[int] | None,
     row_offsets: torch.Tensor,
     col_offsets: torch.Tensor,
     spec: CastSpec,
@@ -276,7 +277,7 @@ def scaled_activation_grouped_fp8(
     args = (h, s, n, act, gated, limit, alpha, m_splits, row_offsets, col_offsets, spec)
     if spec.delayed:
         return _launch(*args, amax=spec.amax, amax_only=False, current=False)
-    amax = _zeroed_amax(spec.amax, len(m_splits), h.device)
+    amax = _zeroed_amax(spec.amax, row_offsets.numel() - 1, h.device)
     _launch(*args, amax=amax, amax_only=True, current=True)
     return _launch(*args, amax=amax, amax_only=False, current=True)
 
@@ -287,7 +288,7 @@ def _launch(
 ):  # fmt: skip
     """One launch of _scaled_act_grouped_kernel; (rowwise, columnwise, scale_inv), the data
     None in the amax pass."""
-    tokens, groups = h.shape[0], len(m_splits)
+    tokens, groups = h.shape[0], row_offsets.numel() - 1
     block_m, block_n, num_warps = config
     fp8_dtype = spec.fp8_dtype
     columnwise = spec.columnwise and not amax_only
@@ -296,11 +297,12 @@ def _launch(
     if not amax_only:
         data = torch.empty(tokens, n, dtype=fp8_dtype, device=h.device)
     if columnwise:
-        data_t = torch.empty(n * _padded_rows(m_splits), dtype=fp8_dtype, device=h.device)
+        columns = grouped_columns(m_splits, tokens, groups)
+        data_t = torch.empty(n * columns, dtype=fp8_dtype, device=h.device)
     out = scale_inv if data is None else data  # never stored to when not asked for
     out_t = scale_inv if data_t is None else data_t
     scale = amax if spec.scale is None else spec.scale
-    grid = (_row_tiles(m_splits, block_m), (n + block_n - 1) // block_n, 1)
+    grid = (_row_tiles(m_splits, block_m, tokens, groups), (n + block_n - 1) // block_n, 1)
     g_block = _group_block(groups)
     power_2 = spec.power_2_scale
     pointers = (h, s, row_offsets, col_offsets, scale, amax, scale_inv, out, out_t)
@@ -321,7 +323,7 @@ def scaled_activation_backward_grouped_fp8(
     name: str,
     limit: float,
     alpha: float,
-    m_splits: list[int],
+    m_splits: list[int] | None,
     row_offsets: torch.Tensor,
     col_offsets: torch.Tensor,
     spec: CastSpec,
@@ -348,8 +350,9 @@ def scaled_activation_backward_grouped_fp8(
         dh, ds = scaled_activation_backward(dy, h, s, name, limit, alpha, need_ds)
         dbias = None
         if need_dbias:
-            dbias = torch.zeros(len(m_splits), h.shape[1], dtype=dy.dtype, device=h.device)
-            for g, part in enumerate(dh.split(m_splits)):
+            sizes = torch.diff(row_offsets).tolist() if m_splits is None else m_splits
+            dbias = torch.zeros(len(sizes), h.shape[1], dtype=dy.dtype, device=h.device)
+            for g, part in enumerate(dh.split(sizes)):
                 if part.shape[0]:
                     torch.sum(part, 0, out=dbias[g])
         return (*quantize_grouped(dh, m_splits, row_offsets, col_offsets, spec), ds, dbias)
@@ -357,22 +360,27 @@ def scaled_activation_backward_grouped_fp8(
     h, dy = h.contiguous(), dy.contiguous()
     block_m, block_n, _ = SCALED_ACT_CONFIG
     col_blocks = (n + block_n - 1) // block_n
+    tokens, groups = h.shape[0], row_offsets.numel() - 1
+    row_tiles = _row_tiles(m_splits, block_m, tokens, groups)
     f32 = {"dtype": torch.float32, "device": h.device}
     sums = (
-        torch.empty(col_blocks, h.shape[0], **f32) if need_ds else None,
-        torch.empty(_row_tiles(m_splits, block_m), h.shape[1], **f32) if need_dbias else None,
+        torch.empty(col_blocks, tokens, **f32) if need_ds else None,
+        torch.empty(row_tiles, h.shape[1], **f32) if need_dbias else None,
     )
     args = (dy, h, s, n, act, gated, limit, alpha, m_splits, row_offsets, col_offsets, spec)
     if spec.delayed:
         out = _launch_grad(*args, sums, amax=spec.amax, amax_only=False, current=False)
     else:
-        amax = _zeroed_amax(spec.amax, len(m_splits), h.device)
+        amax = _zeroed_amax(spec.amax, groups, h.device)
         _launch_grad(*args, sums, amax=amax, amax_only=True, current=True)
         out = _launch_grad(*args, (None, None), amax=amax, amax_only=False, current=True)
     ds = sums[0].sum(0).to(s.dtype) if need_ds else None
     dbias = None
     if need_dbias:
-        one_hot = _tile_one_hot(tuple(m_splits), block_m, h.device)
+        if m_splits is None:
+            one_hot = _device_tile_one_hot(row_offsets, block_m, row_tiles)
+        else:
+            one_hot = _tile_one_hot(tuple(m_splits), block_m, h.device)
         with torch.autocast(h.device.type, enabled=False):  # an fp32 product stays fp32
             dbias = torch.mm(one_hot, sums[1]).to(dy.dtype)
     return (*out, ds, dbias)
@@ -388,6 +396,17 @@ def _tile_one_hot(m_splits: tuple[int, ...], block_m: int, device) -> torch.Tens
     return one_hot.to(device)
 
 
+def _device_tile_one_hot(row_offsets: torch.Tensor, block_m: int, row_tiles: int):
+    """_tile_one_hot from the offsets on the device, for a worst-case grid of row_tiles
+    tiles: the tiles past the last real one (which store zero sums) belong to no group."""
+    tiles = (torch.diff(row_offsets) + (block_m - 1)) // block_m
+    ends = tiles.cumsum(0)
+    index = torch.arange(row_tiles, device=row_offsets.device, dtype=ends.dtype)
+    tile_group = torch.searchsorted(ends, index, right=True)
+    groups = torch.arange(tiles.numel(), device=row_offsets.device)
+    return (groups[:, None] == tile_group[None, :]).float()
+
+
 def _launch_grad(
     dy, h, s, n, act, gated, limit, alpha, m_splits, row_offsets, col_offsets, spec, sums,
     *, amax, amax_only: bool, current: bool, config=SCALED_ACT_CONFIG,
@@ -395,7 +414,7 @@ def _launch_grad(
     """One launch of _scaled_act_grad_grouped_kernel; (rowwise, columnwise, scale_inv), the
     data None in the amax pass; sums = (ds parts | None, dbias parts | None) written when
     given."""
-    tokens, k_cols, groups = h.shape[0], h.shape[1], len(m_splits)
+    tokens, k_cols, groups = h.shape[0], h.shape[1], row_offsets.numel() - 1
     block_m, block_n, num_warps = config
     fp8_dtype = spec.fp8_dtype
     rowwise, columnwise = spec.rowwise and not amax_only, spec.columnwise and not amax_only
@@ -404,12 +423,13 @@ def _launch_grad(
     if rowwise:
         data = torch.empty(tokens, k_cols, dtype=fp8_dtype, device=h.device)
     if columnwise:
-        data_t = torch.empty(k_cols * _padded_rows(m_splits), dtype=fp8_dtype, device=h.device)
+        columns = grouped_columns(m_splits, tokens, groups)
+        data_t = torch.empty(k_cols * columns, dtype=fp8_dtype, device=h.device)
     out = scale_inv if data is None else data  # never stored to when not asked for
     out_t = scale_inv if data_t is None else data_t
     partial, dbias = (scale_inv if t is None else t for t in sums)
     scale = amax if spec.scale is None else spec.scale
-    grid = (_row_tiles(m_splits, block_m), (n + block_n - 1) // block_n, 1)
+    grid = (_row_tiles(m_splits, block_m, tokens, groups), (n + block_n - 1) // block_n, 1)
     g_block = _group_block(groups)
     power_2 = spec.power_2_scale
     pointers = (dy, h, s, row_offsets, col_offsets, scale, amax, scale_inv, out, out_t)

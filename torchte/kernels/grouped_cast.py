@@ -3,7 +3,7 @@ stacked in one matrix, every group quantized with its own scale, all groups in o
 
 Shapes (T tokens, K features, G groups): x (T, K) fp32/bf16/fp16, contiguous; group g owns rows
 [o_g, o_{g+1}) with o_0 = 0, o_G = T, m_g = o_{g+1} - o_g >= 0 (empty groups allowed), from the
-host list m_splits. Outputs:
+host list m_splits, or with m_splits None from the device offsets alone (below). Outputs:
 - rowwise (T, K) FP8: the rows of group g quantized with scale[g];
 - columnwise (K * C,) FP8, flat, C = sum_g round_up(m_g, 16): group g's block starts at element
   K * c_g, c_g = sum_{j<g} round_up(m_j, 16), and is the (K, round_up(m_g, 16)) transpose of its
@@ -15,6 +15,14 @@ host list m_splits. Outputs:
   its own amax, which overwrites spec.amax[g] when spec.amax is given.
 row_offsets and col_offsets are int32 (G + 1,) tensors on x's device holding o_g and c_g; see
 grouped_offsets. The kernels trust them to agree with m_splits (checking would cost a sync).
+
+Group sizes known only on the device (m_splits None: a device split tensor, a CUDA graph
+replayed with new splits): the offsets come from device_grouped_offsets, the grid is sized for
+the worst case (cdiv(T, BLOCK_M) + G row tiles: each group adds at most one partial tile) and
+the columnwise output has room for the worst case, C_max = T + 15 G columns (grouped_columns);
+group g's block still starts at element K * c_g, and the tail past c_G is never written or
+read. A program past the last real tile finds itself past the last group's rows
+(_tile_group_or_last) and stores nothing.
 
 How a program finds its group: the row tiles are numbered group by group (group g has
 cdiv(m_g, BLOCK_M) of them; an empty group none), so the grid is (sum_g cdiv(m_g, BLOCK_M),
@@ -49,6 +57,8 @@ from .cast_spec import CastSpec
 
 __all__ = [
     "GROUPED_AMAX_CONFIG",
+    "device_grouped_offsets",
+    "grouped_columns",
     "grouped_offsets",
     "quantize_grouped",
     "quantize_grouped_reference",
@@ -82,6 +92,21 @@ if triton is not None:
         group = tl.sum(before.to(tl.int32), 0)
         first_tile = tl.sum(tl.where(before, tiles, 0), 0)
         return group, pid_m - first_tile
+
+    @triton.jit
+    def _tile_group_or_last(
+        row_offsets_ptr, G, pid_m, BLOCK_M: tl.constexpr, G_BLOCK: tl.constexpr
+    ):
+        """_tile_group, except that a program past the last real tile (a worst-case grid) gets
+        the last group and a tile past its rows, so every row it touches is masked off."""
+        group, tile = _tile_group(row_offsets_ptr, G, pid_m, BLOCK_M, G_BLOCK)
+        last = G - 1
+        idx = tl.arange(0, G_BLOCK)
+        starts = tl.load(row_offsets_ptr + idx, mask=idx == last, other=0)
+        ends = tl.load(row_offsets_ptr + idx + 1, mask=idx == last, other=0)
+        last_tiles = tl.sum((ends - starts + BLOCK_M - 1) // BLOCK_M, 0)
+        over = group > last
+        return tl.where(over, last, group), tl.where(over, tile + last_tiles, tile)
 
     @triton.jit
     def store_scale_invs(
@@ -131,7 +156,7 @@ if triton is not None:
                 scale_ptr, amax_ptr, scale_inv_ptr, G, amax_epsilon, FP8_MAX, CURRENT, POWER_2,
                 G_BLOCK,
             )  # fmt: skip
-        group, tile = _tile_group(row_offsets_ptr, G, pid_m, BLOCK_M, G_BLOCK)
+        group, tile = _tile_group_or_last(row_offsets_ptr, G, pid_m, BLOCK_M, G_BLOCK)
         row_start = tl.load(row_offsets_ptr + group)
         rows = tl.load(row_offsets_ptr + group + 1) - row_start
         col_start = tl.multiple_of(tl.load(col_offsets_ptr + group), 16)
@@ -161,7 +186,7 @@ if triton is not None:
     ):
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
-        group, tile = _tile_group(row_offsets_ptr, G, pid_m, BLOCK_M, G_BLOCK)
+        group, tile = _tile_group_or_last(row_offsets_ptr, G, pid_m, BLOCK_M, G_BLOCK)
         row_start = tl.load(row_offsets_ptr + group)
         rows = tl.load(row_offsets_ptr + group + 1) - row_start
         # The tile code with no output: only the int32 bits of the tile's max |x|.
@@ -203,9 +228,27 @@ def grouped_offsets(
     return _grouped_offsets(tuple(m_splits), device)
 
 
+def device_grouped_offsets(sizes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row_offsets, col_offsets) as grouped_offsets gives them, computed on sizes' device from
+    an integer (G,) tensor of group sizes (no host synchronization; a few small launches)."""
+    counts = sizes.to(torch.int32)
+    padded = (counts + (COLUMNWISE_ALIGN - 1)) // COLUMNWISE_ALIGN * COLUMNWISE_ALIGN
+    ends = torch.stack([counts, padded]).cumsum(1, dtype=torch.int32)
+    offsets = torch.nn.functional.pad(ends, (1, 0))
+    return offsets[0], offsets[1]
+
+
+def grouped_columns(m_splits: list[int] | None, tokens: int, groups: int) -> int:
+    """C, the columns of the columnwise blocks: sum_g round_up(m_g, 16) for host sizes; for
+    sizes on the device (m_splits None) the most any split can need, T + 15 G."""
+    if m_splits is None:
+        return tokens + (COLUMNWISE_ALIGN - 1) * groups
+    return _padded_rows(m_splits)
+
+
 def quantize_grouped(
     x: torch.Tensor,
-    m_splits: list[int],
+    m_splits: list[int] | None,
     row_offsets: torch.Tensor,
     col_offsets: torch.Tensor,
     spec: CastSpec,
@@ -214,38 +257,40 @@ def quantize_grouped(
     spec.scale (G,), max |x| of each group max-accumulated into spec.amax (G,); current with
     each group's own amax (written to spec.amax (G,) when given). One launch on CUDA under
     delayed scaling, three under current. Returns (rowwise (T, K) | None, columnwise (K * C,) |
-    None, scale_inv (G,) fp32), laid out as the module says."""
+    None, scale_inv (G,) fp32), laid out as the module says; m_splits None: the sizes come from
+    the offsets on the device, C = grouped_columns(None, T, G)."""
     _check_groups(x, m_splits, row_offsets, col_offsets, spec)
     if not (x.is_cuda and triton_available() and x.numel() > 0):
-        return _reference(x, m_splits, spec)
+        return _reference(x, m_splits, row_offsets, spec)
     if spec.delayed:
         return _grouped_cast_transpose(x, m_splits, row_offsets, col_offsets, spec)
-    amax = _zeroed_amax(spec.amax, len(m_splits), x.device)
+    amax = _zeroed_amax(spec.amax, row_offsets.numel() - 1, x.device)
     _grouped_amax(x, m_splits, row_offsets, amax)
     return _grouped_cast_transpose(x, m_splits, row_offsets, col_offsets, spec, amax)
 
 
 def _check_groups(x, m_splits, row_offsets, col_offsets, spec: CastSpec) -> None:
-    """ValueError unless x is 2-D, m_splits (G ints >= 0) sums to x's rows, the offsets are int32
-    (G + 1,), spec's scale and amax (where given) have G elements, all on x's device; TypeError
-    unless spec.fp8_dtype is an FP8 dtype."""
+    """ValueError unless x is 2-D, m_splits (G ints >= 0, or None: sizes on the device) sums to
+    x's rows, the offsets are int32 (G + 1,), spec's scale and amax (where given) have G
+    elements, all on x's device; TypeError unless spec.fp8_dtype is an FP8 dtype."""
     if x.dim() != 2:
         raise ValueError(f"x must be 2-D (tokens, features), got shape {tuple(x.shape)}")
-    groups = len(m_splits)
+    groups = row_offsets.numel() - 1 if m_splits is None else len(m_splits)
     per_group = {"scale": spec.scale, "amax": spec.amax}
     for name, tensor in per_group.items():
         if tensor is not None and tensor.numel() != groups:
             raise ValueError(
-                f"spec.{name} has {tensor.numel()} elements but len(m_splits) = {groups}; "
+                f"spec.{name} has {tensor.numel()} elements but there are {groups} groups; "
                 "they must match (one per group)"
             )
-    check_splits(m_splits, x.shape[0])
+    if m_splits is not None:
+        check_splits(m_splits, x.shape[0])
     offsets = {"row_offsets": row_offsets, "col_offsets": col_offsets}
     for name, tensor in offsets.items():
         if tensor.dtype != torch.int32 or tensor.numel() != groups + 1:
             raise ValueError(
-                f"{name} must be int32 with len(m_splits) + 1 = {groups + 1} elements, "
-                f"got {tensor.dtype} with {tensor.numel()}"
+                f"{name} must be int32 with one entry per group and one more = {groups + 1} "
+                f"elements, got {tensor.dtype} with {tensor.numel()}"
             )
     for name, tensor in (*offsets.items(), *per_group.items()):
         if tensor is not None and tensor.device != x.device:
@@ -260,8 +305,11 @@ def _zeroed_amax(amax: torch.Tensor | None, groups: int, device) -> torch.Tensor
     return amax.zero_()
 
 
-def _row_tiles(m_splits: list[int], block_m: int) -> int:
-    """The number of row tiles of all groups: the grid's first dimension."""
+def _row_tiles(m_splits: list[int] | None, block_m: int, tokens: int, groups: int) -> int:
+    """The number of row tiles of all groups: the grid's first dimension; for sizes on the
+    device (m_splits None) the most any split of `tokens` rows into `groups` can have."""
+    if m_splits is None:
+        return (tokens + block_m - 1) // block_m + groups
     return sum((rows + block_m - 1) // block_m for rows in m_splits)
 
 
@@ -280,7 +328,7 @@ def _grouped_cast_transpose(
     if not x.is_contiguous():
         x = x.contiguous()
     tokens, features = x.shape
-    groups = len(m_splits)
+    groups = row_offsets.numel() - 1
     block_m, block_n, num_warps = config
     assert block_m % COLUMNWISE_ALIGN == 0, "row tiles must cover each group's padding"
     fp8_dtype, rowwise, columnwise = spec.fp8_dtype, spec.rowwise, spec.columnwise
@@ -291,11 +339,12 @@ def _grouped_cast_transpose(
     if rowwise:
         data = torch.empty(tokens, features, dtype=fp8_dtype, device=x.device)
     if columnwise:
-        data_t = torch.empty(features * _padded_rows(m_splits), dtype=fp8_dtype, device=x.device)
+        columns = grouped_columns(m_splits, tokens, groups)
+        data_t = torch.empty(features * columns, dtype=fp8_dtype, device=x.device)
     # An output not asked for is never stored to: any pointer will do.
     out = scale_inv if data is None else data
     out_t = scale_inv if data_t is None else data_t
-    grid = (_row_tiles(m_splits, block_m), (features + block_n - 1) // block_n, 1)
+    grid = (_row_tiles(m_splits, block_m, tokens, groups), (features + block_n - 1) // block_n, 1)
     g_block = _group_block(groups)
     power_2 = spec.power_2_scale
     pointers = (x, row_offsets, col_offsets, scale, amax, scale_inv, out, out_t)
@@ -313,10 +362,10 @@ def _grouped_amax(x, m_splits, row_offsets, amax, config=GROUPED_AMAX_CONFIG) ->
     for x (T, K), T, K > 0."""
     if not x.is_contiguous():
         x = x.contiguous()
-    features = x.shape[1]
-    groups = len(m_splits)
+    tokens, features = x.shape
+    groups = row_offsets.numel() - 1
     block_m, block_n, num_warps = config
-    grid = (_row_tiles(m_splits, block_m), (features + block_n - 1) // block_n, 1)
+    grid = (_row_tiles(m_splits, block_m, tokens, groups), (features + block_n - 1) // block_n, 1)
     g_block = _group_block(groups)
     key = (x.dtype, config, g_block, *int_key(features), *int_key(groups))
     key += (x.data_ptr() & 15, row_offsets.data_ptr() & 15, amax.data_ptr() & 15)
@@ -345,18 +394,22 @@ def quantize_grouped_reference(
     """Torch reference of quantize_grouped (row_offsets and col_offsets are checked, not read:
     the groups come from m_splits)."""
     _check_groups(x, m_splits, row_offsets, col_offsets, spec)
-    return _reference(x, m_splits, spec)
+    return _reference(x, m_splits, row_offsets, spec)
 
 
-def _reference(x, m_splits, spec: CastSpec):
+def _reference(x, m_splits, row_offsets, spec: CastSpec):
     """Each group through encode_reference, laid out as the module says (bytes copied through
-    uint8 views)."""
+    uint8 views; m_splits None: the sizes read from row_offsets, the columnwise tail zero)."""
     tokens, features = x.shape
     fp8_dtype, rowwise, columnwise = spec.fp8_dtype, spec.rowwise, spec.columnwise
     data = torch.empty(tokens, features, dtype=fp8_dtype, device=x.device) if rowwise else None
     data_t = None
     if columnwise:
-        data_t = torch.empty(features * _padded_rows(m_splits), dtype=fp8_dtype, device=x.device)
+        columns = grouped_columns(m_splits, tokens, row_offsets.numel() - 1)
+        data_t = torch.zeros(features * columns, dtype=torch.uint8, device=x.device)
+        data_t = data_t.view(fp8_dtype)
+    if m_splits is None:
+        m_splits = torch.diff(row_offsets).tolist()
     scale_inv = torch.empty(len(m_splits), dtype=torch.float32, device=x.device)
     amax = spec.amax
     if not spec.delayed and amax is not None:

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 import torch
 
+from torchte.gemm import fp32_mm
 from torchte.offload import mark_not_offload
 from torchte.quantization.base import QuantizedStorage
 from torchte.quantization.float8 import Float8Storage
@@ -258,3 +259,13 @@ def stack_parameters(parts: Sequence[torch.Tensor]) -> torch.Tensor:
         return torch.stack(list(parts))
     mark_not_offload(stacked)
     return stacked
+
+
+def group_sums(dy: torch.Tensor, splits) -> torch.Tensor:
+    """(G, N) fp32: the column sums of each group's rows of dy (T, N), splits a GroupSplits, as
+    one GEMM with a one-hot (G, T) matrix: the same order every run, no atomics, no host
+    synchronization."""
+    one_hot = splits.one_hot(dy.dtype)
+    if dy.is_cuda and dy.dtype in (torch.bfloat16, torch.float16):
+        return torch.mm(one_hot, dy, out_dtype=torch.float32)
+    return fp32_mm(one_hot.float(), dy.float())

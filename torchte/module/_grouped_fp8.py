@@ -6,6 +6,14 @@ computes it (fp8_gemm with the bias fused), or one torch._scaled_grouped_mm wher
 (gemm.scaled_grouped_mm_supported: e4m3 operands on sm90). Backward: dy quantized the same way
 with the grad_output scales, dgrad and wgrad per group with te.Linear's FP8 GEMMs, so with the
 per-group forward the results equal a stack of te.Linear layers bit for bit.
+
+Group sizes known only on the device (m_splits a device tensor; a CUDA graph replayed with new
+splits): nothing reads them back. The grouped casts take the offsets on the device and leave
+room for the worst case; fprop is torch._scaled_grouped_mm where it takes the operands, else,
+like dgrad (whose e5m2 gradients sm90's torch._scaled_grouped_mm refuses) and wgrad, one Triton
+grouped GEMM (gemm.device_grouped_rows / device_grouped_wgrad) that finds each group's rows on
+the device; bias gradients are one GEMM with a one-hot matrix. Results then differ from the
+per-group cuBLAS GEMMs by the accumulation order.
 """
 
 from __future__ import annotations
@@ -15,6 +23,8 @@ import torch
 from torchte._device import graph_capturing
 from torchte._group_splits import GroupSplits
 from torchte.gemm import (
+    device_grouped_rows,
+    device_grouped_wgrad,
     fp8_gemm,
     scaled_grouped_dgrad,
     scaled_grouped_fprop,
@@ -22,7 +32,13 @@ from torchte.gemm import (
 )
 from torchte.quantization.grouped import GroupedStorage
 
-from ._common import restore_saved, save_for_backward, should_overwrite, stack_parameters
+from ._common import (
+    group_sums,
+    restore_saved,
+    save_for_backward,
+    should_overwrite,
+    stack_parameters,
+)
 from ._linear_core import cast_to
 from .base import cached_quantization
 
@@ -51,16 +67,22 @@ def fp8_forward(ctx, x, splits: GroupSplits, plan, biases, w_fp8: GroupedStorage
     the splits', columnwise data present when need_wgrad)."""
     need_dgrad, need_wgrad = needs
     first = plan.gemms[0]
-    dtype, sizes = first.dtype, splits.sizes()
+    dtype, sizes = first.dtype, splits.host_sizes()  # sizes None: on the device only
     if isinstance(x, GroupedStorage):
         x_fp8 = x
     else:
         x = cast_to(x, dtype).contiguous()
-        x_fp8 = first.setup.grouped_input.quantize(x, sizes, True, need_wgrad)
-    num_groups, n = len(sizes), w_fp8.m_splits[0]
+        x_fp8 = first.setup.grouped_input.quantize(x, splits, True, need_wgrad)
+    num_groups, n = splits.num_groups, w_fp8.m_splits[0]
     bias = [cast_to(b, dtype) for b in biases] if biases else [None] * num_groups
-    if one_fprop_gemm(x_fp8.rowwise_data.device, x_fp8.fp8_dtype, w_fp8.fp8_dtype, sizes):
-        y = scaled_grouped_fprop(x_fp8, w_fp8, splits, dtype)
+    device = x_fp8.rowwise_data.device
+    one_gemm = one_fprop_gemm(device, x_fp8.fp8_dtype, w_fp8.fp8_dtype, sizes, dtype)
+    if one_gemm or sizes is None:
+        if one_gemm:
+            y = scaled_grouped_fprop(x_fp8, w_fp8, splits, dtype)
+        else:
+            weights = w_fp8.rowwise_data.view(num_groups, n, -1)
+            y = device_grouped_rows(x_fp8, weights, w_fp8.scale_inv, dtype)
         if biases:
             y.add_(torch.stack(bias).index_select(0, splits.row_groups()))
     else:
@@ -79,10 +101,15 @@ def fp8_forward(ctx, x, splits: GroupSplits, plan, biases, w_fp8: GroupedStorage
     return y
 
 
-def one_fprop_gemm(device, a_dtype, b_dtype, sizes: list[int]) -> bool:
-    """Whether fprop runs as one torch._scaled_grouped_mm for these group sizes."""
+def one_fprop_gemm(device, a_dtype, b_dtype, sizes: list[int] | None, out_dtype) -> bool:
+    """Whether fprop runs as one torch._scaled_grouped_mm for these group sizes (None: on the
+    device, any split) and output dtype (it writes bf16 only)."""
+    if out_dtype != torch.bfloat16:
+        return False
     if scaled_grouped_mm_supported(device, a_dtype, b_dtype, True):
         return True
+    if sizes is None:
+        return False
     aligned = all(size % 16 == 0 for size in sizes)
     return aligned and scaled_grouped_mm_supported(device, a_dtype, b_dtype, False)
 
@@ -95,7 +122,7 @@ def fp8_backward(ctx, dy: torch.Tensor | GroupedStorage, dbias: torch.Tensor | N
     x_fp8, w_fp8 = restore_saved(ctx)
     plan, splits = ctx.plan, ctx.splits
     first = plan.gemms[0]
-    dtype, sizes = first.dtype, splits.sizes()
+    dtype, sizes = first.dtype, splits.host_sizes()  # sizes None: on the device only
     if isinstance(dy, GroupedStorage):
         dy_fp8 = dy
         device = dy.scale_inv.device
@@ -103,7 +130,7 @@ def fp8_backward(ctx, dy: torch.Tensor | GroupedStorage, dbias: torch.Tensor | N
         dy = cast_to(dy, dtype).contiguous()
         device = dy.device
         quantizer = first.setup.grouped_grad_output
-        dy_fp8 = quantizer.quantize(dy, sizes, ctx.need_dgrad, ctx.need_wgrad)
+        dy_fp8 = quantizer.quantize(dy, splits, ctx.need_dgrad, ctx.need_wgrad)
     if first.backward_hook is not None:
         first.backward_hook()
     n = dy_fp8.shape[1]
@@ -112,7 +139,9 @@ def fp8_backward(ctx, dy: torch.Tensor | GroupedStorage, dbias: torch.Tensor | N
     if ctx.need_dgrad:
         dx, dy_operands = _dgrad(dy_fp8, w_fp8, splits, dtype)
     dws = [None] * ctx.num_gemms
-    if ctx.need_wgrad:
+    if ctx.need_wgrad and sizes is None:
+        dws = _device_wgrad(ctx, dy_fp8, x_fp8, first.main_grad is not None, device)
+    elif ctx.need_wgrad:
         _, dy_cols, dy_scales = dy_operands or dy_fp8.gemm_operands()
         _, x_cols, x_scales = x_fp8.gemm_operands()
         k = x_fp8.shape[1]
@@ -127,10 +156,13 @@ def fp8_backward(ctx, dy: torch.Tensor | GroupedStorage, dbias: torch.Tensor | N
     elif ctx.num_bias and ctx.bias_grad:
         if not isinstance(dy, torch.Tensor):
             raise ValueError("fp8_backward: an FP8 dy needs the bias gradients given (dbias)")
-        sums = torch.zeros(ctx.num_bias, n, dtype=dtype, device=device)
-        for g, part in enumerate(dy.split(sizes)):
-            if sizes[g]:
-                torch.sum(part, 0, out=sums[g])
+        if sizes is None:
+            sums = group_sums(dy, splits).to(dtype)
+        else:
+            sums = torch.zeros(ctx.num_bias, n, dtype=dtype, device=device)
+            for g, part in enumerate(dy.split(sizes)):
+                if sizes[g]:
+                    torch.sum(part, 0, out=sums[g])
         dbs = list(sums.unbind(0))
     return dx, dws, dbs
 
@@ -157,6 +189,29 @@ def _wgrad_into_main_grad(ctx, sizes: list[int], operands, device) -> list:
     return dws
 
 
+def _device_wgrad(ctx, dy_fp8, x_fp8, into_main_grad: bool, device) -> list:
+    """The weight gradients from one grouped GEMM that reads the sizes on the device: handed
+    out as views of its (G, N, K) output, or (fuse_wgrad_accumulation) copied into or added to
+    each weight's main_grad as _wgrad_into_main_grad decides, two multi-tensor launches."""
+    if not into_main_grad:
+        return list(device_grouped_wgrad(dy_fp8, x_fp8, ctx.weight_dtype).unbind(0))
+    grads = device_grouped_wgrad(dy_fp8, x_fp8, torch.float32).unbind(0)
+    copies, adds, dws = ([], []), ([], []), []
+    for g, gemm in enumerate(ctx.plan.gemms):
+        target = gemm.main_grad
+        ((param, _, _),) = target.params()
+        into = copies if should_overwrite(param, gemm.is_first_microbatch) else adds
+        into[0].append(param.main_grad)
+        into[1].append(grads[g])
+        finished = target.finish(param.shape, ctx.weight_dtype, device)
+        dws.append(finished if ctx.weight_grads[g] else None)
+    if copies[0]:
+        torch._foreach_copy_(*copies)
+    if adds[0]:
+        torch._foreach_add_(*adds)
+    return dws
+
+
 def _wgrad_buffer(ctx, sizes: list[int], operands, shape, device) -> list:
     """The weight gradients in one (G, N, K) buffer, handed out as views: one GEMM per group.
     (The columnwise data of dy and x are one (K, Mp_g) block per group, not the single (K, T)
@@ -179,10 +234,14 @@ def _dgrad(dy_fp8: GroupedStorage, w_fp8: GroupedStorage, splits: GroupSplits, d
     """(dx (T, K), dy's gemm_operands or None): per group dy_g W_g, as one
     torch._scaled_grouped_mm where it takes these operands (the same probe as fprop's; on sm90
     not for e5m2 gradients), else one GEMM per group into one buffer."""
-    sizes = splits.sizes()
+    sizes = splits.host_sizes()
     device = w_fp8.scale_inv.device
-    if one_fprop_gemm(device, dy_fp8.fp8_dtype, w_fp8.fp8_dtype, sizes):
+    if one_fprop_gemm(device, dy_fp8.fp8_dtype, w_fp8.fp8_dtype, sizes, dtype):
         return scaled_grouped_dgrad(dy_fp8, w_fp8, splits, dtype), None
+    if sizes is None:
+        num_groups, n = w_fp8.num_groups, w_fp8.m_splits[0]
+        weights_t = w_fp8.columnwise_data.view(num_groups, -1, n)  # (G, K, N)
+        return device_grouped_rows(dy_fp8, weights_t, w_fp8.scale_inv, dtype), None
     operands = dy_fp8.gemm_operands()
     dy_rows, _, dy_scales = operands
     _, w_cols, w_scales = w_fp8.gemm_operands()

@@ -13,8 +13,9 @@ Three paths, chosen per setting (the plan's mode):
 - "fp8": FP8 recipes (_grouped_fp8.py): x and dy quantized for all groups in one launch
   (delayed scaling; three under current scaling) into a GroupedStorage, the GEMMs per group as
   te.Linear runs them (fprop as one torch._scaled_grouped_mm where that runs), the weight
-  gradients accumulated into each weight's main_grad with fuse_wgrad_accumulation. The group
-  sizes are read on the host.
+  gradients accumulated into each weight's main_grad with fuse_wgrad_accumulation. Sizes in a
+  device tensor are never read back: the casts and Triton grouped GEMMs find the groups on the
+  device (see _grouped_fp8.py).
 - "per_group": everything else (fp32/fp16, calibration, bf16 main_grad, bf16 off the GPU): group g
   goes through te.Linear's own forward and backward (module/_linear_core.py) with GEMM g's
   quantizers. The weight gradients are stacked into one buffer and handed out as views.
@@ -33,7 +34,6 @@ from torch import nn
 from torchte._group_splits import GroupSplits, group_splits
 from torchte.autocast import autocast_state
 from torchte.gemm import (
-    fp32_mm,
     grouped_dgrad,
     grouped_fprop,
     grouped_mm_supported,
@@ -41,7 +41,7 @@ from torchte.gemm import (
 )
 from torchte.quantization.model_init import model_init_settings
 
-from ._common import restore_saved, save_for_backward, stack_parameters
+from ._common import group_sums, restore_saved, save_for_backward, stack_parameters
 from ._functorch import apply, transforms_active
 from ._grouped_fp8 import fp8_backward, fp8_forward, grouped_fp8_weights
 from ._lifecycle import ParameterInit, fill
@@ -95,17 +95,8 @@ def _grouped_backward(ctx, dy: torch.Tensor):
         dws = list(dw.unbind(0))
     dbs = [None] * ctx.num_bias
     if ctx.num_bias and ctx.bias_grad:
-        dbs = list(_group_sums(dy, splits).to(ctx.weight_dtype).unbind(0))
+        dbs = list(group_sums(dy, splits).to(ctx.weight_dtype).unbind(0))
     return dx, dws, dbs
-
-
-def _group_sums(dy: torch.Tensor, splits: GroupSplits) -> torch.Tensor:
-    """(G, N) fp32: the column sums of each group's rows of dy (T, N), as one GEMM with a
-    one-hot (G, T) matrix: the same order every run, no atomics, no host synchronization."""
-    one_hot = splits.one_hot(dy.dtype)
-    if dy.is_cuda and dy.dtype in (torch.bfloat16, torch.float16):
-        return torch.mm(one_hot, dy, out_dtype=torch.float32)
-    return fp32_mm(one_hot.float(), dy.float())
 
 
 def _per_group_forward(

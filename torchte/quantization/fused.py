@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import torch
 
-from torchte.kernels import activation_fp8, grouped_activation_fp8, grouped_cast, norm_fp8
+from torchte.kernels import activation_fp8, grouped_activation_fp8, norm_fp8
 
 from .float8 import Float8Storage
 from .grouped import GroupedStorage
+from .grouped_quantizer import split_offsets
 
 __all__ = [
     "activation_grad_to_fp8",
@@ -72,14 +73,15 @@ def scaled_activation_to_grouped_fp8(
 ) -> GroupedStorage:
     """a = activation(h) * s[:, None] written group by group in FP8 by one kernel (delayed
     scaling; current scaling: an amax pass first), h (T, K), s (T,), quantizer a
-    GroupedQuantizer (any scaling: the grouped kernel computes current scales itself)."""
-    rows, cols = grouped_cast.grouped_offsets(m_splits, h.device)
+    GroupedQuantizer (any scaling: the grouped kernel computes current scales itself);
+    m_splits host ints or a GroupSplits (sizes maybe on the device only)."""
+    sizes, rows, cols = split_offsets(m_splits, h.device)
     spec = quantizer.cast_spec(True, columnwise)
     data, data_t, scale_inv = grouped_activation_fp8.scaled_activation_grouped_fp8(
-        h, s, activation, limit, alpha, m_splits, rows, cols, spec
+        h, s, activation, limit, alpha, sizes, rows, cols, spec
     )
     shape = (h.shape[0], data.shape[1])
-    return GroupedStorage(data, data_t, scale_inv, quantizer.fp8_dtype, m_splits, shape)
+    return GroupedStorage(data, data_t, scale_inv, quantizer.fp8_dtype, sizes, shape, (rows, cols))
 
 
 def scaled_activation_grad_to_grouped_fp8(
@@ -89,12 +91,13 @@ def scaled_activation_grad_to_grouped_fp8(
     group by group in FP8 by one kernel (current scaling: an amax pass first): (dh as a
     GroupedStorage (T, K), ds (T,) in s's dtype or None, dbias (G, K) in dy's dtype or None).
     usage = (rowwise, columnwise) of dh; need = (ds, dbias): which sums to make."""
-    rows, cols = grouped_cast.grouped_offsets(m_splits, h.device)
+    sizes, rows, cols = split_offsets(m_splits, h.device)
     spec = quantizer.cast_spec(*usage)
     data, data_t, scale_inv, ds, dbias = (
         grouped_activation_fp8.scaled_activation_backward_grouped_fp8(
-            dy, h, s, activation, limit, alpha, m_splits, rows, cols, spec, need
+            dy, h, s, activation, limit, alpha, sizes, rows, cols, spec, need
         )
     )
-    dh = GroupedStorage(data, data_t, scale_inv, quantizer.fp8_dtype, m_splits, tuple(h.shape))
+    offsets = (rows, cols)
+    dh = GroupedStorage(data, data_t, scale_inv, quantizer.fp8_dtype, sizes, h.shape, offsets)
     return dh, ds, dbias

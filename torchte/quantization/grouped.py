@@ -8,6 +8,12 @@ Shapes (m_splits: G host ints >= 0 summing to T; group g owns rows [o_g, o_{g+1}
   its rows, zero-padded in the last columns (Float8Storage's columnwise layout, per group).
 - scale_inv (G,) fp32: value of group g = its data * scale_inv[g].
 Grouped kernels produce this layout directly; `group(g)` takes views of it, never copies.
+
+Group sizes known only on the device (a device split tensor, a CUDA graph): m_splits is None
+and `offsets` holds o_g and c_g as int32 (G + 1,) device tensors; columnwise_data then has room
+for the worst case, C_max = T + 15 G columns (kernels/grouped_cast.grouped_columns), its tail
+unused. The grouped GEMMs read the offsets on the device; whatever needs the sizes on the host
+(group views, dequantize, a usage rebuilt) reads them back once (a synchronization).
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from torch.utils._pytree import tree_map_only
 
 from torchte._sizes import check_splits, round_up
 from torchte.kernels.cast_transpose import COLUMNWISE_ALIGN
+from torchte.kernels.grouped_cast import grouped_columns, grouped_offsets
 
 from .base import TwoUsageStorage
 from .float8 import Float8Storage
@@ -42,10 +49,13 @@ class GroupedStorage(TwoUsageStorage):
 
     __slots__ = (
         "_col_offsets",
+        "_columns",
         "_m_splits",
+        "_num_groups",
         "_row_offsets",
         "columnwise_data",
         "fp8_dtype",
+        "offsets",
         "rowwise_data",
         "scale_inv",
         "shape",
@@ -57,33 +67,56 @@ class GroupedStorage(TwoUsageStorage):
         columnwise_data: torch.Tensor | None,
         scale_inv: torch.Tensor,
         fp8_dtype: torch.dtype,
-        m_splits: Sequence[int],
+        m_splits: Sequence[int] | None,
         shape: tuple[int, int] | torch.Size,
+        offsets: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
-        self._m_splits = tuple(int(m) for m in m_splits)
+        """m_splits None: the sizes are on the device, in offsets (see the module docstring);
+        with m_splits, offsets (the same values on the device) may be given or not."""
         self.shape = tuple(int(s) for s in shape)
         if len(self.shape) != 2:
             raise ValueError(f"GroupedStorage: shape must be (T, K), got {self.shape}")
-        if not self._m_splits:
-            raise ValueError("GroupedStorage: m_splits must name at least one group")
-        check_splits(self._m_splits, self.shape[0])
         if fp8_dtype not in _FP8_DTYPES:
             raise ValueError(f"GroupedStorage: fp8_dtype must be one of {_FP8_DTYPES}")
-        self._row_offsets = (0, *accumulate(self._m_splits))
-        padded = (round_up(m, COLUMNWISE_ALIGN) for m in self._m_splits)
-        self._col_offsets = (0, *accumulate(padded))
+        self.offsets = offsets
+        self._m_splits = self._row_offsets = self._col_offsets = None
+        if m_splits is None:
+            if offsets is None or offsets[0].numel() < 2 or offsets[0].shape != offsets[1].shape:
+                raise ValueError(
+                    "GroupedStorage: without m_splits, offsets must be two (G + 1,) tensors"
+                )
+            self._num_groups = offsets[0].numel() - 1
+            self._columns = grouped_columns(None, self.shape[0], self._num_groups)
+        else:
+            self._set_sizes(tuple(int(m) for m in m_splits))
+            self._num_groups, self._columns = len(m_splits), self._col_offsets[-1]
         self.rowwise_data = rowwise_data
         self.columnwise_data = columnwise_data
         self.scale_inv = scale_inv
         self.fp8_dtype = fp8_dtype
         self._check_tensors()
 
+    def _set_sizes(self, m_splits: tuple[int, ...]) -> None:
+        if not m_splits:
+            raise ValueError("GroupedStorage: m_splits must name at least one group")
+        check_splits(m_splits, self.shape[0])
+        self._m_splits = m_splits
+        self._row_offsets = (0, *accumulate(m_splits))
+        padded = (round_up(m, COLUMNWISE_ALIGN) for m in m_splits)
+        self._col_offsets = (0, *accumulate(padded))
+
+    def _host_sizes(self) -> tuple[int, ...]:
+        """m_splits, read back from the device offsets the first time (one synchronization)."""
+        if self._m_splits is None:
+            self._set_sizes(tuple(torch.diff(self.offsets[0]).tolist()))
+        return self._m_splits
+
     def _check_tensors(self) -> None:
         """Shapes and dtypes of the data tensors against the layout; ValueError naming one."""
         rows, k = self.shape
         expected = {
             "rowwise_data": ((rows, k), self.fp8_dtype),
-            "columnwise_data": ((k * self._col_offsets[-1],), self.fp8_dtype),
+            "columnwise_data": ((k * self._columns,), self.fp8_dtype),
             "scale_inv": ((self.num_groups,), torch.float32),
         }
         for name, (shape, dtype) in expected.items():
@@ -149,12 +182,24 @@ class GroupedStorage(TwoUsageStorage):
 
     @property
     def num_groups(self) -> int:
-        return len(self._m_splits)
+        return self._num_groups
 
     @property
     def m_splits(self) -> tuple[int, ...]:
-        """Rows of each group, (G,) host ints."""
-        return self._m_splits
+        """Rows of each group, (G,) host ints (read back once when they are on the device)."""
+        return self._host_sizes()
+
+    @property
+    def sizes_on_host(self) -> bool:
+        """Whether m_splits is known without reading the device."""
+        return self._m_splits is not None
+
+    def device_offsets(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(o_g, c_g) as int32 (G + 1,) tensors on the data's device, what the grouped kernels
+        and GEMMs read (from the host sizes, cached, when there are no device offsets)."""
+        if self.offsets is None:
+            self.offsets = grouped_offsets(self._m_splits, self.device)
+        return self.offsets
 
     @property
     def device(self) -> torch.device:
@@ -162,10 +207,12 @@ class GroupedStorage(TwoUsageStorage):
 
     def row_offsets(self) -> list[int]:
         """o_g: the first row of each group, and T last (G + 1 host ints)."""
+        self._host_sizes()
         return list(self._row_offsets)
 
     def col_offsets(self) -> list[int]:
         """c_g: the first padded column of each group's columnwise block, and C last (G + 1)."""
+        self._host_sizes()
         return list(self._col_offsets)
 
     def _check_index(self, g: int) -> None:
@@ -175,17 +222,19 @@ class GroupedStorage(TwoUsageStorage):
     def _columnwise_block(self, g: int, columnwise: torch.Tensor | None = None) -> torch.Tensor:
         """Group g's (K, Mp_g) block of `columnwise` (default: columnwise_data), a view."""
         columnwise = self.columnwise_data if columnwise is None else columnwise
+        self._host_sizes()
         k, start, end = self.shape[1], self._col_offsets[g], self._col_offsets[g + 1]
         return columnwise[k * start : k * end].view(k, end - start)
 
     def _empty_columnwise(self) -> torch.Tensor:
         # Zeros: the padding columns of every block must read as zero.
-        numel = self.shape[1] * self._col_offsets[-1]
+        numel = self.shape[1] * self._columns
         return torch.zeros(numel, dtype=torch.uint8, device=self.device).view(self.fp8_dtype)
 
     def group(self, g: int) -> Float8Storage:
         """Group g as a Float8Storage of shape (m_g, K) whose tensors are views (no copy)."""
         self._check_index(g)
+        self._host_sizes()
         if self.scale_inv is None:
             raise RuntimeError("GroupedStorage holds no data (emptied by prepare_for_saving?)")
         row = self.rowwise_data
@@ -205,13 +254,15 @@ class GroupedStorage(TwoUsageStorage):
         its scale_inv as a (1,) tensor at a 16-byte aligned address, which cuBLAS requires of
         FP8 scale pointers (scale_inv[g] itself sits at 4 g bytes): one padded copy."""
         num_groups, k = self.num_groups, self.shape[1]
+        m_splits = self._host_sizes()
         rows = [None] * num_groups
         if self.rowwise_data is not None:
-            rows = self.rowwise_data.split(self._m_splits)
+            rows = self.rowwise_data.split(m_splits)
         cols = [None] * num_groups
         if self.columnwise_data is not None:
             widths = [end - start for start, end in itertools.pairwise(self._col_offsets)]
-            blocks = self.columnwise_data.split([k * w for w in widths])
+            used = self.columnwise_data[: k * self._col_offsets[-1]]
+            blocks = used.split([k * w for w in widths])
             cols = [block.view(k, w) for block, w in zip(blocks, widths, strict=True)]
         padded = torch.nn.functional.pad(self.scale_inv[:, None], (0, 3))
         return rows, cols, padded[:, :1].unbind(0)
@@ -219,7 +270,7 @@ class GroupedStorage(TwoUsageStorage):
     def _rowwise_from_columnwise(self) -> torch.Tensor:
         """(T, K) rowwise data rebuilt from the columnwise blocks: an exact byte transpose."""
         out = torch.empty(self.shape, dtype=torch.uint8, device=self.device)
-        for g, m in enumerate(self._m_splits):
+        for g, m in enumerate(self._host_sizes()):
             rows = out[self._row_offsets[g] : self._row_offsets[g + 1]]
             rows.copy_(self._columnwise_block(g).view(torch.uint8)[:, :m].t())
         return out.view(self.fp8_dtype)
@@ -228,7 +279,7 @@ class GroupedStorage(TwoUsageStorage):
         """(K * C,) columnwise data rebuilt from the rowwise rows: an exact byte transpose."""
         out = self._empty_columnwise()
         src = self.rowwise_data.view(torch.uint8)
-        for g, m in enumerate(self._m_splits):
+        for g, m in enumerate(self._host_sizes()):
             block = self._columnwise_block(g, out).view(torch.uint8)
             block[:, :m] = src[self._row_offsets[g] : self._row_offsets[g + 1]].t()
         return out
@@ -241,14 +292,14 @@ class GroupedStorage(TwoUsageStorage):
             data = self._rowwise_from_columnwise()
         else:
             raise RuntimeError("GroupedStorage holds no data (emptied by prepare_for_saving?)")
-        repeats = torch.tensor(self._m_splits, device=self.device)
+        repeats = torch.tensor(self._host_sizes(), device=self.device)
         row_scale = torch.repeat_interleave(self.scale_inv, repeats, output_size=self.shape[0])
         return (data.float() * row_scale[:, None]).to(dtype)
 
     def __repr__(self) -> str:
         usage = [n for n in ("rowwise", "columnwise") if getattr(self, f"{n}_data") is not None]
         return (
-            f"GroupedStorage(shape={self.shape}, m_splits={self._m_splits}, "
+            f"GroupedStorage(shape={self.shape}, m_splits={self._m_splits or 'on the device'}, "
             f"dtype={self.fp8_dtype}, usage={usage})"
         )
 
@@ -336,13 +387,15 @@ class GroupedTensor(torch.Tensor):
 def _map_storage(storage: GroupedStorage, fn: Callable[[torch.Tensor], torch.Tensor]):
     """A new GroupedStorage with fn applied to each data tensor (None stays None)."""
     row, col = storage.rowwise_data, storage.columnwise_data
+    offsets = storage.offsets
     return GroupedStorage(
         None if row is None else fn(row),
         None if col is None else fn(col),
         fn(storage.scale_inv),
         storage.fp8_dtype,
-        storage.m_splits,
+        storage._m_splits,
         storage.shape,
+        None if offsets is None else (fn(offsets[0]), fn(offsets[1])),
     )
 
 

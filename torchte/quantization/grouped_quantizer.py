@@ -1,6 +1,8 @@
 """GroupedQuantizer: quantizes the G row groups of one tensor at once into a GroupedStorage.
 
-Legend: x (T, K) with group g owning m_g consecutive rows (m_splits, host ints summing to T).
+Legend: x (T, K) with group g owning m_g consecutive rows (m_splits, host ints summing to T, or
+a GroupSplits whose sizes may be on the device only: then nothing is read back, the kernels
+take the offsets on the device and the GroupedStorage has room for the worst case).
 Delayed scaling: group g uses GEMM g's scale of one slot of a slot-major DelayedScalingState
 (a (G,) vector, read through views) and max-accumulates its amax there. Current scaling: each
 group's scale comes from its own amax. One grouped cast kernel writes all groups.
@@ -10,12 +12,27 @@ from __future__ import annotations
 
 import torch
 
+from torchte._group_splits import GroupSplits
 from torchte.kernels import grouped_cast
 from torchte.kernels.cast_spec import CastSpec
 
 from .grouped import GroupedStorage
 
-__all__ = ["GroupedQuantizer"]
+__all__ = ["GroupedQuantizer", "split_offsets"]
+
+
+def split_offsets(splits, device) -> tuple[list[int] | None, torch.Tensor, torch.Tensor]:
+    """(host sizes or None, o_g, c_g) for host ints or a GroupSplits: the offsets the grouped
+    kernels read, int32 (G + 1,) on device; from a device split tensor computed there (once per
+    GroupSplits, no synchronization)."""
+    if not isinstance(splits, GroupSplits):
+        return list(splits), *grouped_cast.grouped_offsets(splits, device)
+    sizes = splits.host_sizes()
+    if sizes is not None:
+        return sizes, *grouped_cast.grouped_offsets(sizes, device)
+    if splits.kernel_offsets is None:
+        splits.kernel_offsets = grouped_cast.device_grouped_offsets(splits.tensor)
+    return None, *splits.kernel_offsets
 
 
 class GroupedQuantizer:
@@ -53,11 +70,13 @@ class GroupedQuantizer:
         return spec
 
     def quantize(
-        self, x: torch.Tensor, m_splits: list[int], rowwise: bool = True, columnwise: bool = True
+        self, x: torch.Tensor, m_splits, rowwise: bool = True, columnwise: bool = True
     ) -> GroupedStorage:
-        """x (T, K) contiguous with groups of m_splits rows -> GroupedStorage, in one launch
-        (delayed) or three (current: zero amax, amax, cast) on a GPU."""
-        rows, cols = grouped_cast.grouped_offsets(m_splits, x.device)
+        """x (T, K) contiguous with groups of m_splits rows (host ints or a GroupSplits) ->
+        GroupedStorage, in one launch (delayed) or three (current: zero amax, amax, cast) on a
+        GPU."""
+        sizes, rows, cols = split_offsets(m_splits, x.device)
         spec = self.cast_spec(rowwise, columnwise)
-        data, data_t, scale_inv = grouped_cast.quantize_grouped(x, m_splits, rows, cols, spec)
-        return GroupedStorage(data, data_t, scale_inv, self.fp8_dtype, m_splits, tuple(x.shape))
+        data, data_t, scale_inv = grouped_cast.quantize_grouped(x, sizes, rows, cols, spec)
+        shape = tuple(x.shape)
+        return GroupedStorage(data, data_t, scale_inv, self.fp8_dtype, sizes, shape, (rows, cols))

@@ -8,10 +8,12 @@ the permuted buffer (each expert's assignments, padded to a multiple of EXPERT_A
 Each token goes to the k experts with the largest router logits, weighted by the softmax over
 those k logits. The assignments are gathered expert by expert into one (P, H) buffer, each
 expert's rows padded with zero rows to a multiple of 16, and the padding rows are dropped
-afterwards, so they reach neither the output nor any gradient. The grouped FP8 GEMMs want
-aligned splits; in bf16 the padding keeps the set of GEMM shapes small, which matters on the
-CPU, where the GEMM library keeps code and buffers per shape (memory grows with every new token
-count otherwise).
+afterwards, so they reach neither the output nor any gradient. With DEVICE_SPLITS the sizes stay
+on the device: the buffer has the rows any routing could need, the unused ones given
+to the last expert (zero rows, gate 0), and no step waits for the router's result. The
+grouped FP8 GEMMs want aligned splits; in bf16 the padding keeps the set of GEMM shapes small,
+which matters on the CPU, where the GEMM library keeps code and buffers per shape (memory grows
+with every new token count otherwise).
 
 Each assignment's gate (its router probability) multiplies the activation inside the fused
 kernel and FC2's bias (scale_bias), so FC2's output row is already gate * expert(x): the
@@ -30,11 +32,21 @@ from torch import nn
 import torchte as te
 
 EXPERT_ALIGN = 16
+# Whether the group sizes stay on the device, so that nothing in a step waits for the router
+# (None: on a GPU). Off by default: on an H100 the large MoE example trained 5-6% faster with the
+# sizes read back (cuBLAS per expert for the FP8 backward GEMMs, faster than the Triton grouped
+# GEMMs that device sizes need; docs/benchmarks.md). Device sizes are what CUDA graphs need.
+DEVICE_SPLITS: bool | None = False
 
 
-def route(experts_Tk: torch.Tensor, num_experts: int, align: int) -> tuple[torch.Tensor, list]:
+def route(
+    experts_Tk: torch.Tensor, num_experts: int, align: int, on_device: bool = False
+) -> tuple[torch.Tensor, list | torch.Tensor, int]:
     """Where each assignment goes in the permuted buffer: (dest (A,) int64 row of assignment
-    a, m_splits: the E padded group sizes, each a multiple of `align`)."""
+    a, m_splits: the E padded group sizes, P: the buffer's rows). On the host (a list) each
+    size is a multiple of `align` and P their sum, read back from the device (one
+    synchronization); with on_device the sizes stay a device tensor and P is the most any
+    routing needs, A + E (align - 1), the rows no expert fills going to the last expert."""
     flat_A = experts_Tk.reshape(-1)
     order_A = torch.argsort(flat_A, stable=True)  # assignments grouped by expert, in token order
     counts_E = torch.bincount(flat_A, minlength=num_experts)
@@ -45,7 +57,12 @@ def route(experts_Tk: torch.Tensor, num_experts: int, align: int) -> tuple[torch
     rank = torch.arange(flat_A.numel(), device=flat_A.device) - start_E[expert_sorted]
     dest_A = torch.empty_like(flat_A)
     dest_A[order_A] = padded_start_E[expert_sorted] + rank
-    return dest_A, padded_E.tolist()
+    if not on_device:
+        m_splits = padded_E.tolist()
+        return dest_A, m_splits, sum(m_splits)
+    rows = flat_A.numel() + num_experts * (align - 1)
+    padded_E[-1] += rows - padded_E.sum()
+    return dest_A, padded_E, rows
 
 
 class MoEMLP(nn.Module):
@@ -87,8 +104,8 @@ class MoEMLP(nn.Module):
             logits_TE = self.router(z_TH.float())
         top_logits_Tk, experts_Tk = logits_TE.topk(self.top_k, dim=-1)
         gates_Tk = top_logits_Tk.softmax(dim=-1)
-        dest_A, m_splits = route(experts_Tk, self.num_experts, EXPERT_ALIGN)
-        rows = sum(m_splits)
+        on_device = x.is_cuda if DEVICE_SPLITS is None else DEVICE_SPLITS
+        dest_A, m_splits, rows = route(experts_Tk, self.num_experts, EXPERT_ALIGN, on_device)
         z_AH = z_TH.repeat_interleave(self.top_k, dim=0)
         z_PH = z_TH.new_zeros(rows, z_TH.shape[1]).index_copy(0, dest_A, z_AH)
         # the padding rows get gate 0: their output is 0 (and dropped anyway)

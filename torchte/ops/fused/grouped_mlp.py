@@ -60,7 +60,7 @@ class GroupedMLP(FusedOperation):
         columnwise = settings.requires_grad and any(w.requires_grad for w in weights)
         name, limit, alpha = act.activation()
         a_fp8 = scaled_activation_to_grouped_fp8(
-            quantizer, h, s, name, limit, alpha, splits.sizes(), columnwise
+            quantizer, h, s, name, limit, alpha, splits, columnwise
         )
         if settings.requires_grad:
             if scaled:
@@ -94,7 +94,7 @@ class GroupedMLP(FusedOperation):
         need = (need_ds, bool(ctx1.num_bias and ctx1.bias_grad))
         dh_fp8, ds, dbias = scaled_activation_grad_to_grouped_fp8(
             quantizer, da.reshape(h.shape[0], -1), h, s, name, limit, alpha,
-            ctx1.splits.sizes(), usage, need,
+            ctx1.splits, usage, need,
         )  # fmt: skip
         dx, dws, dbs = grouped_linear_backward(ctx1, dh_fp8, dbias)
         if dx is not None:
