@@ -321,14 +321,11 @@ def test_block_recipes_not_implemented(recipe):
     assert layer(torch.randn(4, 32)).shape == (4, 16)
 
 
-def test_tp_size_2_not_implemented():
+def test_tensor_parallel_of_the_other_modules_not_implemented():
     with pytest.raises(NotImplementedError, match="tp_size=2"):
-        te.Linear(16, 16, tp_size=2)
-
-
-def test_sequence_parallel_not_implemented():
-    with pytest.raises(NotImplementedError, match="sequence_parallel"):
-        te.Linear(16, 16, sequence_parallel=True)
+        te.GroupedLinear(2, 16, 16, tp_size=2)
+    with pytest.raises(NotImplementedError, match="parallel_mode='row'"):
+        te.LayerNormLinear(16, 16, parallel_mode="row", tp_size=2)
 
 
 def test_unknown_kwarg():

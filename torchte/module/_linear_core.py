@@ -31,6 +31,7 @@ __all__ = [
     "LinearCore",
     "LinearPlan",
     "cast_to",
+    "check_unknown",
     "check_unsupported",
     "fprop",
     "gemm_plan",
@@ -310,6 +311,13 @@ class LinearCore(TransformerEngineBaseModule):
     def _apply_function(self, inp, weight, bias, w_fp8, plan: LinearPlan):
         raise NotImplementedError
 
+    def set_tensor_parallel_group(self, tp_group) -> None:
+        """Set the tensor-parallel process group (when the module was built before it), as in
+        Transformer Engine; its size must be tp_size."""
+        from ._tensor_parallel import set_group  # _tensor_parallel imports this file
+
+        self._tp = set_group(f"te.{type(self).__name__}", self._tp, tp_group)
+
     def _parameter_inits(self) -> list[ParameterInit]:
         return [
             ParameterInit(tuple(self.weight_names), self._init_method, gemm=0),
@@ -418,23 +426,31 @@ def cast_to(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
     return t if t is None or t.dtype == dtype else t.to(dtype)
 
 
+def check_unknown(module: str, unsupported) -> None:
+    """Unknown keyword arguments are an error (TypeError naming them)."""
+    if unsupported:
+        names = ", ".join(sorted(unsupported))
+        raise TypeError(f"{module} got unexpected keyword arguments: {names}")
+
+
 def check_unsupported(
     module: str, unsupported, tp_group, tp_size, parallel_mode, sequence_parallel
 ) -> None:
     """Unknown keyword arguments are an error; tensor-parallel ones are accepted only in their
-    single-GPU form for now."""
-    if unsupported:
-        names = ", ".join(sorted(unsupported))
-        raise TypeError(f"{module} got unexpected keyword arguments: {names}")
+    single-GPU form (the modules other than te.Linear, for now)."""
+    check_unknown(module, unsupported)
     group_size = 1
     if tp_group is not None and torch.distributed.is_initialized():
         group_size = torch.distributed.get_world_size(tp_group)
     if tp_size != 1 or group_size != 1:
         raise NotImplementedError(
-            f"tensor parallelism (tp_size={tp_size}, tp_group of size {group_size}) is not "
-            "implemented in torchte yet; use tp_size=1"
+            f"{module}: tensor parallelism (tp_size={tp_size}, tp_group of size {group_size}) "
+            "is implemented for te.Linear only so far; use tp_size=1 here"
         )
     if parallel_mode not in (None, "column", "row"):
         raise ValueError(f"parallel_mode must be None, 'column' or 'row', got {parallel_mode!r}")
     if sequence_parallel:
-        raise NotImplementedError("sequence_parallel is not implemented in torchte yet")
+        raise NotImplementedError(
+            f"{module}: sequence_parallel is implemented for te.Linear, te.LayerNorm and "
+            "te.RMSNorm only so far"
+        )

@@ -5,6 +5,14 @@ The norm's output is what the GEMM quantizes for FP8 (under delayed scaling the 
 writes it in FP8 itself, unless return_layernorm_output asks for it in high precision);
 backward runs the GEMM backward, then the norm backward on dz (plus the gradient of z where
 return_layernorm_output hands z out).
+
+Tensor parallelism (parallel_mode "column", _tensor_parallel.py): the weight's rows split over
+the ranks. Without sequence parallelism every rank norms the whole input and dz, a partial sum
+per rank, is all-reduced before the norm backward (so the norm's weight gradients are whole on
+every rank). With it the norm runs on this rank's sequence shard and z is all-gathered before
+the GEMM (in high precision; the GEMM quantizes the gathered z), dz reduce-scattered back, and
+the norm's weight gradients are partial sums (marked sequence_parallel, for Megatron-Core to
+all-reduce).
 """
 
 from __future__ import annotations
@@ -21,24 +29,28 @@ from ._linear_core import (
     LinearCore,
     LinearPlan,
     cast_to,
-    check_unsupported,
+    check_unknown,
     gemm_record,
     linear_backward,
     linear_forward,
     zero_grad_output,
 )
 from ._norm_spec import NormSpec
+from ._tensor_parallel import check_divides, forked_init, tensor_parallel
 
 __all__ = ["LayerNormLinear"]
 
 
 def _ln_linear_forward(
-    inp, ln_weight, ln_bias, weight, bias, w_fp8, plan, norm, need_dgrad, need_wgrad
+    inp, ln_weight, ln_bias, weight, bias, w_fp8, plan, norm, need_dgrad, need_wgrad, tp
 ):
-    """(y (..., N), z (..., K) or None where the norm wrote FP8 directly, and what backward
-    needs)."""
-    quantizer = plan.input_quantizer()
+    """(y (..., N), z (..., K) or None where the norm wrote FP8 directly (the gathered z under
+    sequence parallelism), and what backward needs)."""
+    gather = tp.gathers_sequence
+    quantizer = None if gather else plan.input_quantizer()
     x2d, z_in, z, mean, rstd = norm.run(inp, ln_weight, ln_bias, plan.dtype, quantizer, need_wgrad)
+    if gather:
+        z_in = z = tp.gather_sequence(z)
     y, z_saved, w_saved = linear_forward(z_in, weight, bias, w_fp8, plan, need_dgrad, need_wgrad)
     return y, z, (x2d, mean, rstd, z_saved, w_saved)
 
@@ -47,17 +59,18 @@ class _LayerNormLinearFunction(torch.autograd.Function):
     """Norm + Linear forward and backward; outputs (y, z): z is the norm's output."""
 
     @staticmethod
-    def forward(ctx, inp, ln_weight, ln_bias, weight, bias, w_fp8, plan: LinearPlan, norm):
+    def forward(ctx, inp, ln_weight, ln_bias, weight, bias, w_fp8, plan: LinearPlan, norm, tp):
         ctx.set_materialize_grads(False)  # an unused norm output gets no zero-filled gradient
         need_dgrad = any(ctx.needs_input_grad[:3])
         need_wgrad = ctx.needs_input_grad[3] or plan.main_grad is not None
         y, z, (x2d, mean, rstd, z_saved, w_saved) = _ln_linear_forward(
-            inp, ln_weight, ln_bias, weight, bias, w_fp8, plan, norm, need_dgrad, need_wgrad
+            inp, ln_weight, ln_bias, weight, bias, w_fp8, plan, norm, need_dgrad, need_wgrad, tp
         )
         save_for_backward(ctx, x2d, ln_weight, mean, rstd, z_saved, w_saved)
         grads = ctx.needs_input_grad[3:5]
-        ctx.gemm = gemm_record(inp.shape, weight, bias, plan, need_dgrad, need_wgrad, grads)
-        ctx.norm = norm
+        gemm_shape = (y.shape[0], *inp.shape[1:]) if tp.gathers_sequence else inp.shape
+        ctx.gemm = gemm_record(gemm_shape, weight, bias, plan, need_dgrad, need_wgrad, grads)
+        ctx.norm, ctx.tp, ctx.inp_shape = norm, tp, inp.shape
         return y, (absent_output(y) if z is None else z)
 
     @staticmethod
@@ -68,10 +81,14 @@ class _LayerNormLinearFunction(torch.autograd.Function):
         dz, wgrad, dbias = linear_backward(ctx.gemm, grad_y, z_saved, w_saved)
         dx = d_ln_weight = d_ln_bias = None
         if dz is not None:
+            tp = ctx.tp
+            if tp.gathers_sequence and grad_z is not None:  # the gathered z was handed out
+                dz, grad_z = dz + grad_z, None
+            dz = tp.reduce_input_grad(dz)
             dx, d_ln_weight, d_ln_bias = ctx.norm.backward_after_gemm(
-                dz, grad_z, x2d, ln_weight, mean, rstd, ctx.gemm.inp_shape, ctx.needs_input_grad[2]
+                dz, grad_z, x2d, ln_weight, mean, rstd, ctx.inp_shape, ctx.needs_input_grad[2]
             )
-        return dx, d_ln_weight, d_ln_bias, wgrad, dbias, None, None, None
+        return dx, d_ln_weight, d_ln_bias, wgrad, dbias, None, None, None, None
 
 
 class LayerNormLinear(LinearCore):
@@ -108,20 +125,28 @@ class LayerNormLinear(LinearCore):
         **unsupported,
     ) -> None:
         super().__init__(device, params_dtype)
-        check_unsupported(
-            "te.LayerNormLinear", unsupported, tp_group, tp_size, parallel_mode, sequence_parallel
-        )
-        if return_layernorm_output_gathered:
+        module = "te.LayerNormLinear"
+        check_unknown(module, unsupported)
+        tp = tensor_parallel(module, tp_group, tp_size, parallel_mode, sequence_parallel)
+        if tp.mode == "row":
             raise NotImplementedError(
-                "return_layernorm_output_gathered needs sequence parallelism, which torchte "
-                "does not implement yet"
+                f"{module}: parallel_mode='row' (a norm over a feature shard) is not "
+                "implemented; use 'column' or te.LayerNorm + a row-parallel te.Linear"
             )
+        check_divides(module, tp, in_features, out_features)
+        self._tp = tp
+        self.parallel_mode, self.sequence_parallel, self.tp_size = (
+            parallel_mode,
+            tp.sequence_parallel,
+            tp.size,
+        )
         self.normalization = normalization
         self.eps = eps
         self.zero_centered_gamma = zero_centered_gamma
-        self.return_layernorm_output = return_layernorm_output
+        # The gathered norm output is what the GEMM read: handed out as the norm output.
+        self.return_layernorm_output = return_layernorm_output or return_layernorm_output_gathered
         self._norm = NormSpec(
-            normalization, float(eps), zero_centered_gamma, return_layernorm_output
+            normalization, float(eps), zero_centered_gamma, self.return_layernorm_output
         )
         kw = {"dtype": self.params_dtype, "device": self.device}
         gamma = torch.zeros if zero_centered_gamma else torch.ones
@@ -130,16 +155,28 @@ class LayerNormLinear(LinearCore):
             self.layer_norm_bias = nn.Parameter(torch.zeros(in_features, **kw))
         else:
             self.register_parameter("layer_norm_bias", None)
+        if return_layernorm_output_gathered and not tp.gathers_sequence:
+            raise ValueError(
+                f"{module}: return_layernorm_output_gathered needs parallel_mode='column' with "
+                "sequence_parallel=True over more than one rank"
+            )
         self._init_linear(
             in_features,
-            out_features,
+            tp.local_features(in_features, out_features)[1],
             bias,
-            init_method,
+            forked_init(init_method, get_rng_state_tracker, None),
             return_bias,
             fuse_wgrad_accumulation,
             parameters_split,
             name,
         )
+        tp.mark(
+            [getattr(self, n) for n in self.weight_names],
+            [getattr(self, n) for n in self.bias_names],
+        )
+        for param in (self.layer_norm_weight, self.layer_norm_bias):
+            if param is not None:
+                param.sequence_parallel = tp.sequence_parallel
         self._finish_init()
 
     def _parameter_inits(self) -> list[ParameterInit]:
@@ -159,8 +196,8 @@ class LayerNormLinear(LinearCore):
         params = self._parameters
         args = (params["layer_norm_weight"], params["layer_norm_bias"], weight, bias, w_fp8)
         if torch.is_grad_enabled():
-            return apply(_LayerNormLinearFunction, inp, *args, plan, self._norm)
-        y, z, _ = _ln_linear_forward(inp, *args, plan, self._norm, False, False)
+            return apply(_LayerNormLinearFunction, inp, *args, plan, self._norm, self._tp)
+        y, z, _ = _ln_linear_forward(inp, *args, plan, self._norm, False, False, self._tp)
         return y, z
 
     def forward(
@@ -172,6 +209,8 @@ class LayerNormLinear(LinearCore):
         """inp (..., in_features) -> y (..., out_features) [, bias] [, norm output]."""
         dtype = self._compute_dtype()
         self._check_input(inp, self.in_features)
+        if self._tp.gathers_sequence:
+            self._tp.group_or_raise()
         plan = self._plan(dtype, is_first_microbatch, fp8_output, False)
         weight = self._full(self.weight_names)
         bias = self._full(self.bias_names) if self.use_bias else None

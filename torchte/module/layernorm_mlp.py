@@ -7,6 +7,14 @@ fc2 (one launch each), and its backward
 writes dh in FP8 for fc1 with fc1's bias gradient (one launch).
 With checkpoint=True, h (the largest intermediate) is not kept: backward recomputes it from
 the saved z with the same bytes and GEMM, so the gradients are the same as without.
+
+Tensor parallelism (set_parallel_mode=True, _tensor_parallel.py): fc1 column-parallel (rank r
+holds its rows of W1 and b1; for gated activations its rows of each half, [act_r; gate_r]),
+fc2 row-parallel (its columns of W2), the collectives inside the one Function: the norm's
+output all-gathered before fc1 (sequence parallel), fc2's partial output all-reduced or
+reduce-scattered before fc2's bias is added, and in backward fc2's output gradient all-gathered
+(sequence parallel) and fc1's input gradient reduced before the norm backward, as te.Linear and
+te.LayerNormLinear do.
 """
 
 from __future__ import annotations
@@ -28,16 +36,22 @@ from ._linear_core import (
     GemmRecord,
     LinearPlan,
     cast_to,
-    check_unsupported,
+    check_unknown,
     default_init_method,
     fprop,
     gemm_plan,
     gemm_record,
     linear_backward,
     linear_forward,
-    zero_grad_output,
 )
 from ._norm_spec import NormSpec
+from ._tensor_parallel import (
+    TensorParallel,
+    check_divides,
+    forked_init,
+    set_group,
+    tensor_parallel,
+)
 from .base import PlanKey, TransformerEngineBaseModule, check_fp8_dims
 
 __all__ = ["LayerNormMLP"]
@@ -82,24 +96,33 @@ class MLPPlan:
     fc2: LinearPlan
 
 
-def _mlp_forward(inp, params, w_fp8, plans: MLPPlan, spec: MLPSpec, needs):
+def _mlp_forward(inp, params, w_fp8, plans: MLPPlan, spec: MLPSpec, needs, tp):
     """(y (..., H), z (..., H), saved values). needs = (dgrad1, wgrad1, dgrad2, wgrad2)."""
     ln_weight, ln_bias, fc1_weight, fc1_bias, fc2_weight, fc2_bias = params
     need_d1, need_w1, need_d2, need_w2 = needs
     keep = spec.checkpoint and (need_d1 or need_w1)  # recompute h from z in backward
     fc1 = plans.fc1
+    gather = tp.gathers_sequence
     x2d, z_in, z, mean, rstd = spec.norm.run(
-        inp, ln_weight, ln_bias, fc1.dtype, fc1.input_quantizer(), need_w1 or keep
-    )
+        inp, ln_weight, ln_bias, fc1.dtype, None if gather else fc1.input_quantizer(),
+        need_w1 or keep,
+    )  # fmt: skip
+    if gather:
+        z_in = z = tp.gather_sequence(z)
     h, z_saved, w1_saved = linear_forward(
         z_in, fc1_weight, fc1_bias, w_fp8[0], plans.fc1, need_d1 or keep, need_w1 or keep, keep
     )
     h2d = h.reshape(-1, h.shape[-1])
-    a_shape = (*inp.shape[:-1], fc2_weight.shape[1])
+    a_shape = (*h.shape[:-1], fc2_weight.shape[1])
     a = spec.activate(h2d, plans.fc2.input_quantizer(), need_w2, a_shape)
+    split = tp.split  # fc2 row-parallel: its bias goes in once, after the reduction
     y, a_saved, w2_saved = linear_forward(
-        a, fc2_weight, fc2_bias, w_fp8[1], plans.fc2, need_d2, need_w2
+        a, fc2_weight, None if split else fc2_bias, w_fp8[1], plans.fc2, need_d2, need_w2
     )
+    if split:
+        y = tp.reduce_partial(y)
+        if fc2_bias is not None:
+            y = y + cast_to(fc2_bias, y.dtype)
     saved = (x2d, mean, rstd, z_saved, w1_saved, None if keep else h2d, a_saved, w2_saved)
     return y, z, saved
 
@@ -108,7 +131,7 @@ class _LayerNormMLPFunction(torch.autograd.Function):
     """The whole MLP forward and backward; outputs (y, z): z is the norm's output."""
 
     @staticmethod
-    def forward(ctx, inp, ln_w, ln_b, fc1_w, fc1_b, fc2_w, fc2_b, w1_fp8, w2_fp8, plans, spec):
+    def forward(ctx, inp, ln_w, ln_b, fc1_w, fc1_b, fc2_w, fc2_b, w1_fp8, w2_fp8, plans, spec, tp):
         ctx.set_materialize_grads(False)  # an unused norm output gets no zero-filled gradient
         grads = ctx.needs_input_grad
         need_d1 = any(grads[:3])
@@ -117,21 +140,34 @@ class _LayerNormMLPFunction(torch.autograd.Function):
         need_w2 = grads[5] or plans.fc2.main_grad is not None
         params = (ln_w, ln_b, fc1_w, fc1_b, fc2_w, fc2_b)
         needs = (need_d1, need_w1, need_d2, need_w2)
-        y, z, saved = _mlp_forward(inp, params, (w1_fp8, w2_fp8), plans, spec, needs)
+        y, z, saved = _mlp_forward(inp, params, (w1_fp8, w2_fp8), plans, spec, needs, tp)
         save_for_backward(ctx, ln_w, fc1_b, *saved)
-        ctx.gemm1 = gemm_record(inp.shape, fc1_w, fc1_b, plans.fc1, need_d1, need_w1, grads[3:5])
-        a_shape = (*inp.shape[:-1], fc2_w.shape[1])
-        ctx.gemm2 = gemm_record(a_shape, fc2_w, fc2_b, plans.fc2, need_d2, need_w2, grads[5:7])
-        ctx.plans, ctx.spec = plans, spec
+        rows = tuple(y.shape[:1]) if not tp.gathers_sequence else (inp.shape[0] * tp.size,)
+        z_shape = (*rows, *inp.shape[1:])
+        ctx.gemm1 = gemm_record(z_shape, fc1_w, fc1_b, plans.fc1, need_d1, need_w1, grads[3:5])
+        a_shape = (*z_shape[:-1], fc2_w.shape[1])
+        bias2 = None if tp.split else fc2_b
+        ctx.gemm2 = gemm_record(a_shape, fc2_w, bias2, plans.fc2, need_d2, need_w2, grads[5:7])
+        ctx.plans, ctx.spec, ctx.tp, ctx.inp_shape = plans, spec, tp, inp.shape
+        ctx.split_bias_grad = tp.split and fc2_b is not None and grads[6]
         return y, (absent_output(y) if z is None else z)
 
     @staticmethod
     def backward(ctx, grad_y, grad_z):
         ln_w, fc1_b, x2d, mean, rstd, z_saved, w1_saved, h2d, a_saved, w2_saved = restore_saved(ctx)
         spec: MLPSpec = ctx.spec
+        tp = ctx.tp
         if grad_y is None:  # only the norm output was used
-            grad_y = zero_grad_output(ctx.gemm2, x2d.device)
-        da, dw2, db2 = linear_backward(ctx.gemm2, grad_y, a_saved, w2_saved)
+            rows = ctx.gemm2.inp_shape[0] // (tp.size if tp.sequence_parallel else 1)
+            shape = (rows, *ctx.gemm2.inp_shape[1:-1], ctx.gemm2.weight_shape[0])
+            grad_y = torch.zeros(shape, dtype=ctx.plans.fc2.dtype, device=x2d.device)
+        db2 = None
+        if ctx.split_bias_grad:  # this rank's rows (a partial sum under sequence parallelism)
+            db2 = grad_y.reshape(-1, grad_y.shape[-1]).sum(0).to(ctx.plans.fc2.dtype)
+        if tp.split and tp.sequence_parallel:
+            grad_y = tp.gather_sequence(grad_y)
+        da, dw2, db2_gemm = linear_backward(ctx.gemm2, grad_y, a_saved, w2_saved)
+        db2 = db2_gemm if db2 is None else db2
         dx = d_ln_w = d_ln_b = dw1 = db1 = None
         if da is not None:
             if h2d is None:
@@ -144,10 +180,13 @@ class _LayerNormMLPFunction(torch.autograd.Function):
             else:  # dh in FP8
                 dz, dw1, db1 = linear_backward(ctx.gemm1, None, z_saved, w1_saved, dh, dh_bias)
             if dz is not None:
+                if tp.gathers_sequence and grad_z is not None:  # the gathered z was handed out
+                    dz, grad_z = dz + grad_z, None
+                dz = tp.reduce_input_grad(dz)
                 dx, d_ln_w, d_ln_b = spec.norm.backward_after_gemm(
-                    dz, grad_z, x2d, ln_w, mean, rstd, ctx.gemm1.inp_shape, ctx.needs_input_grad[2]
+                    dz, grad_z, x2d, ln_w, mean, rstd, ctx.inp_shape, ctx.needs_input_grad[2]
                 )
-        return dx, d_ln_w, d_ln_b, dw1, db1, dw2, db2, None, None, None, None
+        return dx, d_ln_w, d_ln_b, dw1, db1, dw2, db2, None, None, None, None, None
 
 
 class LayerNormMLP(TransformerEngineBaseModule):
@@ -192,14 +231,20 @@ class LayerNormMLP(TransformerEngineBaseModule):
         **unsupported,
     ) -> None:
         super().__init__(device, params_dtype, num_gemms=2)
-        check_unsupported(
-            "te.LayerNormMLP", unsupported, tp_group, tp_size, None, sequence_parallel
-        )
-        if return_layernorm_output_gathered:
-            raise NotImplementedError(
-                "return_layernorm_output_gathered needs sequence parallelism, which torchte "
-                "does not implement yet"
+        module = "te.LayerNormMLP"
+        check_unknown(module, unsupported)
+        mode = "column" if set_parallel_mode else None  # fc1's; fc2 is then row-parallel
+        tp = tensor_parallel(module, tp_group, tp_size, mode, sequence_parallel)
+        check_divides(module, tp, hidden_size, ffn_hidden_size)
+        self._tp = tp
+        self.set_parallel_mode, self.sequence_parallel = set_parallel_mode, tp.sequence_parallel
+        self.tp_size = tp.size
+        if return_layernorm_output_gathered and not tp.gathers_sequence:
+            raise ValueError(
+                f"{module}: return_layernorm_output_gathered needs set_parallel_mode=True with "
+                "sequence_parallel=True over more than one rank"
             )
+        return_layernorm_output = return_layernorm_output or return_layernorm_output_gathered
         if activation not in act_kernels.ACTIVATIONS:
             known = ", ".join(act_kernels.ACTIVATIONS)
             raise ValueError(f"activation must be one of {known}, got {activation!r}")
@@ -229,10 +274,27 @@ class LayerNormMLP(TransformerEngineBaseModule):
             checkpoint,
         )
         self._nvtx_name = f"te.LayerNormMLP.forward {name or ''}"
-        self._init_fc1 = init_method or default_init_method
-        self._init_fc2 = output_layer_init_method or default_init_method
+        self._init_fc1 = forked_init(
+            init_method or default_init_method, get_rng_state_tracker, None
+        )
+        self._init_fc2 = forked_init(
+            output_layer_init_method or default_init_method, get_rng_state_tracker, None
+        )
         self._make_parameters(self._init_fc1, self._init_fc2)
+        p = self._parameters
+        fc1 = TensorParallel("column", tp.group, tp.size, tp.sequence_parallel)
+        fc1.mark([p["fc1_weight"]], [b for b in (p["fc1_bias"],) if b is not None])
+        fc2 = TensorParallel("row", tp.group, tp.size, tp.sequence_parallel)
+        fc2.mark([p["fc2_weight"]], [b for b in (p["fc2_bias"],) if b is not None])
+        for param in (p["layer_norm_weight"], p["layer_norm_bias"]):
+            if param is not None:
+                param.sequence_parallel = tp.sequence_parallel
         self._finish_init()
+
+    def set_tensor_parallel_group(self, tp_group) -> None:
+        """Set the tensor-parallel process group (when the module was built before it), as in
+        Transformer Engine; its size must be tp_size."""
+        self._tp = set_group("te.LayerNormMLP", self._tp, tp_group)
 
     def _parameter_inits(self) -> list[ParameterInit]:
         return [
@@ -245,7 +307,7 @@ class LayerNormMLP(TransformerEngineBaseModule):
 
     def _make_parameters(self, init_fc1: Callable, init_fc2: Callable) -> None:
         kw = {"dtype": self.params_dtype, "device": self.device}
-        hidden, ffn = self.hidden_size, self.ffn_hidden_size
+        hidden, ffn = self.hidden_size, self._tp.local_features(0, self.ffn_hidden_size)[1]
         fc1_rows = 2 * ffn if act_kernels.is_gated(self.activation) else ffn
         gamma = torch.zeros if self.zero_centered_gamma else torch.ones
         self.layer_norm_weight = nn.Parameter(gamma(hidden, **kw))
@@ -287,6 +349,9 @@ class LayerNormMLP(TransformerEngineBaseModule):
         """inp (..., hidden_size) -> y (..., hidden_size) [, fc2 bias] [, norm output]."""
         dtype = self._compute_dtype()
         self._check_input(inp, self.hidden_size, "hidden_size")
+        if self._tp.split:
+            self._tp.group_or_raise()
+            self._tp.check_output_rows(inp)
         plans: MLPPlan = self._plan(dtype, is_first_microbatch, False, False)
         p = self._parameters
         fc2_bias = p["fc2_bias"]
@@ -307,10 +372,11 @@ class LayerNormMLP(TransformerEngineBaseModule):
                 params[2], plans.fc1, is_first_microbatch, need_dgrad, params[2:3]
             )
             w2 = self._fp8_weight(params[4], plans.fc2, is_first_microbatch, True, params[4:5])
+            tp = self._tp
             if torch.is_grad_enabled():
-                return apply(_LayerNormMLPFunction, inp, *params, w1, w2, plans, self._spec)
+                return apply(_LayerNormMLPFunction, inp, *params, w1, w2, plans, self._spec, tp)
             needs = (False, False, False, False)
-            return _mlp_forward(inp, params, (w1, w2), plans, self._spec, needs)[:2]
+            return _mlp_forward(inp, params, (w1, w2), plans, self._spec, needs, tp)[:2]
 
         y, z = self._guarded_forward(plans.fc1.setup, plans.fc1.group, run)
         out = (y,)

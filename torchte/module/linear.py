@@ -1,7 +1,10 @@
-"""te.Linear: y = x W^T + b, in high precision or FP8, with fused main_grad accumulation.
+"""te.Linear: y = x W^T + b, in high precision or FP8, with fused main_grad accumulation and
+tensor/sequence parallelism.
 
 Legend: x (..., K) input, W (N, K) weight, b (N,) bias, y (..., N). The GEMM machinery shared
-with the other modules that end in a GEMM is in _linear_core.py.
+with the other modules that end in a GEMM is in _linear_core.py; the collectives of tensor and
+sequence parallelism (parallel_mode "column" / "row") in _tensor_parallel.py, around the GEMM.
+in_features and out_features become this rank's (as in Transformer Engine).
 """
 
 from __future__ import annotations
@@ -20,11 +23,12 @@ from ._linear_core import (
     LinearCore,
     LinearPlan,
     cast_to,
-    check_unsupported,
+    check_unknown,
     gemm_record,
     linear_backward,
     linear_forward,
 )
+from ._tensor_parallel import check_divides, forked_init, tensor_parallel
 
 __all__ = ["Linear"]
 
@@ -80,25 +84,36 @@ class Linear(LinearCore):
         **unsupported,
     ) -> None:
         super().__init__(device, params_dtype)
-        check_unsupported(
-            "te.Linear", unsupported, tp_group, tp_size, parallel_mode, sequence_parallel
-        )
+        check_unknown("te.Linear", unsupported)
+        tp = tensor_parallel("te.Linear", tp_group, tp_size, parallel_mode, sequence_parallel)
+        check_divides("te.Linear", tp, in_features, out_features)
+        self._tp = tp
+        self._split, self._row_split = tp.split, tp.split and tp.mode == "row"
+        self.parallel_mode, self.sequence_parallel = parallel_mode, tp.sequence_parallel
+        self.tp_size = tp.size
+        local_in, local_out = tp.local_features(in_features, out_features)
         self._init_linear(
-            in_features,
-            out_features,
+            local_in,
+            local_out,
             bias,
-            init_method,
+            forked_init(init_method, get_rng_state_tracker, rng_tracker_name),
             return_bias,
             fuse_wgrad_accumulation,
             parameters_split,
             name,
         )
-        # One plain weight, fused bias, high-precision parameters: nn.Linear's path applies.
+        tp.mark(
+            [getattr(self, n) for n in self.weight_names],
+            [getattr(self, n) for n in self.bias_names],
+        )
+        # One plain weight, fused bias, high-precision parameters, no collective: nn.Linear's
+        # path applies.
         self._plain = (
             len(self._splits) == 1
             and not return_bias
             and not fuse_wgrad_accumulation
             and not isinstance(self.weight, Float8Tensor)
+            and not tp.split
         )
         self._finish_init()
 
@@ -125,16 +140,25 @@ class Linear(LinearCore):
                 self._check_input(inp, self.in_features)
                 raise
         self._check_input(inp, self.in_features)
+        split = self._split
+        if split:
+            self._tp.check_output_rows(inp)
+            inp = self._tp.gemm_input(inp)
         plan = self._plan(dtype, is_first_microbatch, fp8_output, fp8_grad)
         weight = self._full(self.weight_names)
         bias = self._full(self.bias_names) if self.use_bias else None
-        fused_bias = None if self.return_bias else bias
+        # Row-parallel GEMMs make partial sums: the bias goes in once, after the reduction.
+        fused_bias = None if self.return_bias or self._row_split else bias
         if plan.fast and not isinstance(weight, Float8Tensor):
             out = F.linear(inp.to(dtype), weight.to(dtype), cast_to(fused_bias, dtype))
         else:
             out = self._forward_function(inp, weight, fused_bias, plan, is_first_microbatch)
+        if split:
+            out = self._tp.gemm_output(out)
         if self.return_bias:
             return out, cast_to(bias, dtype)
+        if self._row_split and bias is not None:
+            out = out + cast_to(bias, dtype)
         return out
 
     def _apply_function(self, inp, weight, bias, w_fp8, plan: LinearPlan):

@@ -1,0 +1,317 @@
+"""te.Linear, te.LayerNormLinear and te.LayerNormMLP under tensor and sequence parallelism:
+2 gloo ranks on the CPU against the same layer on one rank with the full weight.
+
+Each rank builds the full reference layer from one seed, takes its shard of the weight and of
+the inputs, runs forward and backward, and compares its output, input gradient and parameter
+gradients with the matching slices of the reference's. The values are -1, 0 or 1, so every
+product and every partial sum (also the ones the collectives add) is exact in bf16: fp32 and
+bf16 agree bit for bit. Under FP8 the dequantizing scale products (1 / 448 and the like) are
+not exact, so the results agree within fp32's tolerance with the unquantized reference.
+Delayed scaling reduces the amaxes over the group, so both ranks end with the same scales.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from tolerances import assert_close, tolerance
+
+import torchte as te
+from torchte import recipe
+
+WORLD = 2
+S, B, K, N = 8, 2, 32, 64
+PRECISIONS = ("fp32", "bf16", "delayed", "current")
+CONFIGS = [
+    (mode, sp, precision)
+    for mode in ("column", "row")
+    for sp in (False, True)
+    for precision in PRECISIONS
+]
+NORM_CONFIGS = [(sp, precision) for sp in (False, True) for precision in PRECISIONS]
+RECIPES = {
+    "delayed": lambda: recipe.DelayedScaling(amax_history_len=4),
+    "current": lambda: recipe.Float8CurrentScaling(),
+}
+
+
+def _shards(mode, sp, rank):
+    """(input slice, output slice, weight slice, bias slice) of this rank, as index tuples."""
+    every = slice(None)
+    seq = slice(rank * S // WORLD, (rank + 1) * S // WORLD)
+    if mode == "column":
+        cols = slice(rank * N // WORLD, (rank + 1) * N // WORLD)
+        inp = (seq,) if sp else (every,)
+        return inp, (every, every, cols), (cols,), (cols,)
+    ks = slice(rank * K // WORLD, (rank + 1) * K // WORLD)
+    out = (seq,) if sp else (every,)
+    return (every, every, ks), out, (every, ks), (every,)
+
+
+def _run(layer, x, dy, precision, steps=2):
+    for _ in range(steps):  # delayed scaling: the later step uses the reduced scales
+        for p in layer.parameters():
+            p.grad = None
+        x = x.detach().requires_grad_(True)
+        with te.autocast(
+            enabled=precision in RECIPES, recipe=RECIPES.get(precision, lambda: None)()
+        ):
+            y = layer(x)
+        y.backward(dy)
+    params = layer._parameters
+    weight, bias = params.get("weight"), params.get("bias")
+    grads = (None, None) if weight is None else (weight.grad, bias.grad)
+    return y.detach(), x.grad, *grads
+
+
+def _check_config(mode, sp, precision, rank) -> None:
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    gen = torch.Generator().manual_seed(0)
+
+    def ternary(*shape):
+        return torch.randint(-1, 2, shape, generator=gen).to(dtype)
+
+    x, dy = ternary(S, B, K), ternary(S, B, N)
+    ref = te.Linear(K, N, params_dtype=dtype)
+    with torch.no_grad():
+        ref.weight.copy_(ternary(N, K))
+        ref.bias.copy_(ternary(N))
+    layer = te.Linear(
+        K, N, params_dtype=dtype, parallel_mode=mode, sequence_parallel=sp,
+        tp_group=dist.group.WORLD, tp_size=WORLD,
+    )  # fmt: skip
+    inp, out, w, b = _shards(mode, sp, rank)
+    with torch.no_grad():
+        layer.weight.copy_(ref.weight[w])
+        layer.bias.copy_(ref.bias[b])
+    want = _run(ref, x, dy, "fp32" if precision in RECIPES else precision)
+    got = _run(layer, x[inp], dy[out], precision)
+    bias_grad = got[3].clone()
+    if mode == "row" and sp:  # a partial sum per rank: Megatron all-reduces it (attribute)
+        assert layer.bias.sequence_parallel
+        dist.all_reduce(bias_grad)
+    label = f"{mode} sp={sp} {precision}"
+    pairs = {"y": (got[0], want[0][out]), "dx": (got[1], want[1][inp])}
+    pairs.update({"dW": (got[2], want[2][w]), "db": (bias_grad, want[3][b])})
+    for name, (a, e) in pairs.items():
+        if precision in RECIPES:
+            assert_close(a, e.double(), torch.float32, msg=f"{label}: {name}")
+        else:
+            assert a.dtype == e.dtype and torch.equal(a, e), f"{label}: {name}"
+    if precision == "delayed":  # the same scales on both ranks
+        for state in layer._delayed_states[4]:
+            scales = [torch.empty_like(state.scale) for _ in range(WORLD)]
+            dist.all_gather(scales, state.scale)
+            assert torch.equal(scales[0], scales[1]), label
+
+
+def _check_norm_linear(sp, precision, rank) -> None:
+    """te.LayerNormLinear, column-parallel: the norm's output equal on every rank (whole, or
+    this rank's sequence shard), its weight gradients whole on every rank without sequence
+    parallelism, and with it the partial sums of this rank's rows (those the one-rank layer
+    makes from these rows alone). The norm's output is inexact, so the results agree
+    within the dtype's tolerance; under FP8 both layers quantize the same norm output with the
+    same scale, so against the one-rank FP8 layer within fp32's."""
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    gen = torch.Generator().manual_seed(1)
+
+    def ternary(*shape):
+        return torch.randint(-1, 2, shape, generator=gen).to(dtype)
+
+    x, dy = ternary(S, B, K), ternary(S, B, N)
+    ref = te.LayerNormLinear(K, N, params_dtype=dtype)
+    layer = te.LayerNormLinear(
+        K, N, params_dtype=dtype, parallel_mode="column", sequence_parallel=sp,
+        tp_group=dist.group.WORLD, tp_size=WORLD,
+    )  # fmt: skip
+    inp, out, w, b = _shards("column", sp, rank)
+    with torch.no_grad():
+        ref.weight.copy_(ternary(N, K))
+        ref.bias.copy_(ternary(N))
+        ref.layer_norm_weight.copy_(1 + ternary(K) / 4)
+        ref.layer_norm_bias.copy_(ternary(K) / 8)
+        layer.weight.copy_(ref.weight[w])
+        layer.bias.copy_(ref.bias[b])
+        layer.layer_norm_weight.copy_(ref.layer_norm_weight)
+        layer.layer_norm_bias.copy_(ref.layer_norm_bias)
+    shard_ref = copy.deepcopy(ref)
+    want = _run(ref, x, dy, precision)
+    got = _run(layer, x[inp], dy[out], precision)
+    assert layer.layer_norm_weight.sequence_parallel == sp
+    if sp:  # partial sums over this rank's rows: those of the one-rank layer run on them
+        _run(shard_ref, x[inp], dy[inp], precision)
+        ref = shard_ref
+    norm_grads = [layer.layer_norm_weight.grad, layer.layer_norm_bias.grad]
+    label = f"LayerNormLinear sp={sp} {precision}"
+    tol = torch.bfloat16 if precision == "bf16" else torch.float32
+    pairs = {"y": (got[0], want[0][out]), "dx": (got[1], want[1][inp])}
+    pairs.update({"dW": (got[2], want[2][w]), "db": (got[3], want[3][b])})
+    pairs["d ln weight"] = (norm_grads[0], ref.layer_norm_weight.grad)
+    pairs["d ln bias"] = (norm_grads[1], ref.layer_norm_bias.grad)
+    for name, (a, e) in pairs.items():
+        assert_close(a, e.double(), tol, msg=f"{label}: {name}")
+
+
+def _assert_norm_close(got, want, dtype, label) -> None:
+    """||got - want|| <= rtol(dtype) ||want|| (Frobenius): the MLP's row-parallel fc2 adds the
+    ranks' partial sums of inexact values in another order than one GEMM does, which an
+    elementwise check flags wherever the sum cancels; FP8 (dtype e4m3): each rank scales its
+    shard of the activation by that shard's own amax."""
+    rtol = tolerance(dtype)[0]
+    error = (got.double() - want.double()).norm() / want.double().norm()
+    assert error <= rtol, f"{label}: relative error {error:.3g} > {rtol}"
+
+
+def _check_mlp(sp, precision, rank) -> None:
+    """te.LayerNormMLP with set_parallel_mode (fc1 column, fc2 row; SwiGLU, whose fc1 rows are
+    split per half): output, input gradient and every parameter gradient against the one-rank
+    module's matching slices (fc2's bias and the norm's parameters: partial sums of this rank's
+    rows under sequence parallelism, as te.LayerNormLinear's), within the dtype's relative
+    tolerance norm-wise (_assert_norm_close)."""
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    gen = torch.Generator().manual_seed(2)
+    ffn = 32
+
+    def ternary(*shape):
+        return torch.randint(-1, 2, shape, generator=gen).to(dtype)
+
+    x, dy = ternary(S, B, K), ternary(S, B, K)
+    kw = {"params_dtype": dtype, "activation": "swiglu"}
+    ref = te.LayerNormMLP(K, ffn, **kw)
+    layer = te.LayerNormMLP(
+        K, ffn, set_parallel_mode=True, sequence_parallel=sp, tp_group=dist.group.WORLD,
+        tp_size=WORLD, **kw,
+    )  # fmt: skip
+    rows = torch.arange(rank * ffn // WORLD, (rank + 1) * ffn // WORLD)
+    fc1_rows = torch.cat([rows, rows + ffn])  # [act_r; gate_r]
+    with torch.no_grad():
+        for name, param in ref.named_parameters():
+            param.copy_(ternary(*param.shape) / (4 if "layer_norm" in name else 1))
+        ref.layer_norm_weight.add_(1)
+        shards = {
+            "fc1_weight": ref.fc1_weight[fc1_rows], "fc1_bias": ref.fc1_bias[fc1_rows],
+            "fc2_weight": ref.fc2_weight[:, rows],
+        }  # fmt: skip
+        for name, param in layer.named_parameters():
+            param.copy_(shards.get(name, getattr(ref, name)))
+    seq = _shards("column", sp, rank)[0]
+    shard_ref = copy.deepcopy(ref)
+    want = _run(ref, x, dy, precision)
+    got = _run(layer, x[seq], dy[seq], precision)
+    grads = {name: p.grad for name, p in layer.named_parameters()}
+    partial = ("layer_norm_weight", "layer_norm_bias", "fc2_bias")
+    if sp:  # those of the one-rank module run on this rank's rows
+        _run(shard_ref, x[seq], dy[seq], precision)
+    label = f"LayerNormMLP sp={sp} {precision}"
+    tol = {"bf16": torch.bfloat16, "fp32": torch.float32}.get(precision, torch.float8_e4m3fn)
+    _assert_norm_close(got[0], want[0][seq], tol, f"{label}: y")
+    _assert_norm_close(got[1], want[1][seq], tol, f"{label}: dx")
+    index = {"fc1_weight": fc1_rows, "fc1_bias": fc1_rows}
+    for name, grad in grads.items():
+        source = shard_ref if sp and name in partial else ref
+        expected = getattr(source, name).grad
+        if name in index:
+            expected = expected[index[name]]
+        elif name == "fc2_weight":
+            expected = expected[:, rows]
+        _assert_norm_close(grad, expected, tol, f"{label}: d {name}")
+    assert layer.fc2_bias.sequence_parallel == sp and layer.fc1_weight.partition_dim == 0
+    assert layer.fc2_weight.partition_dim == 1
+
+
+def _each(check, configs, rank) -> dict:
+    """{config: "ok" or the error} of check(*config, rank) over configs."""
+    outcome = {}
+    for config in configs:
+        try:
+            check(*config, rank)
+            outcome[config] = "ok"
+        except Exception as err:  # reported per config, in the main process
+            outcome[config] = f"{type(err).__name__}: {str(err)[:600]}"
+    return outcome
+
+
+def _rank_main(rank: int, init_file: str, results) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    try:
+        outcome = _each(_check_config, CONFIGS, rank)
+        outcome.update(_each(_check_norm_linear, NORM_CONFIGS, rank))
+        mlp = _each(_check_mlp, NORM_CONFIGS, rank)
+        outcome.update({("mlp", *config): text for config, text in mlp.items()})
+        layer = te.Linear(
+            K, N, parallel_mode="row", sequence_parallel=True, tp_group=dist.group.WORLD
+        )
+        try:
+            layer(torch.randn(3, B, K // WORLD))
+            outcome["odd sequence"] = "no error"
+        except ValueError as err:
+            outcome["odd sequence"] = str(err)
+        layer(torch.randn(4, B, K // WORLD)).sum().backward()  # the next step still runs
+        results[rank] = outcome
+    finally:
+        dist.destroy_process_group()
+
+
+def test_linear_tensor_parallel_equals_one_rank(tmp_path):
+    results = mp.Manager().dict()
+    mp.spawn(_rank_main, args=(str(tmp_path / "init"), results), nprocs=WORLD, join=True)
+    for rank in range(WORLD):
+        outcome = dict(results[rank])
+        assert "divisible by the 2 tensor-parallel ranks" in outcome.pop("odd sequence")
+        failed = {config: text for config, text in outcome.items() if text != "ok"}
+        assert not failed, failed
+
+
+def test_parameters_are_marked_as_transformer_engine_marks_them():
+    column = te.Linear(16, 32, parallel_mode="column", tp_size=2)
+    assert column.weight.shape == (16, 16) and column.out_features == 16
+    assert column.weight.tensor_model_parallel and column.weight.partition_dim == 0
+    assert column.bias.tensor_model_parallel and column.bias.partition_dim == 0
+    row = te.Linear(16, 32, parallel_mode="row", tp_size=2, sequence_parallel=True)
+    assert row.weight.shape == (32, 8) and row.in_features == 8
+    assert row.weight.tensor_model_parallel and row.weight.partition_dim == 1
+    assert row.weight.partition_stride == 1
+    assert row.bias.sequence_parallel and not hasattr(row.bias, "tensor_model_parallel")
+    replicated = te.Linear(16, 32)
+    assert replicated.weight.tensor_model_parallel is False
+
+
+def test_a_split_layer_without_its_group_asks_for_it():
+    layer = te.Linear(16, 32, parallel_mode="column", tp_size=2)
+    with pytest.raises(RuntimeError, match="set_tensor_parallel_group"):
+        layer(torch.randn(4, 16))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"parallel_mode": "diagonal"}, ValueError, "parallel_mode must be None"),
+        ({"parallel_mode": "column", "tp_size": 3}, ValueError, "must divide out_features=32"),
+        ({"parallel_mode": "row", "tp_size": 3}, ValueError, "must divide in_features=16"),
+        ({"tp_size": 0}, ValueError, "tp_size must be a positive int"),
+        ({"tp_group": object()}, RuntimeError, "torch.distributed is not initialized"),
+    ],
+)
+def test_bad_tensor_parallel_arguments(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        te.Linear(16, 32, **kwargs)
+
+
+def test_rng_tracker_draws_the_initial_weights():
+    tracker = te.distributed.CudaRNGStatesTracker()
+    tracker.add("model-parallel-rng", 77)
+    layers = [
+        te.Linear(16, 32, get_rng_state_tracker=lambda: tracker, parallel_mode="column", tp_size=2)
+        for _ in range(2)
+    ]
+    assert not torch.equal(layers[0].weight, layers[1].weight)  # the tracker's state advanced
+    again = te.distributed.CudaRNGStatesTracker()
+    again.add("model-parallel-rng", 77)
+    first = te.Linear(
+        16, 32, get_rng_state_tracker=lambda: again, parallel_mode="column", tp_size=2
+    )
+    assert torch.equal(first.weight, layers[0].weight)

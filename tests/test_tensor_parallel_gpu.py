@@ -1,0 +1,63 @@
+"""Tensor-parallel modules on one GPU with an NCCL group of one rank: they run, mark their
+parameters, and equal the same modules without a group bit for bit (every collective of one
+rank is the tensor itself)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import torchte as te
+from torchte import recipe
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture
+def nccl_group(tmp_path):
+    dist.init_process_group("nccl", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
+
+
+def _modules(group):
+    kw = {"params_dtype": torch.bfloat16, "device": "cuda"}
+    tp = {"tp_group": group, "sequence_parallel": True}
+    plain = [
+        te.Linear(64, 64, **kw),
+        te.Linear(64, 64, **kw),
+        te.LayerNormLinear(64, 64, **kw),
+        te.LayerNormMLP(64, 128, **kw),
+    ]
+    split = [copy.deepcopy(m) for m in plain]
+    split[0] = te.Linear(64, 64, parallel_mode="column", **tp, **kw)
+    split[1] = te.Linear(64, 64, parallel_mode="row", **tp, **kw)
+    split[2] = te.LayerNormLinear(64, 64, parallel_mode="column", **tp, **kw)
+    split[3] = te.LayerNormMLP(64, 128, set_parallel_mode=True, **tp, **kw)
+    for a, b in zip(plain, split, strict=True):
+        b.load_state_dict(a.state_dict())
+    return plain, split
+
+
+@pytest.mark.parametrize("fp8", [None, "current", "delayed"])
+def test_tensor_parallel_of_one_rank_equals_no_parallelism(nccl_group, fp8):
+    make = {"current": recipe.Float8CurrentScaling, "delayed": recipe.DelayedScaling}.get(fp8)
+    plain, split = _modules(nccl_group)
+    x = torch.randn(16, 2, 64, device="cuda", dtype=torch.bfloat16)
+    for a, b in zip(plain, split, strict=True):
+        outs = []
+        for module in (a, b):
+            xi = x.clone().requires_grad_(True)
+            with te.autocast(enabled=make is not None, recipe=make() if make else None):
+                y = module(xi)
+            y.float().square().sum().backward()
+            grads = [p.grad for p in module.parameters()]
+            outs.append((y.detach(), xi.grad, *grads))
+        for got, want in zip(outs[1], outs[0], strict=True):
+            assert torch.equal(got, want), type(a).__name__
+    assert split[1].weight.partition_dim == 1 and split[1].bias.sequence_parallel
