@@ -5,37 +5,31 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
+from ranks import on_ranks
 
 import torchte as te
 
 WORLD = 2
 
 
-def _rank_main(rank: int, init_file: str, results) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+def _rank_main(rank: int) -> tuple:
+    x = torch.arange(6.0).view(3, 2) + 10 * rank
+    gathered, handle = te.distributed.gather_along_first_dim(x, None)
+    assert handle is None
+    full = torch.arange(8.0).view(4, 2) * (rank + 1)
+    part, handle = te.distributed.reduce_scatter_along_first_dim(full, None, async_op=True)
+    handle.wait()
+    summed, _ = te.distributed.allreduce(torch.full((2,), float(rank + 1)))
     try:
-        x = torch.arange(6.0).view(3, 2) + 10 * rank
-        gathered, handle = te.distributed.gather_along_first_dim(x, None)
-        assert handle is None
-        full = torch.arange(8.0).view(4, 2) * (rank + 1)
-        part, handle = te.distributed.reduce_scatter_along_first_dim(full, None, async_op=True)
-        handle.wait()
-        summed, _ = te.distributed.allreduce(torch.full((2,), float(rank + 1)))
-        try:
-            te.distributed.reduce_scatter_along_first_dim(torch.ones(3, 2), None)
-            odd = "no error"
-        except ValueError as err:
-            odd = str(err)
-        results[rank] = (gathered, part, summed, odd)
-    finally:
-        dist.destroy_process_group()
+        te.distributed.reduce_scatter_along_first_dim(torch.ones(3, 2), None)
+        odd = "no error"
+    except ValueError as err:
+        odd = str(err)
+    return gathered, part, summed, odd
 
 
 def test_collectives_on_two_gloo_ranks(tmp_path):
-    results = mp.Manager().dict()
-    mp.spawn(_rank_main, args=(str(tmp_path / "init"), results), nprocs=WORLD, join=True)
+    results = on_ranks(_rank_main, WORLD, tmp_path)
     rank_inputs = [torch.arange(6.0).view(3, 2) + 10 * r for r in range(WORLD)]
     total = sum(torch.arange(8.0).view(4, 2) * (r + 1) for r in range(WORLD))
     for rank in range(WORLD):

@@ -17,7 +17,7 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from ranks import on_ranks
 from tolerances import assert_close, tolerance
 
 import torchte as te
@@ -68,13 +68,20 @@ def _run(layer, x, dy, precision, steps=2):
     return y.detach(), x.grad, *grads
 
 
-def _check_config(mode, sp, precision, rank) -> None:
+def _values(precision, seed):
+    """(dtype, ternary(*shape)): the compute dtype of a precision, and a maker of seeded
+    tensors of -1, 0 and 1 in it."""
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator().manual_seed(seed)
 
     def ternary(*shape):
         return torch.randint(-1, 2, shape, generator=gen).to(dtype)
 
+    return dtype, ternary
+
+
+def _check_config(mode, sp, precision, rank) -> None:
+    dtype, ternary = _values(precision, 0)
     x, dy = ternary(S, B, K), ternary(S, B, N)
     ref = te.Linear(K, N, params_dtype=dtype)
     with torch.no_grad():
@@ -116,12 +123,7 @@ def _check_norm_linear(sp, precision, rank) -> None:
     makes from these rows alone). The norm's output is inexact, so the results agree
     within the dtype's tolerance; under FP8 both layers quantize the same norm output with the
     same scale, so against the one-rank FP8 layer within fp32's."""
-    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
-    gen = torch.Generator().manual_seed(1)
-
-    def ternary(*shape):
-        return torch.randint(-1, 2, shape, generator=gen).to(dtype)
-
+    dtype, ternary = _values(precision, 1)
     x, dy = ternary(S, B, K), ternary(S, B, N)
     ref = te.LayerNormLinear(K, N, params_dtype=dtype)
     layer = te.LayerNormLinear(
@@ -172,13 +174,8 @@ def _check_mlp(sp, precision, rank) -> None:
     module's matching slices (fc2's bias and the norm's parameters: partial sums of this rank's
     rows under sequence parallelism, as te.LayerNormLinear's), within the dtype's relative
     tolerance norm-wise (_assert_norm_close)."""
-    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
-    gen = torch.Generator().manual_seed(2)
+    dtype, ternary = _values(precision, 2)
     ffn = 32
-
-    def ternary(*shape):
-        return torch.randint(-1, 2, shape, generator=gen).to(dtype)
-
     x, dy = ternary(S, B, K), ternary(S, B, K)
     kw = {"params_dtype": dtype, "activation": "swiglu"}
     ref = te.LayerNormMLP(K, ffn, **kw)
@@ -235,32 +232,23 @@ def _each(check, configs, rank) -> dict:
     return outcome
 
 
-def _rank_main(rank: int, init_file: str, results) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+def _rank_main(rank: int) -> dict:
+    outcome = _each(_check_config, CONFIGS, rank)
+    outcome.update(_each(_check_norm_linear, NORM_CONFIGS, rank))
+    mlp = _each(_check_mlp, NORM_CONFIGS, rank)
+    outcome.update({("mlp", *config): text for config, text in mlp.items()})
+    layer = te.Linear(K, N, parallel_mode="row", sequence_parallel=True, tp_group=dist.group.WORLD)
     try:
-        outcome = _each(_check_config, CONFIGS, rank)
-        outcome.update(_each(_check_norm_linear, NORM_CONFIGS, rank))
-        mlp = _each(_check_mlp, NORM_CONFIGS, rank)
-        outcome.update({("mlp", *config): text for config, text in mlp.items()})
-        layer = te.Linear(
-            K, N, parallel_mode="row", sequence_parallel=True, tp_group=dist.group.WORLD
-        )
-        try:
-            layer(torch.randn(3, B, K // WORLD))
-            outcome["odd sequence"] = "no error"
-        except ValueError as err:
-            outcome["odd sequence"] = str(err)
-        layer(torch.randn(4, B, K // WORLD)).sum().backward()  # the next step still runs
-        results[rank] = outcome
-    finally:
-        dist.destroy_process_group()
+        layer(torch.randn(3, B, K // WORLD))
+        outcome["odd sequence"] = "no error"
+    except ValueError as err:
+        outcome["odd sequence"] = str(err)
+    layer(torch.randn(4, B, K // WORLD)).sum().backward()  # the next step still runs
+    return outcome
 
 
 def test_linear_tensor_parallel_equals_one_rank(tmp_path):
-    results = mp.Manager().dict()
-    mp.spawn(_rank_main, args=(str(tmp_path / "init"), results), nprocs=WORLD, join=True)
-    for rank in range(WORLD):
-        outcome = dict(results[rank])
+    for outcome in on_ranks(_rank_main, WORLD, tmp_path):
         assert "divisible by the 2 tensor-parallel ranks" in outcome.pop("odd sequence")
         failed = {config: text for config, text in outcome.items() if text != "ok"}
         assert not failed, failed

@@ -94,12 +94,7 @@ class TensorParallel:
     def reduce_input_grad(self, grad: torch.Tensor) -> torch.Tensor:
         """Inside a Function's backward: the column GEMM's input gradient, a partial sum on each
         rank, reduce-scattered along the sequence (SP) or all-reduced; else as is."""
-        if self.mode != "column" or self.size == 1:
-            return grad
-        group = self.group_or_raise()
-        if self.sequence_parallel:
-            return te_dist.reduce_scatter_along_first_dim(grad, group)[0]
-        return te_dist.allreduce(grad.contiguous(), group)[0]
+        return self.reduce_partial(grad) if self.mode == "column" else grad
 
     def reduce_partial(self, y: torch.Tensor) -> torch.Tensor:
         """Inside a Function's forward: a row-split GEMM's partial output summed over the

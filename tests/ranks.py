@@ -1,0 +1,26 @@
+"""Running a function on several gloo ranks of this machine (tests import it as `from ranks
+import on_ranks`): each rank initializes its process group through a file next to the test,
+runs the function, and destroys the group even when the function raises; every process is
+joined. The results come back per rank."""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _rank_main(rank: int, world: int, init_file: str, fn, args, results) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        results[rank] = fn(rank, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def on_ranks(fn, world: int, tmp_path, *args) -> list:
+    """[fn(rank, *args) for each of `world` gloo ranks], run in spawned processes; fn must be a
+    module-level function and its result picklable. A rank that raises fails the call."""
+    results = mp.Manager().dict()
+    init_file = str(tmp_path / "init")
+    mp.spawn(_rank_main, args=(world, init_file, fn, args, results), nprocs=world, join=True)
+    return [results[rank] for rank in range(world)]
