@@ -5,12 +5,20 @@ joined. The results come back per rank."""
 
 from __future__ import annotations
 
+import datetime
+
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+# A rank that fails where the others wait in a collective makes them fail after this long,
+# not after gloo's 30 minutes.
+TIMEOUT = datetime.timedelta(seconds=120)
+
 
 def _rank_main(rank: int, world: int, init_file: str, fn, args, results) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=TIMEOUT
+    )
     try:
         results[rank] = fn(rank, *args)
     finally:

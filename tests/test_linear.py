@@ -322,8 +322,8 @@ def test_block_recipes_not_implemented(recipe):
 
 
 def test_tensor_parallel_of_the_other_modules_not_implemented():
-    with pytest.raises(NotImplementedError, match="tp_size=2"):
-        te.GroupedLinear(2, 16, 16, tp_size=2)
+    with pytest.raises(NotImplementedError, match="sequence_parallel over more than one rank"):
+        te.GroupedLinear(2, 16, 16, parallel_mode="column", tp_size=2, sequence_parallel=True)
     with pytest.raises(NotImplementedError, match="parallel_mode='row'"):
         te.LayerNormLinear(16, 16, parallel_mode="row", tp_size=2)
 

@@ -220,6 +220,53 @@ def _check_mlp(sp, precision, rank) -> None:
     assert layer.fc2_weight.partition_dim == 1
 
 
+GROUPED_CONFIGS = [(mode, precision) for mode in ("column", "row") for precision in PRECISIONS]
+
+
+def _check_grouped(mode, precision, rank) -> None:
+    """te.GroupedLinear, column or row per expert (an expert without tokens among them): the
+    same exactness as te.Linear's."""
+    dtype, ternary = _values(precision, 3)
+    splits = [6, 0, 10]
+    x, dy = ternary(sum(splits), K), ternary(sum(splits), N)
+    ref = te.GroupedLinear(len(splits), K, N, params_dtype=dtype)
+    layer = te.GroupedLinear(
+        len(splits), K, N, params_dtype=dtype, parallel_mode=mode, tp_group=dist.group.WORLD
+    )
+    every = slice(None)
+    if mode == "column":  # (x, y) column slices, weight and bias slices
+        part = slice(rank * N // WORLD, (rank + 1) * N // WORLD)
+        x_cols, y_cols, w, b = every, part, (part,), part
+    else:
+        part = slice(rank * K // WORLD, (rank + 1) * K // WORLD)
+        x_cols, y_cols, w, b = part, every, (every, part), every
+    with torch.no_grad():
+        for g in range(len(splits)):
+            ref.get_parameter(f"weight{g}").copy_(ternary(N, K))
+            ref.get_parameter(f"bias{g}").copy_(ternary(N))
+            layer.get_parameter(f"weight{g}").copy_(ref.get_parameter(f"weight{g}")[w])
+            layer.get_parameter(f"bias{g}").copy_(ref.get_parameter(f"bias{g}")[b])
+    results = []
+    for module, xi, dyi in ((ref, x, dy), (layer, x[:, x_cols], dy[:, y_cols])):
+        xi = xi.clone().requires_grad_(True)
+        fp8 = precision in RECIPES
+        with te.autocast(enabled=fp8, recipe=RECIPES[precision]() if fp8 else None):
+            y = module(xi, splits)
+        y.backward(dyi)
+        grads = {n: p.grad for n, p in module.named_parameters()}
+        results.append({"y": y.detach(), "dx": xi.grad, **grads})
+    want, got = results
+    want["y"], want["dx"] = want["y"][:, y_cols], want["dx"][:, x_cols]
+    for name in grads:
+        want[name] = want[name][w if name.startswith("weight") else b]
+    label = f"GroupedLinear {mode} {precision}"
+    for name, a in got.items():
+        if precision in RECIPES:
+            assert_close(a, want[name].double(), torch.float32, msg=f"{label}: {name}")
+        else:
+            assert torch.equal(a, want[name]), f"{label}: {name}"
+
+
 def _each(check, configs, rank) -> dict:
     """{config: "ok" or the error} of check(*config, rank) over configs."""
     outcome = {}
@@ -237,6 +284,8 @@ def _rank_main(rank: int) -> dict:
     outcome.update(_each(_check_norm_linear, NORM_CONFIGS, rank))
     mlp = _each(_check_mlp, NORM_CONFIGS, rank)
     outcome.update({("mlp", *config): text for config, text in mlp.items()})
+    grouped = _each(_check_grouped, GROUPED_CONFIGS, rank)
+    outcome.update({("grouped", *config): text for config, text in grouped.items()})
     layer = te.Linear(K, N, parallel_mode="row", sequence_parallel=True, tp_group=dist.group.WORLD)
     try:
         layer(torch.randn(3, B, K // WORLD))

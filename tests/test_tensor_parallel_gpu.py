@@ -61,3 +61,22 @@ def test_tensor_parallel_of_one_rank_equals_no_parallelism(nccl_group, fp8):
         for got, want in zip(outs[1], outs[0], strict=True):
             assert torch.equal(got, want), type(a).__name__
     assert split[1].weight.partition_dim == 1 and split[1].bias.sequence_parallel
+
+
+@pytest.mark.parametrize("mode", ["column", "row"])
+def test_grouped_linear_of_one_rank_equals_no_parallelism(nccl_group, mode):
+    kw = {"params_dtype": torch.bfloat16, "device": "cuda"}
+    plain = te.GroupedLinear(3, 64, 64, **kw)
+    split = te.GroupedLinear(3, 64, 64, parallel_mode=mode, tp_group=nccl_group, **kw)
+    split.load_state_dict(plain.state_dict())
+    x = torch.randn(48, 64, device="cuda", dtype=torch.bfloat16)
+    splits = torch.tensor([16, 0, 32], device="cuda")
+    outs = []
+    for module in (plain, split):
+        xi = x.clone().requires_grad_(True)
+        with te.autocast(recipe=recipe.Float8CurrentScaling()):
+            y = module(xi, splits)
+        y.float().square().sum().backward()
+        outs.append((y.detach(), xi.grad, *(p.grad for p in module.parameters())))
+    for got, want in zip(outs[1], outs[0], strict=True):
+        assert torch.equal(got, want)

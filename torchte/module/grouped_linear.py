@@ -48,13 +48,14 @@ from ._lifecycle import ParameterInit, fill
 from ._linear_core import (
     LinearPlan,
     cast_to,
-    check_unsupported,
+    check_unknown,
     default_init_method,
     gemm_plan,
     gemm_record,
     linear_backward,
     linear_forward,
 )
+from ._tensor_parallel import check_divides, forked_init, set_group, tensor_parallel
 from .base import PlanKey, TransformerEngineBaseModule, check_fp8_dims, weight_version
 
 __all__ = ["GroupedLinear"]
@@ -285,9 +286,16 @@ class GroupedLinear(TransformerEngineBaseModule):
         if not isinstance(num_gemms, int) or num_gemms <= 0:
             raise ValueError(f"num_gemms must be a positive int, got {num_gemms!r}")
         super().__init__(device, params_dtype, num_gemms=num_gemms)
-        check_unsupported(
-            "te.GroupedLinear", unsupported, tp_group, tp_size, parallel_mode, sequence_parallel
-        )
+        module = "te.GroupedLinear"
+        check_unknown(module, unsupported)
+        tp = tensor_parallel(module, tp_group, tp_size, parallel_mode, sequence_parallel)
+        if tp.sequence_parallel and tp.split:
+            raise NotImplementedError(
+                f"{module}: sequence_parallel over more than one rank is not implemented (the "
+                "experts' tokens are permuted, not a sequence to split)"
+            )
+        check_divides(module, tp, in_features, out_features)
+        self._tp, self.parallel_mode, self.tp_size = tp, parallel_mode, tp.size
         if ub_overlap_rs or ub_overlap_ag or delay_wgrad_compute:
             raise NotImplementedError(
                 "userbuffers overlap and delay_wgrad_compute are not implemented in torchte yet"
@@ -301,6 +309,7 @@ class GroupedLinear(TransformerEngineBaseModule):
                 "quantized_model_init is not implemented for te.GroupedLinear yet: build it "
                 "outside the context (its weights are quantized per call under te.autocast)"
             )
+        in_features, out_features = tp.local_features(in_features, out_features)
         self.num_gemms, self.in_features, self.out_features = num_gemms, in_features, out_features
         self.use_bias, self.return_bias = bias, return_bias
         self.fuse_wgrad_accumulation, self.name = fuse_wgrad_accumulation, name
@@ -310,14 +319,25 @@ class GroupedLinear(TransformerEngineBaseModule):
         # place (a parameter later moved elsewhere is stacked per call instead).
         weights = torch.empty(num_gemms, out_features, in_features, **kw)
         biases = torch.zeros(num_gemms, out_features, **kw)
-        self._init_method = init_method or default_init_method
+        self._init_method = forked_init(
+            init_method or default_init_method, get_rng_state_tracker, rng_tracker_name
+        )
         for g in range(num_gemms):
             self._init_method(weights[g])
             self.register_parameter(f"weight{g}", nn.Parameter(weights[g]))
             self.register_parameter(f"bias{g}", nn.Parameter(biases[g]) if bias else None)
         self.weight_names = [f"weight{g}" for g in range(num_gemms)]
         self.bias_names = [f"bias{g}" for g in range(num_gemms)] if bias else []
+        tp.mark(
+            [getattr(self, n) for n in self.weight_names],
+            [getattr(self, n) for n in self.bias_names],
+        )
         self._finish_init()
+
+    def set_tensor_parallel_group(self, tp_group) -> None:
+        """Set the tensor-parallel process group (when the module was built before it), as in
+        Transformer Engine; its size must be tp_size."""
+        self._tp = set_group("te.GroupedLinear", self._tp, tp_group)
 
     def _parameter_inits(self) -> list[ParameterInit]:
         inits = [ParameterInit((f"weight{g}",), self._init_method) for g in range(self.num_gemms)]
@@ -331,12 +351,18 @@ class GroupedLinear(TransformerEngineBaseModule):
         [, the biases]."""
         dtype = self._compute_dtype()
         self._check_input(inp, self.in_features)
+        tp = self._tp
         x = inp.reshape(-1, self.in_features)
         splits = group_splits(m_splits, self.num_gemms, x.shape[0], self.device)
+        if tp.split:  # column: dx all-reduced in backward; row: y all-reduced, biases after
+            x = tp.gemm_input(x)
         plan: GroupedPlan = self._plan(dtype, is_first_microbatch, False, False)
         p = self._parameters
         weights = [p[n] for n in self.weight_names]
         biases = [] if self.return_bias else [p[n] for n in self.bias_names]
+        row_biases = biases if tp.split and tp.mode == "row" else []
+        if row_biases:
+            biases = []
         first = plan.gemms[0]
 
         def run():
@@ -350,6 +376,11 @@ class GroupedLinear(TransformerEngineBaseModule):
             )
 
         y = self._guarded_forward(first.setup, first.group, run)
+        if tp.split:
+            y = tp.gemm_output(y)
+        if row_biases:
+            stacked = cast_to(torch.stack(row_biases), dtype)
+            y = y + stacked.index_select(0, splits.row_groups())
         y = y.view(*inp.shape[:-1], self.out_features)
         if self.return_bias:
             return y, [cast_to(p[n], dtype) for n in self.bias_names]

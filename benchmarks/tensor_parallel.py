@@ -1,0 +1,151 @@
+"""A te.LayerNormMLP block with tensor + sequence parallelism: step time, bytes moved by the
+collectives, and scaling efficiency against one GPU doing one rank's share of the work.
+
+    torchrun --nproc-per-node 2 benchmarks/tensor_parallel.py     # on 2 GPUs (NCCL)
+    PYTHONPATH=. python benchmarks/tensor_parallel.py --single    # one GPU: checks it runs
+
+Block: hidden 8192, FFN 28672 (GELU), 16384 tokens (sequence 4096 x batch 4, sequence first),
+FP8 current scaling (and bf16), forward+backward, CUDA events, median of 5 x 3 steps.
+With P ranks: te.LayerNormMLP(set_parallel_mode=True, sequence_parallel=True), each rank holding
+S/P of the sequence; the baseline is one GPU running one rank's share, te.LayerNormMLP(hidden,
+FFN / P) on all 16384 tokens (the same GEMM work per GPU, no communication); efficiency =
+baseline time / parallel time. Bytes: what this rank's collectives send per step, counted in
+te.distributed's helpers (all-gather: the rank's input; reduce-scatter and all-reduce: the
+whole buffer). --single runs the parallel module at P = 1 (an NCCL group of one rank; nothing
+to move) at a smaller size beside its baseline, to check the script. Rank 0 prints; never
+asserts.
+
+Modes: plain collectives (the only one so far). Async overlap of the collectives with GEMMs and
+torch's symmetric-memory async TP are not implemented: reported as such.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from linear import device_s
+
+import torchte as te
+from torchte import distributed as te_dist
+from torchte import recipe
+
+RECIPES = {"bf16": None, "fp8 current": recipe.Float8CurrentScaling}
+
+
+class ByteCounter:
+    """Counts the bytes te.distributed's collectives move on this rank (wraps the helpers)."""
+
+    def __init__(self) -> None:
+        self.bytes = 0
+        self._wrapped = {}
+
+    def __enter__(self):
+        for name in ("gather_along_first_dim", "reduce_scatter_along_first_dim", "allreduce"):
+            original = getattr(te_dist, name)
+            self._wrapped[name] = original
+
+            def counted(inp, *args, _original=original, **kwargs):
+                self.bytes += inp.numel() * inp.element_size()
+                return _original(inp, *args, **kwargs)
+
+            setattr(te_dist, name, counted)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for name, original in self._wrapped.items():
+            setattr(te_dist, name, original)
+
+
+def make_step(module, tokens_local: int, batch: int, hidden: int, fp8_recipe):
+    x = torch.randn(tokens_local, batch, hidden, device="cuda", dtype=torch.bfloat16)
+    x.requires_grad_(True)
+    dy = torch.randn_like(x)
+
+    def step():
+        x.grad = None
+        for p in module.parameters():
+            p.grad = None
+        with te.autocast(enabled=fp8_recipe is not None, recipe=fp8_recipe):
+            y = module(x)
+        y.backward(dy)
+
+    return step
+
+
+def measure(args, world: int, group) -> dict:
+    seq, batch, hidden, ffn = args.seq, args.batch, args.hidden, args.ffn
+    kw = {"params_dtype": torch.bfloat16, "device": "cuda", "activation": "gelu"}
+    results = {}
+    for name, make in RECIPES.items():
+        fp8 = make() if make else None
+        parallel = te.LayerNormMLP(
+            hidden, ffn, set_parallel_mode=True, sequence_parallel=True, tp_group=group, **kw
+        )
+        step = make_step(parallel, seq // world, batch, hidden, fp8)
+        ms = device_s(step, 3, 5, "cuda") * 1e3
+        with ByteCounter() as counter:
+            step()
+        torch.cuda.synchronize()
+        del parallel, step
+        baseline = te.LayerNormMLP(hidden, ffn // world, **kw)
+        base_ms = device_s(make_step(baseline, seq, batch, hidden, fp8), 3, 5, "cuda") * 1e3
+        del baseline
+        torch.cuda.empty_cache()
+        results[name] = {"ms": ms, "bytes": counter.bytes, "baseline_ms": base_ms}
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--single", action="store_true", help="one GPU, P = 1, smaller size")
+    parser.add_argument("--seq", type=int, default=4096)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--hidden", type=int, default=8192)
+    parser.add_argument("--ffn", type=int, default=28672)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("benchmarks/tensor_parallel.py needs CUDA GPUs")
+    if args.single:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29517")
+        dist.init_process_group("nccl", rank=0, world_size=1)
+        args.seq, args.hidden, args.ffn = 1024, 4096, 14336
+    else:
+        dist.init_process_group("nccl")
+    try:
+        rank, world = dist.get_rank(), dist.get_world_size()
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+        results = measure(args, world, dist.group.WORLD)
+        if rank == 0:
+            report(args, world, results)
+    finally:
+        dist.destroy_process_group()
+
+
+def report(args, world: int, results: dict) -> None:
+    tokens = args.seq * args.batch
+    print(
+        f"{torch.cuda.get_device_name()}, torch {torch.__version__}: te.LayerNormMLP "
+        f"{args.hidden} -> {args.ffn} -> {args.hidden}, {tokens} tokens, TP={world} + sequence "
+        "parallel, plain collectives"
+    )
+    head = ("config", "step ms", "1 GPU, 1/P work", "efficiency", "MB sent")
+    print(f"{head[0]:14s} {head[1]:>9s} {head[2]:>16s} {head[3]:>11s} {head[4]:>9s}")
+    for name, r in results.items():
+        efficiency = r["baseline_ms"] / r["ms"]
+        print(
+            f"{name:14s} {r['ms']:9.2f} {r['baseline_ms']:16.2f} {efficiency:10.1%} "
+            f"{r['bytes'] / 2**20:9.1f}"
+        )
+    bf16, fp8 = results["bf16"]["bytes"], results["fp8 current"]["bytes"]
+    if bf16:
+        print(f"FP8 bytes / bf16 bytes: {fp8 / bf16:.2f} (gathers move bf16: no FP8 gather yet)")
+    print("async overlap: not implemented; symmetric-memory async TP: not implemented")
+
+
+if __name__ == "__main__":
+    main()
