@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from torchte import _device
 
@@ -23,6 +24,7 @@ from .config import DEFAULT_MAX_BYTES, FP8_MULTIPLE, RECIPES, SIZES, ModelConfig
 from .data import Corpus, load_corpus
 from .loop import PARAMS_DTYPE, RunResult, Trainer, check_resumable
 from .model import count_parameters
+from .parallel import check_launch, tensor_parallel_run
 from .plot import write_plot
 from .precision import choose_compute_dtype
 from .progress import Progress, format_duration
@@ -89,6 +91,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-batches", type=int, default=8, help="validation batches (default 8)")
     p.add_argument("--experts", type=int, help="mixture of N experts instead of the dense MLP")
     p.add_argument("--top-k", type=int, default=2, help="experts per token (default 2)")
+    p.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="tensor-parallel ranks (launch with torchrun --nproc-per-node N; default 1)",
+    )
     p.add_argument("--data", type=Path, help="a text file or folder (default: Python's stdlib)")
     p.add_argument(
         "--max-bytes",
@@ -147,6 +155,11 @@ def parse_args(argv: list[str] | None = None) -> tuple[ModelConfig, RunConfig]:
     preset = SIZES[args.size or ("large" if args.device == "cuda" else "tiny")]
     steps = preset.steps if args.steps is None else args.steps
     recipes = _recipes(p, args)
+    why = check_launch(args.tp)
+    if why is None and args.tp > 1 and (args.experts or args.save or args.resume):
+        why = f"--tp {args.tp} with --experts, --save or --resume is not implemented yet"
+    if why is not None:
+        p.error(why)
     try:
         model_config = ModelConfig(
             hidden=preset.hidden,
@@ -177,6 +190,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[ModelConfig, RunConfig]:
             save_every=args.save_every,
             resume=args.resume,
             stop_at=args.stop_at,
+            tp=args.tp,
         )
     except ValueError as err:
         p.error(str(err))
@@ -251,6 +265,11 @@ def train(argv: list[str] | None = None) -> list[RunResult]:
     """Run the command line: train each recipe, then write the table, CSV and plot
     (SystemExit(130) after them when Ctrl-C stopped the run)."""
     model_config, config = parse_args(argv)
+    with tensor_parallel_run(config.tp, config.device) as group:
+        return _train(model_config, config, group)
+
+
+def _train(model_config: ModelConfig, config: RunConfig, group) -> list[RunResult]:
     check_outputs(config)
     corpus = load_corpus(config.data, config.max_bytes, model_config.seq_len)
     capped = f", capped at --max-bytes {config.max_bytes}" if corpus.capped else ""
@@ -269,8 +288,8 @@ def train(argv: list[str] | None = None) -> list[RunResult]:
         f"validation every {config.eval_every} steps",
         flush=True,
     )
-    results, summaries = run_recipes(model_config, config, corpus, starts)
-    if summaries:
+    results, summaries = run_recipes(model_config, config, corpus, starts, group)
+    if summaries and (group is None or dist.get_rank(group) == 0):
         write_outputs(model_config, config, results, summaries)
     if len(results) < len(config.recipes) or results[-1].interrupted:
         print(interruption_report(results, config), flush=True)
@@ -295,7 +314,7 @@ def write_outputs(
 
 
 def run_recipes(
-    model_config: ModelConfig, config: RunConfig, corpus: Corpus, starts: list[int]
+    model_config: ModelConfig, config: RunConfig, corpus: Corpus, starts: list[int], group=None
 ) -> tuple[list[RunResult], list[Summary]]:
     """Train each recipe in turn (from its step in `starts`) and summarize it; stops after
     a run that Ctrl-C interrupted, or at a recipe whose setup it interrupted."""
@@ -304,10 +323,13 @@ def run_recipes(
     for i, name in enumerate(config.recipes):
         later = sum(config.last_step - min(s, config.last_step) for s in starts[i + 1 :])
         try:
-            trainer = Trainer(name, model_config, config, corpus)
+            trainer = Trainer(name, model_config, config, corpus, group)
             if not results:
                 parameters = count_parameters(trainer.model)
-                print(describe_model(model_config, parameters, config.compute_dtype), flush=True)
+                line = describe_model(model_config, parameters, config.compute_dtype)
+                if group is not None:
+                    line += f", on each of {config.tp} tensor-parallel ranks"
+                print(line, flush=True)
             if config.resume is not None:
                 trainer.resume(config.resume)
                 print(f"[{trainer.label}] resumed at step {trainer.step}", flush=True)

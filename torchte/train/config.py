@@ -131,6 +131,8 @@ class RunConfig:
     stop_at: int | None = None
     """Stop after this step (of the schedule of `steps`), to resume later; None: run to the
     end."""
+    tp: int = 1
+    """Tensor-parallel ranks (processes started by torchrun)."""
     compute_dtype: str = "bf16"
     """"bf16" (torch.autocast) or "fp32" (autocast off): what the model computes in besides
     FP8 GEMMs; see precision.py."""

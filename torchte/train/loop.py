@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 import torchte as te
@@ -32,7 +33,7 @@ from torchte import recipe as te_recipe
 from . import checkpoint
 from .config import ModelConfig, RunConfig
 from .data import BatchSampler, Corpus, validation_batches
-from .model import GPT, restore_scaling, scaling_snapshot
+from .model import GPT, restore_scaling, scaling_snapshot, shard_from
 from .progress import Progress
 
 # fp32 master weights and AdamW state; the model computes in RunConfig.compute_dtype: bf16
@@ -84,6 +85,24 @@ class RunResult:
     """(file, step) of the last checkpoint this process wrote; None if it wrote none."""
 
 
+def clip_grad_norm(params: list, max_norm: float, tp_group) -> None:
+    """torch.nn.utils.clip_grad_norm_ over the whole model: with a tensor-parallel group, the
+    squares of the split parameters' gradients (tensor_model_parallel) are summed over its ranks
+    and the others counted once, so every rank scales by the same factor."""
+    if tp_group is None:
+        torch.nn.utils.clip_grad_norm_(params, max_norm)
+        return
+    with_grad = [p for p in params if p.grad is not None]
+    grads = [p.grad for p in with_grad]
+    split = [p.grad for p in with_grad if getattr(p, "tensor_model_parallel", False)]
+    whole = [p.grad for p in with_grad if not getattr(p, "tensor_model_parallel", False)]
+    zero = torch.zeros((), dtype=torch.float32, device=grads[0].device)
+    squares = [sum((g.float().square().sum() for g in part), zero) for part in (split, whole)]
+    dist.all_reduce(squares[0], group=tp_group)
+    total = (squares[0] + squares[1]).sqrt()
+    torch._foreach_mul_(grads, (max_norm / (total + 1e-6)).clamp(max=1.0))
+
+
 class Throughput:
     """Training tokens per second: the wall time between steps, with evaluation and saving
     left out (restart() after them)."""
@@ -124,8 +143,15 @@ class Trainer:
     """A GPT trained under one recipe; `run()` trains it up to config.steps."""
 
     def __init__(
-        self, name: str, model_config: ModelConfig, config: RunConfig, corpus: Corpus
+        self,
+        name: str,
+        model_config: ModelConfig,
+        config: RunConfig,
+        corpus: Corpus,
+        tp_group=None,
     ) -> None:
+        """tp_group: tensor parallelism over its ranks (each draws the same batches; the model
+        starts from the one-rank model's weights of the seed)."""
         self.name, self.config, self.corpus = name, config, corpus
         self.label = config.label(name)
         self.device = torch.device(config.device)
@@ -133,6 +159,15 @@ class Trainer:
         self.recipe = make_recipe(name)
         torch.manual_seed(config.seed)
         self.model = GPT(model_config, PARAMS_DTYPE, self.device)
+        self.tp_group = (
+            tp_group if tp_group is not None and dist.get_world_size(tp_group) > 1 else None
+        )
+        if self.tp_group is not None:
+            whole = self.model
+            self.model = GPT(model_config, PARAMS_DTYPE, self.device, self.tp_group)
+            shard_from(
+                self.model, whole, dist.get_rank(self.tp_group), dist.get_world_size(self.tp_group)
+            )
         params = list(self.model.parameters())
         groups = [
             {"params": [p for p in params if p.dim() >= 2], "weight_decay": WEIGHT_DECAY},
@@ -177,7 +212,7 @@ class Trainer:
         loss = self._loss(*self.sampler.next())
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), GRAD_CLIP)
+        clip_grad_norm(list(self.model.parameters()), GRAD_CLIP, self.tp_group)
         self.optimizer.step()
         self.step += 1
         return loss.detach()

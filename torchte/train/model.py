@@ -8,6 +8,12 @@ a final te.LayerNorm and a te.Linear head. Weights are N(0, 0.02); the layers th
 the residual stream (attention projection, the MLP's second GEMM) get 0.02 / sqrt(2 layers),
 so the stream's scale does not grow with depth.
 
+Tensor parallelism (tp_group of P ranks, Megatron-style): each rank holds nh / P heads (its
+rows of q, k and v in the QKV te.LayerNormLinear, column-parallel; its columns of the
+row-parallel projection) and its share of the MLP (te.LayerNormMLP with set_parallel_mode);
+embeddings, norms and the head are whole on every rank, which all see the same residual stream.
+shard_from copies a whole model's weights into such a model.
+
 Precision: the parameters may be fp32 (master weights) with the model run under torch.autocast;
 the residual stream is then kept in the autocast dtype from the embeddings on. The output
 layer (the head) always runs in high precision, outside any FP8 region, as is usual for FP8
@@ -20,6 +26,7 @@ import functools
 import math
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -57,27 +64,30 @@ class SplitHeads(torch.autograd.Function):
 class Attention(nn.Module):
     """Causal self-attention: x (B, S, H) -> (B, S, H); norm and QKV in one te.LayerNormLinear."""
 
-    def __init__(self, config: ModelConfig, kw: dict, out_std: float) -> None:
+    def __init__(self, config: ModelConfig, kw: dict, out_std: float, tp: dict) -> None:
         super().__init__()
-        self.heads = config.heads
+        size = tp.get("tp_size", 1)
+        self.heads = config.heads // size  # this rank's
         h = config.hidden
-        self.qkv = te.LayerNormLinear(h, 3 * h, init_method=_normal(INIT_STD), **kw)
-        self.proj = te.Linear(h, h, init_method=_normal(out_std), **kw)
+        column = {"parallel_mode": "column", **tp} if tp else {}
+        row = {"parallel_mode": "row", **tp} if tp else {}
+        self.qkv = te.LayerNormLinear(h, 3 * h, init_method=_normal(INIT_STD), **column, **kw)
+        self.proj = te.Linear(h, h, init_method=_normal(out_std), **row, **kw)
 
     def forward(self, x_BSH: torch.Tensor) -> torch.Tensor:
-        b, s, h = x_BSH.shape
-        q, k, v = SplitHeads.apply(self.qkv(x_BSH), self.heads)  # each (B, nh, S, hd)
+        b, s, _ = x_BSH.shape
+        q, k, v = SplitHeads.apply(self.qkv(x_BSH), self.heads)  # each (B, nh / P, S, hd)
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(a.transpose(1, 2).reshape(b, s, h))
+        return self.proj(a.transpose(1, 2).reshape(b, s, -1))
 
 
 class Block(nn.Module):
     """One transformer block (pre-norm): attention, then the MLP, each with a residual."""
 
-    def __init__(self, config: ModelConfig, kw: dict) -> None:
+    def __init__(self, config: ModelConfig, kw: dict, tp: dict) -> None:
         super().__init__()
         out_std = INIT_STD / math.sqrt(2 * config.layers)
-        self.attn = Attention(config, kw, out_std)
+        self.attn = Attention(config, kw, out_std, tp)
         if config.experts:
             self.mlp = MoEMLP(
                 config.hidden, config.ffn, config.experts, config.top_k,
@@ -90,6 +100,8 @@ class Block(nn.Module):
                 activation="gelu",
                 init_method=_normal(INIT_STD),
                 output_layer_init_method=_normal(out_std),
+                set_parallel_mode=bool(tp),
+                **tp,
                 **kw,
             )
 
@@ -101,15 +113,26 @@ class Block(nn.Module):
 class GPT(nn.Module):
     """tokens (B, S) int64 -> logits (B, S, V) in the parameters' dtype."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self, config: ModelConfig, dtype: torch.dtype, device: torch.device, tp_group=None
+    ) -> None:
         super().__init__()
         self.config = config
+        tp = {}
+        if tp_group is not None and dist.get_world_size(tp_group) > 1:
+            size = dist.get_world_size(tp_group)
+            if config.experts or config.heads % size:
+                raise ValueError(
+                    f"tensor parallelism over {size} ranks needs the dense MLP and a head "
+                    f"count it divides (heads {config.heads}, experts {config.experts})"
+                )
+            tp = {"tp_group": tp_group, "tp_size": size}
         kw = {"params_dtype": dtype, "device": device}
         self.tok_emb = nn.Embedding(config.vocab, config.hidden, device=device, dtype=dtype)
         self.pos_emb = nn.Embedding(config.seq_len, config.hidden, device=device, dtype=dtype)
         for emb in (self.tok_emb, self.pos_emb):
             nn.init.normal_(emb.weight, mean=0.0, std=INIT_STD)
-        self.blocks = nn.ModuleList(Block(config, kw) for _ in range(config.layers))
+        self.blocks = nn.ModuleList(Block(config, kw, tp) for _ in range(config.layers))
         self.norm = te.LayerNorm(config.hidden, **kw)
         self.head = te.Linear(config.hidden, config.vocab, init_method=_normal(INIT_STD), **kw)
 
@@ -122,6 +145,32 @@ class GPT(nn.Module):
         z_BSH = self.norm(x_BSH)
         with te.autocast(enabled=False):  # the output layer stays in high precision
             return self.head(z_BSH)
+
+
+@torch.no_grad()
+def shard_from(model: GPT, whole: GPT, rank: int, size: int) -> None:
+    """Copy a whole (one-rank) model's weights into `model`, tensor-parallel over `size` ranks,
+    as rank `rank`: its heads' rows of q, k and v, its columns of each projection, its share of
+    each MLP; the rest whole."""
+    h = whole.config.hidden
+
+    def rows(total: int) -> slice:
+        return slice(rank * total // size, (rank + 1) * total // size)
+
+    qkv_rows = torch.cat([torch.arange(h)[rows(h)] + j * h for j in range(3)])
+    ffn = whole.config.ffn
+    index = {
+        "attn.qkv.weight": (qkv_rows,),
+        "attn.qkv.bias": (qkv_rows,),
+        "attn.proj.weight": (slice(None), rows(h)),
+        "mlp.fc1_weight": (rows(ffn),),
+        "mlp.fc1_bias": (rows(ffn),),
+        "mlp.fc2_weight": (slice(None), rows(ffn)),
+    }
+    wholes = dict(whole.named_parameters())
+    for name, param in model.named_parameters():
+        key = name.split(".", 2)[-1] if name.startswith("blocks.") else name
+        param.copy_(wholes[name][index.get(key, (slice(None),))])
 
 
 def _stream_dtype(x: torch.Tensor) -> torch.dtype:

@@ -1,0 +1,58 @@
+"""The training example over several processes: `torchrun --nproc-per-node N -m torchte.train
+--tp N` trains one model split over N ranks (tensor parallelism, model.py), every rank on the
+same batches. torchrun sets RANK, WORLD_SIZE, LOCAL_RANK and the rendezvous address; the
+group uses NCCL on GPUs (one GPU per rank, LOCAL_RANK's) and gloo on the CPU. Rank 0 prints,
+draws the progress bar and writes the outputs; the others stay quiet.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["check_launch", "tensor_parallel_run"]
+
+
+def check_launch(tp: int) -> str | None:
+    """Why `--tp tp` cannot run in this process (None when it can): a split needs torchrun
+    with as many processes."""
+    if tp < 1:
+        return f"--tp must be at least 1, got {tp}"
+    if tp == 1:
+        return None
+    world = os.environ.get("WORLD_SIZE")
+    if world != str(tp):
+        found = "not under torchrun" if world is None else f"WORLD_SIZE={world}"
+        return (
+            f"--tp {tp} trains over {tp} processes ({found}): launch it with torchrun "
+            f"--nproc-per-node {tp} -m torchte.train --tp {tp} ..."
+        )
+    return None
+
+
+@contextlib.contextmanager
+def tensor_parallel_run(tp: int, device: str) -> Iterator[object | None]:
+    """The process group of a `--tp` run (None for one process), initialized for the block and
+    destroyed after it, even when it raises; ranks other than 0 print nothing inside it."""
+    if tp == 1:
+        yield None
+        return
+    if device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl" if device == "cuda" else "gloo")
+    try:
+        if dist.get_rank() == 0:
+            yield dist.group.WORLD
+        else:
+            with (
+                open(os.devnull, "w") as devnull,
+                contextlib.redirect_stdout(devnull),
+                contextlib.redirect_stderr(devnull),
+            ):
+                yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
