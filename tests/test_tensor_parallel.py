@@ -267,6 +267,62 @@ def _check_grouped(mode, precision, rank) -> None:
             assert torch.equal(a, want[name]), f"{label}: {name}"
 
 
+def _tp_mlp(**kw):
+    return te.LayerNormMLP(
+        K, 32, set_parallel_mode=True, sequence_parallel=True, tp_group=dist.group.WORLD, **kw
+    )
+
+
+def _check_features(feature, precision, rank) -> None:
+    """te.checkpoint, CPU offloading and fused wgrad accumulation around tensor-parallel
+    modules give the gradients of the plain run, bit for bit."""
+    _, ternary = _values(precision, 4)
+    fp8 = precision in RECIPES
+    torch.manual_seed(5)
+    blocks = [_tp_mlp(fuse_wgrad_accumulation=feature == "main_grad") for _ in range(2)]
+    twins = [_tp_mlp() for _ in range(2)]
+    for block, twin in zip(blocks, twins, strict=True):
+        twin.load_state_dict(block.state_dict())
+        for p in block.parameters():
+            p.main_grad = torch.zeros_like(p)
+    context, sync = te.get_cpu_offload_context(
+        enabled=True, num_layers=1, model_layers=2, min_offload_bytes=0
+    )
+    x = ternary(S // WORLD, B, K)
+
+    def run(layers, special):
+        h = x.clone().requires_grad_(True)
+        out = h
+        with te.autocast(enabled=fp8, recipe=RECIPES[precision]() if fp8 else None):
+            for layer in layers:
+                if special and feature == "checkpoint":
+                    out = te.checkpoint(layer, out)
+                elif special and feature == "offload":
+                    with context:
+                        out = layer(out)
+                    out = sync(out)
+                else:
+                    out = layer(out)
+        out.float().square().sum().backward()
+        grads = [h.grad]
+        for layer in layers:
+            for p in layer.parameters():
+                main = special and feature == "main_grad" and p.dim() == 2
+                grads.append(p.main_grad if main else p.grad)
+        return grads
+
+    got, want = run(blocks, True), run(twins, False)
+    for i, (a, b) in enumerate(zip(got, want, strict=True)):
+        assert torch.equal(a.to(b.dtype), b), f"{feature} {precision}: {i}"
+
+
+FEATURE_CONFIGS = [
+    (feature, precision)
+    for feature in ("checkpoint", "offload", "main_grad")
+    for precision in ("fp32", "current")
+]
+
+
 def _each(check, configs, rank) -> dict:
     """{config: "ok" or the error} of check(*config, rank) over configs."""
     outcome = {}
@@ -284,6 +340,7 @@ def _rank_main(rank: int) -> dict:
     outcome.update(_each(_check_norm_linear, NORM_CONFIGS, rank))
     mlp = _each(_check_mlp, NORM_CONFIGS, rank)
     outcome.update({("mlp", *config): text for config, text in mlp.items()})
+    outcome.update(_each(_check_features, FEATURE_CONFIGS, rank))
     grouped = _each(_check_grouped, GROUPED_CONFIGS, rank)
     outcome.update({("grouped", *config): text for config, text in grouped.items()})
     layer = te.Linear(K, N, parallel_mode="row", sequence_parallel=True, tp_group=dist.group.WORLD)
