@@ -15,8 +15,9 @@ whole buffer). --single runs the parallel module at P = 1 (an NCCL group of one 
 to move) at a smaller size beside its baseline, to check the script. Rank 0 prints; never
 asserts.
 
-Modes: plain collectives (the only one so far). Async overlap of the collectives with GEMMs and
-torch's symmetric-memory async TP are not implemented: reported as such.
+Modes: te's collectives (the backward's reduce-scatter of fc1's input gradient overlapping
+fc1's weight-gradient GEMM, the rest not overlapped). torch's symmetric-memory async TP is not
+implemented: reported as such.
 """
 
 from __future__ import annotations
@@ -131,7 +132,7 @@ def report(args, world: int, results: dict) -> None:
     print(
         f"{torch.cuda.get_device_name()}, torch {torch.__version__}: te.LayerNormMLP "
         f"{args.hidden} -> {args.ffn} -> {args.hidden}, {tokens} tokens, TP={world} + sequence "
-        "parallel, plain collectives"
+        "parallel, te's collectives (dgrad reduce-scatter overlapping the wgrad GEMM)"
     )
     head = ("config", "step ms", "1 GPU, 1/P work", "efficiency", "MB sent")
     print(f"{head[0]:14s} {head[1]:>9s} {head[2]:>16s} {head[3]:>11s} {head[4]:>9s}")
@@ -144,7 +145,7 @@ def report(args, world: int, results: dict) -> None:
     bf16, fp8 = results["bf16"]["bytes"], results["fp8 current"]["bytes"]
     if bf16:
         print(f"FP8 bytes / bf16 bytes: {fp8 / bf16:.2f} (gathers move bf16: no FP8 gather yet)")
-    print("async overlap: not implemented; symmetric-memory async TP: not implemented")
+    print("symmetric-memory async TP: not implemented")
 
 
 if __name__ == "__main__":

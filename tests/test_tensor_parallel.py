@@ -267,6 +267,40 @@ def _check_grouped(mode, precision, rank) -> None:
             assert torch.equal(a, want[name]), f"{label}: {name}"
 
 
+def _check_gathered_norm_output(module_name, rank) -> None:
+    """return_layernorm_output_gathered: the whole norm output on every rank; a loss on it (each
+    rank taking its own rows' term) back-propagates as on one rank."""
+    _, ternary = _values("fp32", 6)
+    x, dz = ternary(S, B, K), ternary(S, B, K)
+    make = getattr(te, module_name)
+    size = N if module_name == "LayerNormLinear" else 32
+    ref = make(K, size, return_layernorm_output=True)
+    tp = {"tp_group": dist.group.WORLD, "sequence_parallel": True}
+    tp.update(
+        {"parallel_mode": "column"}
+        if module_name == "LayerNormLinear"
+        else {"set_parallel_mode": True}
+    )
+    layer = make(K, size, return_layernorm_output_gathered=True, **tp)
+    with torch.no_grad():
+        ref.layer_norm_weight.copy_(1 + ternary(K) / 4)
+        layer.layer_norm_weight.copy_(ref.layer_norm_weight)
+        for name, param in layer.named_parameters():
+            if "layer_norm" not in name:  # the output is not checked: any split weights
+                getattr(ref, name).zero_()
+                param.zero_()
+    seq = _shards("column", True, rank)[0]
+    xr = x.clone().requires_grad_(True)
+    y, z = ref(xr)
+    ((z * dz).sum() + y.sum() * 0).backward()
+    xl = x[seq].clone().requires_grad_(True)
+    y, z = layer(xl)
+    assert z.shape == (S, B, K)
+    assert_close(z, ref(x)[1].detach().double(), torch.float32, msg=f"{module_name}: z")
+    ((z[seq] * dz[seq]).sum() + y.sum() * 0).backward()
+    assert_close(xl.grad, xr.grad[seq].double(), torch.float32, msg=f"{module_name}: dx")
+
+
 def _tp_mlp(**kw):
     return te.LayerNormMLP(
         K, 32, set_parallel_mode=True, sequence_parallel=True, tp_group=dist.group.WORLD, **kw
@@ -341,6 +375,8 @@ def _rank_main(rank: int) -> dict:
     mlp = _each(_check_mlp, NORM_CONFIGS, rank)
     outcome.update({("mlp", *config): text for config, text in mlp.items()})
     outcome.update(_each(_check_features, FEATURE_CONFIGS, rank))
+    gathered = [("LayerNormLinear",), ("LayerNormMLP",)]
+    outcome.update(_each(_check_gathered_norm_output, gathered, rank))
     grouped = _each(_check_grouped, GROUPED_CONFIGS, rank)
     outcome.update({("grouped", *config): text for config, text in grouped.items()})
     layer = te.Linear(K, N, parallel_mode="row", sequence_parallel=True, tp_group=dist.group.WORLD)

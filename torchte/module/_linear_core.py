@@ -184,11 +184,17 @@ def zero_grad_output(record: GemmRecord, device: torch.device) -> torch.Tensor:
     return torch.zeros(shape, dtype=record.plan.dtype, device=device)
 
 
-def linear_backward(ctx: GemmRecord, grad_out, x_saved, w_saved, dy_fp8=None, dbias=None):
+def linear_backward(
+    ctx: GemmRecord, grad_out, x_saved, w_saved, dy_fp8=None, dbias=None, start_reduction=None
+):
     """(dgrad of ctx.inp_shape | None, wgrad | None, dbias | None) of y = x W^T + b.
 
     A fused producer of the output gradient may hand it over already quantized (dy_fp8, a
     Float8Storage, FP8 only) with its bias gradient (dbias); grad_out is then None.
+    start_reduction (tensor parallelism): called with the dgrad (M, K) as soon as it is made,
+    it starts the collective that reduces it over the ranks and returns a function that waits
+    for the result; the wgrad GEMM runs in between (the overlap), and the reduced dgrad comes
+    back, with rows (-1, *ctx.inp_shape[1:]).
     """
     plan: LinearPlan = ctx.plan
     if isinstance(grad_out, Float8Tensor):
@@ -199,9 +205,9 @@ def linear_backward(ctx: GemmRecord, grad_out, x_saved, w_saved, dy_fp8=None, db
         if not dy2d.is_contiguous():
             dy2d = dy2d.contiguous()
     if plan.fp8:
-        dgrad, wgrad = _backward_fp8(ctx, plan, dy2d, dy_fp8, x_saved, w_saved)
+        dgrad, wgrad = _backward_fp8(ctx, plan, dy2d, dy_fp8, x_saved, w_saved, start_reduction)
     else:
-        dgrad, wgrad = _backward_hp(ctx, plan, dy2d, x_saved, w_saved)
+        dgrad, wgrad = _backward_hp(ctx, plan, dy2d, x_saved, w_saved, start_reduction)
     if not ctx.bias_requires_grad:
         dbias = None
     elif dbias is None:
@@ -209,13 +215,13 @@ def linear_backward(ctx: GemmRecord, grad_out, x_saved, w_saved, dy_fp8=None, db
     else:
         dbias = dbias.to(plan.dtype)
     if dgrad is not None:
-        dgrad = dgrad.view(ctx.inp_shape)
+        dgrad = dgrad.view(-1, *ctx.inp_shape[1:]) if start_reduction else dgrad.view(ctx.inp_shape)
         if plan.fp8_grad:
             dgrad = plan.setup.grad_input[plan.gemm].quantize(dgrad, rowwise=True, columnwise=True)
     return dgrad, wgrad, dbias
 
 
-def _backward_fp8(ctx, plan, dy2d, dy_fp8, x_fp8, w_fp8):
+def _backward_fp8(ctx, plan, dy2d, dy_fp8, x_fp8, w_fp8, start_reduction):
     setup: FP8Setup = plan.setup
     if dy_fp8 is None:
         dy_fp8 = setup.grad_output[plan.gemm].quantize(
@@ -248,10 +254,10 @@ def _backward_fp8(ctx, plan, dy2d, dy_fp8, x_fp8, w_fp8):
             accumulate=accumulate,
         )
 
-    return dgrad, _wgrad(ctx, plan, wgrad_gemm)
+    return _overlapped(dgrad, start_reduction, lambda: _wgrad(ctx, plan, wgrad_gemm))
 
 
-def _backward_hp(ctx, plan, dy2d, x_hp, w_hp):
+def _backward_hp(ctx, plan, dy2d, x_hp, w_hp, start_reduction):
     dy_hp = dy2d if dy2d.dtype == plan.dtype else dy2d.to(plan.dtype)
     dgrad = hp_mm(dy_hp, w_hp) if ctx.need_dgrad else None
 
@@ -259,7 +265,16 @@ def _backward_hp(ctx, plan, dy2d, x_hp, w_hp):
         result = hp_mm(dy_hp[:, rows].t(), x_hp, out=out, accumulate=accumulate)
         return result if out is not None else result.to(ctx.weight_dtype)
 
-    return dgrad, _wgrad(ctx, plan, wgrad_gemm)
+    return _overlapped(dgrad, start_reduction, lambda: _wgrad(ctx, plan, wgrad_gemm))
+
+
+def _overlapped(dgrad, start_reduction, wgrad_step):
+    """(dgrad, wgrad): wgrad_step() run while dgrad's reduction (when started) is in flight."""
+    if dgrad is None or start_reduction is None:
+        return dgrad, wgrad_step()
+    finish = start_reduction(dgrad)
+    wgrad = wgrad_step()
+    return finish(), wgrad
 
 
 def _wgrad(ctx, plan: LinearPlan, wgrad_gemm: Callable) -> torch.Tensor | None:

@@ -91,10 +91,31 @@ class TensorParallel:
             return t
         return te_dist.gather_along_first_dim(t, self.group_or_raise())[0]
 
-    def reduce_input_grad(self, grad: torch.Tensor) -> torch.Tensor:
-        """Inside a Function's backward: the column GEMM's input gradient, a partial sum on each
-        rank, reduce-scattered along the sequence (SP) or all-reduced; else as is."""
-        return self.reduce_partial(grad) if self.mode == "column" else grad
+    def input_grad_reduction(self, grad_z=None):
+        """What a column GEMM's backward passes as linear_backward's start_reduction: starts
+        the asynchronous reduce-scatter (SP) or all-reduce of its input gradient (a partial sum
+        on each rank; plus grad_z, the gradient of a gathered output handed out, which is one
+        too) and returns the wait; None where nothing is reduced."""
+        if self.mode != "column" or self.size == 1:
+            return None
+        group = self.group_or_raise()
+
+        def start(grad: torch.Tensor):
+            if grad_z is not None:
+                grad = grad + grad_z.reshape(grad.shape)
+            if self.sequence_parallel:
+                out, handle = te_dist.reduce_scatter_along_first_dim(grad, group, async_op=True)
+            else:
+                out, handle = te_dist.allreduce(grad.contiguous(), group, async_op=True)
+
+            def finish() -> torch.Tensor:
+                if handle is not None:
+                    handle.wait()
+                return out
+
+            return finish
+
+        return start
 
     def reduce_partial(self, y: torch.Tensor) -> torch.Tensor:
         """Inside a Function's forward: a row-split GEMM's partial output summed over the

@@ -78,13 +78,16 @@ class _LayerNormLinearFunction(torch.autograd.Function):
         x2d, ln_weight, mean, rstd, z_saved, w_saved = restore_saved(ctx)
         if grad_y is None:  # only the norm output was used
             grad_y = zero_grad_output(ctx.gemm, x2d.device)
-        dz, wgrad, dbias = linear_backward(ctx.gemm, grad_y, z_saved, w_saved)
+        tp = ctx.tp
+        gathered_grad = grad_z if tp.gathers_sequence else None  # the gathered z handed out
+        reduction = tp.input_grad_reduction(gathered_grad)  # overlaps the wgrad GEMM
+        dz, wgrad, dbias = linear_backward(
+            ctx.gemm, grad_y, z_saved, w_saved, start_reduction=reduction
+        )
         dx = d_ln_weight = d_ln_bias = None
         if dz is not None:
-            tp = ctx.tp
-            if tp.gathers_sequence and grad_z is not None:  # the gathered z was handed out
-                dz, grad_z = dz + grad_z, None
-            dz = tp.reduce_input_grad(dz)
+            if gathered_grad is not None:
+                grad_z = None  # added before the reduction
             dx, d_ln_weight, d_ln_bias = ctx.norm.backward_after_gemm(
                 dz, grad_z, x2d, ln_weight, mean, rstd, ctx.inp_shape, ctx.needs_input_grad[2]
             )

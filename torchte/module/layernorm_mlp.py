@@ -175,14 +175,16 @@ class _LayerNormMLPFunction(torch.autograd.Function):
             da2d = da.reshape(-1, da.shape[-1])
             quantizer = ctx.plans.fc1.grad_output_quantizer()
             dh, dh_bias = spec.activation_grad(da2d, h2d, ctx.gemm1, quantizer)
-            if dh_bias is None:
-                dz, dw1, db1 = linear_backward(ctx.gemm1, dh, z_saved, w1_saved)
-            else:  # dh in FP8
-                dz, dw1, db1 = linear_backward(ctx.gemm1, None, z_saved, w1_saved, dh, dh_bias)
+            gathered_grad = grad_z if tp.gathers_sequence else None  # the gathered z handed out
+            reduction = tp.input_grad_reduction(gathered_grad)  # overlaps fc1's wgrad GEMM
+            fp8_dh = (None, None) if dh_bias is None else (dh, dh_bias)
+            dz, dw1, db1 = linear_backward(
+                ctx.gemm1, dh if dh_bias is None else None, z_saved, w1_saved, *fp8_dh,
+                start_reduction=reduction,
+            )  # fmt: skip
             if dz is not None:
-                if tp.gathers_sequence and grad_z is not None:  # the gathered z was handed out
-                    dz, grad_z = dz + grad_z, None
-                dz = tp.reduce_input_grad(dz)
+                if gathered_grad is not None:
+                    grad_z = None  # added before the reduction
                 dx, d_ln_w, d_ln_b = spec.norm.backward_after_gemm(
                     dz, grad_z, x2d, ln_w, mean, rstd, ctx.inp_shape, ctx.needs_input_grad[2]
                 )
