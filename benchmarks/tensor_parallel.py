@@ -11,7 +11,8 @@ S/P of the sequence; the baseline is one GPU running one rank's share, te.LayerN
 FFN / P) on all 16384 tokens (the same GEMM work per GPU, no communication); efficiency =
 baseline time / parallel time. Bytes: what this rank's collectives send per step, counted in
 te.distributed's helpers (all-gather: the rank's input; reduce-scatter and all-reduce: the
-whole buffer). --single runs the parallel module at P = 1 (an NCCL group of one rank; nothing
+whole buffer) in a step, and apart those of the forward's all-gather of the norm output (FP8
+bytes under FP8). --single runs the parallel module at P = 1 (an NCCL group of one rank; nothing
 to move) at a smaller size beside its baseline, to check the script. Rank 0 prints; never
 asserts.
 
@@ -38,10 +39,11 @@ RECIPES = {"bf16": None, "fp8 current": recipe.Float8CurrentScaling}
 
 
 class ByteCounter:
-    """Counts the bytes te.distributed's collectives move on this rank (wraps the helpers)."""
+    """Counts the bytes te.distributed's collectives take from this rank, per helper (wraps
+    them)."""
 
     def __init__(self) -> None:
-        self.bytes = 0
+        self.bytes: dict[str, int] = {}
         self._wrapped = {}
 
     def __enter__(self):
@@ -49,8 +51,9 @@ class ByteCounter:
             original = getattr(te_dist, name)
             self._wrapped[name] = original
 
-            def counted(inp, *args, _original=original, **kwargs):
-                self.bytes += inp.numel() * inp.element_size()
+            def counted(inp, *args, _original=original, _name=name, **kwargs):
+                size = inp.numel() * inp.element_size()
+                self.bytes[_name] = self.bytes.get(_name, 0) + size
                 return _original(inp, *args, **kwargs)
 
             setattr(te_dist, name, counted)
@@ -61,7 +64,7 @@ class ByteCounter:
             setattr(te_dist, name, original)
 
 
-def make_step(module, tokens_local: int, batch: int, hidden: int, fp8_recipe):
+def make_step(module, tokens_local: int, batch: int, hidden: int, fp8_recipe, backward=True):
     x = torch.randn(tokens_local, batch, hidden, device="cuda", dtype=torch.bfloat16)
     x.requires_grad_(True)
     dy = torch.randn_like(x)
@@ -72,7 +75,8 @@ def make_step(module, tokens_local: int, batch: int, hidden: int, fp8_recipe):
             p.grad = None
         with te.autocast(enabled=fp8_recipe is not None, recipe=fp8_recipe):
             y = module(x)
-        y.backward(dy)
+        if backward:
+            y.backward(dy)
 
     return step
 
@@ -90,13 +94,17 @@ def measure(args, world: int, group) -> dict:
         ms = device_s(step, 3, 5, "cuda") * 1e3
         with ByteCounter() as counter:
             step()
+        with ByteCounter() as forward:
+            make_step(parallel, seq // world, batch, hidden, fp8, backward=False)()
         torch.cuda.synchronize()
         del parallel, step
         baseline = te.LayerNormMLP(hidden, ffn // world, **kw)
         base_ms = device_s(make_step(baseline, seq, batch, hidden, fp8), 3, 5, "cuda") * 1e3
         del baseline
         torch.cuda.empty_cache()
-        results[name] = {"ms": ms, "bytes": counter.bytes, "baseline_ms": base_ms}
+        gathered = forward.bytes.get("gather_along_first_dim", 0)
+        total = sum(counter.bytes.values())
+        results[name] = {"ms": ms, "bytes": total, "gather_bytes": gathered, "baseline_ms": base_ms}
     return results
 
 
@@ -134,17 +142,17 @@ def report(args, world: int, results: dict) -> None:
         f"{args.hidden} -> {args.ffn} -> {args.hidden}, {tokens} tokens, TP={world} + sequence "
         "parallel, te's collectives (dgrad reduce-scatter overlapping the wgrad GEMM)"
     )
-    head = ("config", "step ms", "1 GPU, 1/P work", "efficiency", "MB sent")
-    print(f"{head[0]:14s} {head[1]:>9s} {head[2]:>16s} {head[3]:>11s} {head[4]:>9s}")
+    head = ("config", "step ms", "1 GPU, 1/P work", "efficiency", "MB sent", "fwd gather MB")
+    print(f"{head[0]:14s} {head[1]:>9s} {head[2]:>16s} {head[3]:>11s} {head[4]:>9s} {head[5]:>14s}")
     for name, r in results.items():
         efficiency = r["baseline_ms"] / r["ms"]
         print(
             f"{name:14s} {r['ms']:9.2f} {r['baseline_ms']:16.2f} {efficiency:10.1%} "
-            f"{r['bytes'] / 2**20:9.1f}"
+            f"{r['bytes'] / 2**20:9.1f} {r['gather_bytes'] / 2**20:14.1f}"
         )
-    bf16, fp8 = results["bf16"]["bytes"], results["fp8 current"]["bytes"]
+    bf16, fp8 = results["bf16"]["gather_bytes"], results["fp8 current"]["gather_bytes"]
     if bf16:
-        print(f"FP8 bytes / bf16 bytes: {fp8 / bf16:.2f} (gathers move bf16: no FP8 gather yet)")
+        print(f"FP8 forward all-gather bytes / bf16's: {fp8 / bf16:.2f}")
     print("symmetric-memory async TP: not implemented")
 
 

@@ -12,6 +12,7 @@ Delayed scaling reduces the amaxes over the group, so both ranks end with the sa
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -21,6 +22,7 @@ from ranks import on_ranks
 from tolerances import assert_close, tolerance
 
 import torchte as te
+from torchte import distributed as te_dist
 from torchte import recipe
 
 WORLD = 2
@@ -116,6 +118,23 @@ def _check_config(mode, sp, precision, rank) -> None:
             assert torch.equal(scales[0], scales[1]), label
 
 
+@contextlib.contextmanager
+def _gathers():
+    """[(dtype, elements) of each tensor te.distributed all-gathers from this rank] inside."""
+    original = te_dist.gather_along_first_dim
+    seen = []
+
+    def recorded(inp, *args, **kwargs):
+        seen.append((inp.dtype, inp.numel()))
+        return original(inp, *args, **kwargs)
+
+    te_dist.gather_along_first_dim = recorded
+    try:
+        yield seen
+    finally:
+        te_dist.gather_along_first_dim = original
+
+
 def _check_norm_linear(sp, precision, rank) -> None:
     """te.LayerNormLinear, column-parallel: the norm's output equal on every rank (whole, or
     this rank's sequence shard), its weight gradients whole on every rank without sequence
@@ -142,7 +161,11 @@ def _check_norm_linear(sp, precision, rank) -> None:
         layer.layer_norm_bias.copy_(ref.layer_norm_bias)
     shard_ref = copy.deepcopy(ref)
     want = _run(ref, x, dy, precision)
-    got = _run(layer, x[inp], dy[out], precision)
+    with _gathers() as gathered:
+        got = _run(layer, x[inp], dy[out], precision)
+    if sp:  # forward: the norm output, FP8 bytes under FP8 (one per value), else the dtype's
+        fp8 = precision in RECIPES
+        assert gathered[0] == (torch.uint8 if fp8 else dtype, S // WORLD * B * K), gathered
     assert layer.layer_norm_weight.sequence_parallel == sp
     if sp:  # partial sums over this rank's rows: those of the one-rank layer run on them
         _run(shard_ref, x[inp], dy[inp], precision)

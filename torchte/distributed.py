@@ -98,12 +98,13 @@ def reduce_scatter_along_first_dim(
 
 
 def allreduce(
-    inp: torch.Tensor, tp_group=None, async_op: bool = False
+    inp: torch.Tensor, tp_group=None, async_op: bool = False, *, op=dist.ReduceOp.SUM
 ) -> tuple[torch.Tensor, object | None]:
-    """(the sum over ranks, in inp's storage, handle)."""
+    """(the sum over ranks, or another `op` (torch.distributed.ReduceOp), in inp's storage,
+    handle)."""
     if _world(tp_group) == 1:
         return inp, None
-    handle = dist.all_reduce(inp, group=tp_group, async_op=async_op)
+    handle = dist.all_reduce(inp, op=op, group=tp_group, async_op=async_op)
     return inp, handle
 
 

@@ -91,6 +91,21 @@ class TensorParallel:
             return t
         return te_dist.gather_along_first_dim(t, self.group_or_raise())[0]
 
+    def gather_gemm_input(self, z: torch.Tensor, quantizer, columnwise: bool, keep_output: bool):
+        """Inside a Function's forward, column + SP: (the GEMM's input, the norm output to hand
+        out). Under FP8 (quantizer, a per-tensor quantizer) with no norm output handed out: z's
+        rows cast with a scale the ranks agree on and gathered as FP8 bytes, half of bf16's
+        (quantizer.quantize_gathered), and None; else z gathered in high precision, twice."""
+        if quantizer is None or keep_output:
+            whole = self.gather_sequence(z)
+            return whole, whole
+        group = self.group_or_raise()
+
+        def reduce_max(t: torch.Tensor) -> None:
+            te_dist.allreduce(t, group, op=dist.ReduceOp.MAX)
+
+        return quantizer.quantize_gathered(z, reduce_max, self.gather_sequence, columnwise), None
+
     def input_grad_reduction(self, grad_z=None):
         """What a column GEMM's backward passes as linear_backward's start_reduction: starts
         the asynchronous reduce-scatter (SP) or all-reduce of its input gradient (a partial sum

@@ -10,7 +10,8 @@ Tensor parallelism (parallel_mode "column", _tensor_parallel.py): the weight's r
 the ranks. Without sequence parallelism every rank norms the whole input and dz, a partial sum
 per rank, is all-reduced before the norm backward (so the norm's weight gradients are whole on
 every rank). With it the norm runs on this rank's sequence shard and z is all-gathered before
-the GEMM (in high precision; the GEMM quantizes the gathered z), dz reduce-scattered back, and
+the GEMM (under FP8 as FP8 bytes, cast by each rank with the scale of the whole z; in high
+precision where z is handed out), dz reduce-scattered back (overlapping the wgrad GEMM), and
 the norm's weight gradients are partial sums (marked sequence_parallel, for Megatron-Core to
 all-reduce).
 """
@@ -47,10 +48,12 @@ def _ln_linear_forward(
     """(y (..., N), z (..., K) or None where the norm wrote FP8 directly (the gathered z under
     sequence parallelism), and what backward needs)."""
     gather = tp.gathers_sequence
-    quantizer = None if gather else plan.input_quantizer()
-    x2d, z_in, z, mean, rstd = norm.run(inp, ln_weight, ln_bias, plan.dtype, quantizer, need_wgrad)
-    if gather:
-        z_in = z = tp.gather_sequence(z)
+    quantizer = plan.input_quantizer()
+    x2d, z_in, z, mean, rstd = norm.run(
+        inp, ln_weight, ln_bias, plan.dtype, None if gather else quantizer, need_wgrad
+    )
+    if gather:  # under FP8 the gathered z moves as FP8 bytes (unless it is handed out)
+        z_in, z = tp.gather_gemm_input(z, quantizer, need_wgrad, norm.keep_output)
     y, z_saved, w_saved = linear_forward(z_in, weight, bias, w_fp8, plan, need_dgrad, need_wgrad)
     return y, z, (x2d, mean, rstd, z_saved, w_saved)
 

@@ -103,12 +103,12 @@ def _mlp_forward(inp, params, w_fp8, plans: MLPPlan, spec: MLPSpec, needs, tp):
     keep = spec.checkpoint and (need_d1 or need_w1)  # recompute h from z in backward
     fc1 = plans.fc1
     gather = tp.gathers_sequence
+    quantizer = fc1.input_quantizer()
     x2d, z_in, z, mean, rstd = spec.norm.run(
-        inp, ln_weight, ln_bias, fc1.dtype, None if gather else fc1.input_quantizer(),
-        need_w1 or keep,
-    )  # fmt: skip
-    if gather:
-        z_in = z = tp.gather_sequence(z)
+        inp, ln_weight, ln_bias, fc1.dtype, None if gather else quantizer, need_w1 or keep
+    )
+    if gather:  # under FP8 the gathered z moves as FP8 bytes (unless it is handed out)
+        z_in, z = tp.gather_gemm_input(z, quantizer, need_w1 or keep, spec.norm.keep_output)
     h, z_saved, w1_saved = linear_forward(
         z_in, fc1_weight, fc1_bias, w_fp8[0], plans.fc1, need_d1 or keep, need_w1 or keep, keep
     )

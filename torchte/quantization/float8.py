@@ -116,6 +116,32 @@ class _Float8Quantizer(Quantizer):
         CastSpec: rowwise data (M, N) | None, columnwise (N, Mp) | None, scale_inv (1,)."""
         return Float8Storage(data, data_t, scale_inv, self.fp8_dtype, shape)
 
+    def quantize_gathered(self, x_hp, reduce_max, gather, columnwise: bool) -> Float8Storage:
+        """Sequence parallelism under FP8: x_hp (M, ..., N) is this rank's piece, along dim 0,
+        of a tensor split over P ranks; the result is that whole tensor (P M, ..., N) in FP8,
+        cast by each rank for its rows with one scale the ranks agree on and gathered as FP8
+        bytes (one byte a value on the wire), the transpose made from the gathered bytes when
+        columnwise. reduce_max(t) all-reduces t in place with MAX over the ranks; gather(t)
+        all-gathers t along dim 0 (uint8 here). The same bytes as quantizing the gathered
+        tensor: see _group_scale."""
+        x2d = _as_2d(x_hp)
+        scale, scale_inv = self._group_scale(x2d, reduce_max)
+        spec = CastSpec(self.fp8_dtype, True, False, scale, torch.zeros_like(scale))
+        data, _, delayed_scale_inv = ct.quantize(x2d, spec)
+        gathered = gather(data.view(torch.uint8).view(x_hp.shape)).view(self.fp8_dtype)
+        scale_inv = delayed_scale_inv if scale_inv is None else scale_inv
+        shape = tuple(gathered.shape)
+        storage = Float8Storage(
+            gathered.reshape(-1, shape[-1]), None, scale_inv, self.fp8_dtype, shape
+        )
+        if columnwise:
+            storage.update_usage(columnwise_usage=True)
+        return storage
+
+    def _group_scale(self, x2d, reduce_max) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(scale (1,), scale_inv (1,) or None for 1 / scale) every rank casts its rows with."""
+        raise NotImplementedError
+
     def quantize(self, x_hp, *, rowwise=True, columnwise=True):
         """x_hp (..., N) -> Float8Storage (or Float8Tensor when not internal)."""
         data, data_t, scale_inv = ct.quantize(_as_2d(x_hp), self.cast_spec(rowwise, columnwise))
@@ -182,6 +208,15 @@ class Float8Quantizer(_Float8Quantizer):
     def record_amax(self, x_hp: torch.Tensor) -> None:
         ct.record_amax(_as_2d(x_hp), self.amax)
 
+    def _group_scale(self, x2d, reduce_max):
+        """The smallest of the ranks' scales (their MAX of -scale: exact), which is every rank's
+        own when their amax histories agree (the amaxes reduced over a group holding these
+        ranks, the default); the rows' amax recorded here, as quantize records it."""
+        self.record_amax(x2d)
+        negated = -self.scale
+        reduce_max(negated)
+        return -negated, None
+
     def prime_scale(self, x_hp: torch.Tensor, fp8_max: float, margin: int) -> None:
         """Set the scale to what x_hp's own amax asks for (fp8_max / amax / 2**margin), x_hp's
         amax then alone in this step's slot: before a weight is first quantized, instead of the
@@ -215,6 +250,16 @@ class Float8CurrentScalingQuantizer(_Float8Quantizer):
 
     def record_amax(self, x_hp: torch.Tensor) -> None:
         """Current scaling keeps no amax between calls: nothing to record."""
+
+    def _group_scale(self, x2d, reduce_max):
+        """The scale of the whole tensor's amax (the MAX of the ranks' amaxes), and its
+        scale_inv, as quantize computes them from the gathered tensor."""
+        amax = torch.zeros(1, dtype=torch.float32, device=x2d.device)
+        ct.record_amax(x2d, amax)
+        reduce_max(amax)
+        fp8_max = ct.FP8_MAX[self.fp8_dtype]
+        scale = ct.compute_scale_reference(amax, fp8_max, self.amax_epsilon, self.power_2_scale)
+        return scale, ct.current_scale_inv_reference(amax, scale)
 
     def prime_scale(self, x_hp: torch.Tensor, fp8_max: float, margin: int) -> None:
         """Current scaling has no stored scale: nothing to prime."""
