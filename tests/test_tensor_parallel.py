@@ -380,6 +380,25 @@ FEATURE_CONFIGS = [
 ]
 
 
+def _check_current_scaling_agrees(rank) -> None:
+    """A current-scaling quantizer of a split tensor-parallel module scales each rank's piece
+    by the amax over the ranks: the same scale on both, the bytes of the whole tensor's cast."""
+    layer = te.Linear(K, N, parallel_mode="row", tp_group=dist.group.WORLD)
+    setup = layer._fp8_setup(recipe.Float8CurrentScaling())
+    quantizer = setup.input[0]
+    gen = torch.Generator().manual_seed(7)
+    whole = (
+        torch.randn(WORLD, 16, K // WORLD, generator=gen) * torch.tensor([1.0, 3.0])[:, None, None]
+    )
+    piece = quantizer.quantize(whole[rank], columnwise=False)
+    alone = setup.input[0].__class__(quantizer.fp8_dtype).quantize(whole.reshape(-1, K // WORLD))
+    assert torch.equal(piece.scale_inv, alone.scale_inv)  # rank 1's amax on both ranks
+    rows = slice(rank * 16, (rank + 1) * 16)
+    assert torch.equal(
+        piece.rowwise_data.view(torch.uint8), alone.rowwise_data[rows].view(torch.uint8)
+    )
+
+
 def _each(check, configs, rank) -> dict:
     """{config: "ok" or the error} of check(*config, rank) over configs."""
     outcome = {}
@@ -398,6 +417,7 @@ def _rank_main(rank: int) -> dict:
     mlp = _each(_check_mlp, NORM_CONFIGS, rank)
     outcome.update({("mlp", *config): text for config, text in mlp.items()})
     outcome.update(_each(_check_features, FEATURE_CONFIGS, rank))
+    outcome.update(_each(_check_current_scaling_agrees, [()], rank))
     gathered = [("LayerNormLinear",), ("LayerNormMLP",)]
     outcome.update(_each(_check_gathered_norm_output, gathered, rank))
     grouped = _each(_check_grouped, GROUPED_CONFIGS, rank)

@@ -91,6 +91,10 @@ class TensorParallel:
             return t
         return te_dist.gather_along_first_dim(t, self.group_or_raise())[0]
 
+    def reduce_max(self, t: torch.Tensor) -> None:
+        """t all-reduced in place with MAX over the group (FP8 amaxes of split tensors)."""
+        te_dist.allreduce(t, self.group_or_raise(), op=dist.ReduceOp.MAX)
+
     def gather_gemm_input(self, z: torch.Tensor, quantizer, columnwise: bool, keep_output: bool):
         """Inside a Function's forward, column + SP: (the GEMM's input, the norm output to hand
         out). Under FP8 (quantizer, a per-tensor quantizer) with no norm output handed out: z's
@@ -99,12 +103,8 @@ class TensorParallel:
         if quantizer is None or keep_output:
             whole = self.gather_sequence(z)
             return whole, whole
-        group = self.group_or_raise()
-
-        def reduce_max(t: torch.Tensor) -> None:
-            te_dist.allreduce(t, group, op=dist.ReduceOp.MAX)
-
-        return quantizer.quantize_gathered(z, reduce_max, self.gather_sequence, columnwise), None
+        gather = self.gather_sequence
+        return quantizer.quantize_gathered(z, self.reduce_max, gather, columnwise), None
 
     def input_grad_reduction(self, grad_z=None):
         """What a column GEMM's backward passes as linear_backward's start_reduction: starts

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import warnings
+import weakref
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -205,8 +206,13 @@ class TransformerEngineBaseModule(nn.Module):
         return setup
 
     def _new_fp8_setup(self, recipe: Recipe) -> FP8Setup:
-        """Quantizers for `recipe` over this module's scaling state (the recipe unchecked)."""
-        return new_setup(recipe, self.num_gemms, self._delayed_state_pair)
+        """Quantizers for `recipe` over this module's scaling state (the recipe unchecked);
+        split over tensor-parallel ranks, current scaling reduces its amaxes over them."""
+        setup = new_setup(recipe, self.num_gemms, self._delayed_state_pair)
+        tp = getattr(self, "_tp", None)
+        if tp is not None and tp.split:
+            setup.reduce_current_amaxes(_AmaxReduction(self))
+        return setup
 
     def _delayed_state_pair(self, history_len: int):
         pair = self._delayed_states.get(history_len)
@@ -474,3 +480,16 @@ def cached_quantization(
         return storage
     mark_not_offload(storage)
     return storage
+
+
+class _AmaxReduction:
+    """All-reduces a (1,) amax with MAX over a module's tensor-parallel group (read at each call:
+    set_tensor_parallel_group may set it after the quantizers exist); holds the module weakly."""
+
+    __slots__ = ("_module",)
+
+    def __init__(self, module) -> None:
+        self._module = weakref.ref(module)
+
+    def __call__(self, amax: torch.Tensor) -> None:
+        self._module()._tp.reduce_max(amax)

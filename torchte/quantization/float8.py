@@ -229,9 +229,12 @@ class Float8Quantizer(_Float8Quantizer):
 
 
 class Float8CurrentScalingQuantizer(_Float8Quantizer):
-    """Current scaling: the scale comes from the amax of the tensor being quantized."""
+    """Current scaling: the scale comes from the amax of the tensor being quantized. With
+    amax_reduction (a function all-reducing a (1,) tensor with MAX over the ranks that hold the
+    pieces of one tensor, tensor parallelism), each piece is cast with the scale of the whole
+    tensor's amax: every rank uses the same scale for the same tensor."""
 
-    __slots__ = ("amax_epsilon", "power_2_scale")
+    __slots__ = ("amax_epsilon", "amax_reduction", "power_2_scale")
 
     def __init__(
         self,
@@ -243,6 +246,7 @@ class Float8CurrentScalingQuantizer(_Float8Quantizer):
         super().__init__(fp8_dtype, internal)
         self.power_2_scale = power_2_scale
         self.amax_epsilon = amax_epsilon
+        self.amax_reduction = None
 
     def _new_spec(self, rowwise: bool, columnwise: bool) -> CastSpec:
         eps, power_2 = self.amax_epsilon, self.power_2_scale
@@ -250,6 +254,22 @@ class Float8CurrentScalingQuantizer(_Float8Quantizer):
 
     def record_amax(self, x_hp: torch.Tensor) -> None:
         """Current scaling keeps no amax between calls: nothing to record."""
+
+    def quantize(self, x_hp, *, rowwise=True, columnwise=True):
+        """x_hp (..., N) -> Float8Storage (or Float8Tensor when not internal); with
+        amax_reduction, scaled by the amax over the ranks (one more launch, one all-reduce)."""
+        if self.amax_reduction is None:
+            return super().quantize(x_hp, rowwise=rowwise, columnwise=columnwise)
+        x2d = _as_2d(x_hp)
+        scale, scale_inv = self._group_scale(x2d, self.amax_reduction)
+        spec = CastSpec(self.fp8_dtype, rowwise, columnwise, scale, torch.zeros_like(scale))
+        data, data_t, _ = ct.quantize(x2d, spec)
+        storage = Float8Storage(data, data_t, scale_inv, self.fp8_dtype, tuple(x_hp.shape))
+        if self.internal:
+            return storage
+        from .float8_tensor import Float8Tensor
+
+        return Float8Tensor.from_storage(storage, dtype=x_hp.dtype, quantizer=self)
 
     def _group_scale(self, x2d, reduce_max):
         """The scale of the whole tensor's amax (the MAX of the ranks' amaxes), and its

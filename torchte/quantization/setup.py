@@ -155,6 +155,17 @@ class FP8Setup:
         recipe = self.recipe
         self.weight[gemm].prime_scale(weight, recipe.fp8_format.value.max_fwd, recipe.margin)
 
+    def reduce_current_amaxes(self, reduce_max: Callable[[torch.Tensor], None]) -> None:
+        """Tensor parallelism under current scaling: the input, weight and output-gradient
+        quantizers scale by the amax over the ranks (reduce_max all-reduces a (1,) tensor with
+        MAX), so a tensor split over them is cast with one scale; a tensor whole on every rank
+        gets its own. Nothing under delayed scaling, whose amaxes are reduced after the step."""
+        if self.fwd_state is not None:
+            return
+        for slot in ("input", "weight", "grad_output"):
+            for quantizer in getattr(self, slot):
+                quantizer.amax_reduction = reduce_max
+
     def drop_weight_caches(self) -> None:
         """Forget the cached FP8 weights (their parameters were replaced)."""
         for cache in (*self.weight_cache, self.grouped_weight_cache):

@@ -97,6 +97,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=1,
         help="tensor-parallel ranks (launch with torchrun --nproc-per-node N; default 1)",
     )
+    p.add_argument(
+        "--sequence-parallel",
+        action="store_true",
+        help="with --tp: each rank keeps its rows of the batch between the split layers",
+    )
     p.add_argument("--data", type=Path, help="a text file or folder (default: Python's stdlib)")
     p.add_argument(
         "--max-bytes",
@@ -158,6 +163,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[ModelConfig, RunConfig]:
     why = check_launch(args.tp)
     if why is None and args.tp > 1 and (args.experts or args.save or args.resume):
         why = f"--tp {args.tp} with --experts, --save or --resume is not implemented yet"
+    if why is None and args.sequence_parallel and args.tp == 1:
+        why = "--sequence-parallel needs --tp N with N > 1"
     if why is not None:
         p.error(why)
     try:
@@ -191,12 +198,18 @@ def parse_args(argv: list[str] | None = None) -> tuple[ModelConfig, RunConfig]:
             resume=args.resume,
             stop_at=args.stop_at,
             tp=args.tp,
+            sequence_parallel=args.sequence_parallel,
         )
     except ValueError as err:
         p.error(str(err))
     supported = _fp8_supported(args, recipes)
     if supported != recipes:
         config = dataclasses.replace(config, recipes=supported)
+    if config.sequence_parallel and config.batch_size % config.tp:
+        p.error(
+            f"--sequence-parallel splits the batch over the {config.tp} ranks: --batch-size "
+            f"{config.batch_size} must be a multiple of {config.tp}"
+        )
     tokens = config.batch_size * model_config.seq_len
     if config.uses_fp8 and tokens % FP8_MULTIPLE:
         p.error(

@@ -133,6 +133,8 @@ class RunConfig:
     end."""
     tp: int = 1
     """Tensor-parallel ranks (processes started by torchrun)."""
+    sequence_parallel: bool = False
+    """With tp > 1: each rank holds its rows of the batch between the split layers."""
     compute_dtype: str = "bf16"
     """"bf16" (torch.autocast) or "fp32" (autocast off): what the model computes in besides
     FP8 GEMMs; see precision.py."""

@@ -151,7 +151,8 @@ class Trainer:
         tp_group=None,
     ) -> None:
         """tp_group: tensor parallelism over its ranks (each draws the same batches; the model
-        starts from the one-rank model's weights of the seed)."""
+        starts from the one-rank model's weights of the seed); with config.sequence_parallel
+        each rank computes the loss of its rows of the batch (see _backward)."""
         self.name, self.config, self.corpus = name, config, corpus
         self.label = config.label(name)
         self.device = torch.device(config.device)
@@ -162,9 +163,12 @@ class Trainer:
         self.tp_group = (
             tp_group if tp_group is not None and dist.get_world_size(tp_group) > 1 else None
         )
+        self.sp_ranks = 1
         if self.tp_group is not None:
             whole = self.model
-            self.model = GPT(model_config, PARAMS_DTYPE, self.device, self.tp_group)
+            sp = config.sequence_parallel
+            self.model = GPT(model_config, PARAMS_DTYPE, self.device, self.tp_group, sp)
+            self.sp_ranks = dist.get_world_size(self.tp_group) if sp else 1
             shard_from(
                 self.model, whole, dist.get_rank(self.tp_group), dist.get_world_size(self.tp_group)
             )
@@ -193,6 +197,10 @@ class Trainer:
     def _loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean cross entropy (fp32) of the model on one batch, under the run's recipe and in
         its compute dtype."""
+        if self.sp_ranks > 1:  # this rank's rows of the batch
+            rows = inputs.shape[0] // self.sp_ranks
+            start = dist.get_rank(self.tp_group) * rows
+            inputs, targets = inputs[start : start + rows], targets[start : start + rows]
         inputs = inputs.to(self.device, non_blocking=True)
         targets = targets.to(self.device, non_blocking=True)
         with self.autocast(), te.autocast(enabled=self.recipe is not None, recipe=self.recipe):
@@ -211,11 +219,38 @@ class Trainer:
             group["lr"] = lr
         loss = self._loss(*self.sampler.next())
         self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        self._backward(loss)
         clip_grad_norm(list(self.model.parameters()), GRAD_CLIP, self.tp_group)
         self.optimizer.step()
         self.step += 1
-        return loss.detach()
+        return self._batch_mean(loss.detach())
+
+    def _backward(self, loss: torch.Tensor) -> None:
+        """loss.backward(); under sequence parallelism of P ranks, where each rank's loss is the
+        mean over its rows, the batch's loss is their mean: each rank back-propagates loss / P
+        (the collectives sum the ranks' parts into the split weights' gradients), and the
+        gradients of the parameters whole on every rank, partial sums of its rows, are summed
+        over the ranks."""
+        if self.sp_ranks == 1:
+            loss.backward()
+            return
+        (loss / self.sp_ranks).backward()
+        whole = [
+            p.grad
+            for p in self.model.parameters()
+            if p.grad is not None and not getattr(p, "tensor_model_parallel", False)
+        ]
+        for grad in whole:
+            dist.all_reduce(grad, group=self.tp_group)
+
+    def _batch_mean(self, loss: torch.Tensor) -> torch.Tensor:
+        """The batch's mean loss from this rank's (the mean of the ranks' means under sequence
+        parallelism, whose row counts are equal)."""
+        if self.sp_ranks > 1:
+            loss = loss.clone()
+            dist.all_reduce(loss, group=self.tp_group)
+            loss /= self.sp_ranks
+        return loss
 
     def evaluate(self) -> float:
         """Mean validation loss over the fixed batches; the FP8 scaling state is restored
@@ -224,7 +259,7 @@ class Trainer:
         self.model.eval()
         try:
             with torch.no_grad():
-                losses = [self._loss(x, y) for x, y in self.val_batches]
+                losses = [self._batch_mean(self._loss(x, y)) for x, y in self.val_batches]
         finally:
             self.model.train()
             restore_scaling(self.model, snapshot)

@@ -11,8 +11,11 @@ so the stream's scale does not grow with depth.
 Tensor parallelism (tp_group of P ranks, Megatron-style): each rank holds nh / P heads (its
 rows of q, k and v in the QKV te.LayerNormLinear, column-parallel; its columns of the
 row-parallel projection) and its share of the MLP (te.LayerNormMLP with set_parallel_mode);
-embeddings, norms and the head are whole on every rank, which all see the same residual stream.
-shard_from copies a whole model's weights into such a model.
+embeddings, norms and the head are whole on every rank. Without sequence parallelism every rank
+sees the whole residual stream; with it (sequence_parallel) each rank holds its rows of the
+batch (dim 0, which the modules split as Transformer Engine's split the sequence), gathered
+before each QKV and MLP and reduce-scattered after each projection. shard_from copies a whole
+model's weights into such a model.
 
 Precision: the parameters may be fp32 (master weights) with the model run under torch.autocast;
 the residual stream is then kept in the autocast dtype from the embeddings on. The output
@@ -75,10 +78,10 @@ class Attention(nn.Module):
         self.proj = te.Linear(h, h, init_method=_normal(out_std), **row, **kw)
 
     def forward(self, x_BSH: torch.Tensor) -> torch.Tensor:
-        b, s, _ = x_BSH.shape
-        q, k, v = SplitHeads.apply(self.qkv(x_BSH), self.heads)  # each (B, nh / P, S, hd)
+        # each (B, nh / P, S, hd): under sequence parallelism B is the whole batch's, gathered
+        q, k, v = SplitHeads.apply(self.qkv(x_BSH), self.heads)
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(a.transpose(1, 2).reshape(b, s, -1))
+        return self.proj(a.transpose(1, 2).flatten(2))
 
 
 class Block(nn.Module):
@@ -114,7 +117,12 @@ class GPT(nn.Module):
     """tokens (B, S) int64 -> logits (B, S, V) in the parameters' dtype."""
 
     def __init__(
-        self, config: ModelConfig, dtype: torch.dtype, device: torch.device, tp_group=None
+        self,
+        config: ModelConfig,
+        dtype: torch.dtype,
+        device: torch.device,
+        tp_group=None,
+        sequence_parallel: bool = False,
     ) -> None:
         super().__init__()
         self.config = config
@@ -126,14 +134,15 @@ class GPT(nn.Module):
                     f"tensor parallelism over {size} ranks needs the dense MLP and a head "
                     f"count it divides (heads {config.heads}, experts {config.experts})"
                 )
-            tp = {"tp_group": tp_group, "tp_size": size}
+            tp = {"tp_group": tp_group, "tp_size": size, "sequence_parallel": sequence_parallel}
         kw = {"params_dtype": dtype, "device": device}
         self.tok_emb = nn.Embedding(config.vocab, config.hidden, device=device, dtype=dtype)
         self.pos_emb = nn.Embedding(config.seq_len, config.hidden, device=device, dtype=dtype)
         for emb in (self.tok_emb, self.pos_emb):
             nn.init.normal_(emb.weight, mean=0.0, std=INIT_STD)
         self.blocks = nn.ModuleList(Block(config, kw, tp) for _ in range(config.layers))
-        self.norm = te.LayerNorm(config.hidden, **kw)
+        split_rows = bool(tp) and sequence_parallel
+        self.norm = te.LayerNorm(config.hidden, sequence_parallel=split_rows, **kw)
         self.head = te.Linear(config.hidden, config.vocab, init_method=_normal(INIT_STD), **kw)
 
     def forward(self, tokens_BS: torch.Tensor) -> torch.Tensor:
