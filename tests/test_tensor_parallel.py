@@ -43,13 +43,14 @@ RECIPES = {
 
 def _shards(mode, sp, rank):
     """(input slice, output slice, weight slice, bias slice) of this rank, as index tuples."""
+    world = dist.get_world_size()
     every = slice(None)
-    seq = slice(rank * S // WORLD, (rank + 1) * S // WORLD)
+    seq = slice(rank * S // world, (rank + 1) * S // world)
     if mode == "column":
-        cols = slice(rank * N // WORLD, (rank + 1) * N // WORLD)
+        cols = slice(rank * N // world, (rank + 1) * N // world)
         inp = (seq,) if sp else (every,)
         return inp, (every, every, cols), (cols,), (cols,)
-    ks = slice(rank * K // WORLD, (rank + 1) * K // WORLD)
+    ks = slice(rank * K // world, (rank + 1) * K // world)
     out = (seq,) if sp else (every,)
     return (every, every, ks), out, (every, ks), (every,)
 
@@ -91,7 +92,7 @@ def _check_config(mode, sp, precision, rank) -> None:
         ref.bias.copy_(ternary(N))
     layer = te.Linear(
         K, N, params_dtype=dtype, parallel_mode=mode, sequence_parallel=sp,
-        tp_group=dist.group.WORLD, tp_size=WORLD,
+        tp_group=dist.group.WORLD, tp_size=dist.get_world_size(),
     )  # fmt: skip
     inp, out, w, b = _shards(mode, sp, rank)
     with torch.no_grad():
@@ -113,9 +114,9 @@ def _check_config(mode, sp, precision, rank) -> None:
             assert a.dtype == e.dtype and torch.equal(a, e), f"{label}: {name}"
     if precision == "delayed":  # the same scales on both ranks
         for state in layer._delayed_states[4]:
-            scales = [torch.empty_like(state.scale) for _ in range(WORLD)]
+            scales = [torch.empty_like(state.scale) for _ in range(dist.get_world_size())]
             dist.all_gather(scales, state.scale)
-            assert torch.equal(scales[0], scales[1]), label
+            assert all(torch.equal(scales[0], t) for t in scales), label
 
 
 @contextlib.contextmanager
@@ -435,6 +436,26 @@ def _rank_main(rank: int) -> dict:
 def test_linear_tensor_parallel_equals_one_rank(tmp_path):
     for outcome in on_ranks(_rank_main, WORLD, tmp_path):
         assert "divisible by the 2 tensor-parallel ranks" in outcome.pop("odd sequence")
+        failed = {config: text for config, text in outcome.items() if text != "ok"}
+        assert not failed, failed
+
+
+# Four ranks: features split four ways (FP8 GEMMs need every split dim a multiple of 16).
+CONFIGS_4 = [
+    (mode, sp, precision)
+    for mode in ("column", "row")
+    for sp in (False, True)
+    for precision in ("fp32", "bf16", "current")
+    if not (mode == "row" and precision == "current")
+]
+
+
+def _rank_main_4(rank: int) -> dict:
+    return _each(_check_config, CONFIGS_4, rank)
+
+
+def test_linear_tensor_parallel_over_four_ranks(tmp_path):
+    for outcome in on_ranks(_rank_main_4, 4, tmp_path):
         failed = {config: text for config, text in outcome.items() if text != "ok"}
         assert not failed, failed
 
