@@ -191,28 +191,25 @@ def test_reduction_argument_checks(override, error, match):
             fn(**_reduction_args(**override))
 
 
-def test_references_check_the_offsets_they_read():
+@pytest.mark.parametrize(
+    "which,values,match",
+    [
+        ("rows", [0, 5, 3, 8], "never decrease"),
+        ("rows", [1, 3, 3, 8], "start at 0"),
+        ("rows", [0, 3, 3, 7], "end at the token count 8"),
+        ("reduction", [0, 16, 8, 48], "never decrease"),
+        ("reduction", [0, 16, 24, 48], "multiples of 16"),
+        ("reduction", [0, 16, 16, 96], "a_cols has"),
+    ],
+)
+def test_references_check_the_offsets_they_read(which, values, match):
     # The kernels trust the offsets (reading them would sync); the references check them.
-    bad_rows = [
-        ([0, 5, 3, 8], "never decrease"),
-        ([1, 3, 3, 8], "start at 0"),
-        ([0, 3, 3, 7], "end at the token count 8"),
-    ]
-    for values, match in bad_rows:
-        with pytest.raises(ValueError, match=match):
-            gg.grouped_rows_gemm_reference(
-                **_rows_args(row_offsets=torch.tensor(values, dtype=torch.int32))
-            )
-    bad_cols = [
-        ([0, 16, 8, 48], "never decrease"),
-        ([0, 16, 24, 48], "multiples of 16"),
-        ([0, 16, 16, 96], "a_cols has"),
-    ]
-    for values, match in bad_cols:
-        with pytest.raises(ValueError, match=match):
-            gg.grouped_reduction_gemm_reference(
-                **_reduction_args(col_offsets=torch.tensor(values, dtype=torch.int32))
-            )
+    offsets = torch.tensor(values, dtype=torch.int32)
+    with pytest.raises(ValueError, match=match):
+        if which == "rows":
+            gg.grouped_rows_gemm_reference(**_rows_args(row_offsets=offsets))
+        else:
+            gg.grouped_reduction_gemm_reference(**_reduction_args(col_offsets=offsets))
 
 
 # ----------------------------------------------------------------------------------------------
