@@ -12,8 +12,12 @@ Legend: P ranks in the tensor-parallel group; x (S, ..., K) input with the seque
   sequence, and the output gradient all-gathered in backward); the bias, whole on every rank,
   is added once after the reduction.
 - None: nothing is split; with sequence_parallel the parameters are only marked.
-Each collective is an autograd Function around the module's own GEMM Function, going through
-te.distributed's helpers (one place for the gloo fallbacks).
+te.Linear, te.LayerNormLinear and te.LayerNormMLP run the collectives inside their autograd
+Function (gather_gemm_input, reduce_partial, input_grad_reduction: under FP8 the gathered input
+moves as FP8 bytes, and a column GEMM's input-gradient reduction runs while its wgrad GEMM
+does); te.GroupedLinear (no sequence parallelism) has them as autograd Functions around its
+own (gemm_input, gemm_output). All go through te.distributed's helpers (one place for the gloo
+fallbacks).
 
 Parameter attributes Megatron-Core reads are set as Transformer Engine sets them:
 `tensor_model_parallel`, `partition_dim`, `partition_stride` on split weights (and on the
@@ -86,8 +90,10 @@ class TensorParallel:
         return self.mode == "column" and self.sequence_parallel and self.size > 1
 
     def gather_sequence(self, t: torch.Tensor) -> torch.Tensor:
-        """Inside a Function's forward: t's sequence shards all-gathered (column + SP), else t."""
-        if not self.gathers_sequence:
+        """Inside a Function: t's sequence shards all-gathered along dim 0 under sequence
+        parallelism over more than one rank (a column GEMM's input, a row GEMM's output
+        gradient), else t."""
+        if not (self.sequence_parallel and self.size > 1):
             return t
         return te_dist.gather_along_first_dim(t, self.group_or_raise())[0]
 
@@ -144,13 +150,11 @@ class TensorParallel:
         return te_dist.allreduce(y.contiguous(), group)[0]
 
     def gemm_input(self, inp: torch.Tensor) -> torch.Tensor:
-        """What the GEMM reads: the input as is (row), or through the column collective."""
+        """Around a GEMM Function without sequence parallelism (te.GroupedLinear): the input as
+        is, its gradient all-reduced in backward where the GEMM is column-split."""
         if self.mode != "column" or self.size == 1:
             return inp
-        group = self.group_or_raise()
-        if self.sequence_parallel:
-            return _GatherFromSequence.apply(inp, group)
-        return _CopyToRegion.apply(inp, group)
+        return _CopyToRegion.apply(inp, self.group_or_raise())
 
     def check_output_rows(self, inp: torch.Tensor) -> None:
         """Row-parallel sequence parallelism reduce-scatters the output along the sequence:
@@ -163,13 +167,11 @@ class TensorParallel:
             )
 
     def gemm_output(self, out: torch.Tensor) -> torch.Tensor:
-        """The layer's output from the GEMM's: as is (column), or reduced (row)."""
+        """Around a GEMM Function without sequence parallelism: the output as is (column), or
+        all-reduced (row)."""
         if self.mode != "row" or self.size == 1:
             return out
-        group = self.group_or_raise()
-        if self.sequence_parallel:
-            return _ScatterToSequence.apply(out, group)
-        return _ReduceFromRegion.apply(out, group)
+        return _ReduceFromRegion.apply(out, self.group_or_raise())
 
 
 def set_group(module: str, tp: TensorParallel, tp_group) -> TensorParallel:
@@ -267,30 +269,3 @@ class _ReduceFromRegion(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         return dy, None
-
-
-class _GatherFromSequence(torch.autograd.Function):
-    """Forward: the sequence shards all-gathered along dim 0. Backward: dx reduce-scattered."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return te_dist.gather_along_first_dim(x, group)[0]
-
-    @staticmethod
-    def backward(ctx, dx):
-        return te_dist.reduce_scatter_along_first_dim(dx, ctx.group)[0], None
-
-
-class _ScatterToSequence(torch.autograd.Function):
-    """Forward: the partial y reduce-scattered along dim 0 (the sequence). Backward: dy
-    all-gathered."""
-
-    @staticmethod
-    def forward(ctx, y, group):
-        ctx.group = group
-        return te_dist.reduce_scatter_along_first_dim(y, group)[0]
-
-    @staticmethod
-    def backward(ctx, dy):
-        return te_dist.gather_along_first_dim(dy, ctx.group)[0], None

@@ -3,8 +3,11 @@ tensor/sequence parallelism.
 
 Legend: x (..., K) input, W (N, K) weight, b (N,) bias, y (..., N). The GEMM machinery shared
 with the other modules that end in a GEMM is in _linear_core.py; the collectives of tensor and
-sequence parallelism (parallel_mode "column" / "row") in _tensor_parallel.py, around the GEMM.
-in_features and out_features become this rank's (as in Transformer Engine).
+sequence parallelism (parallel_mode "column" / "row") in _tensor_parallel.py, run inside the
+GEMM's autograd Function: the sequence-parallel input gathered before the GEMM (under FP8 as
+FP8 bytes), a row GEMM's output reduced after it, a column GEMM's input gradient reduced while
+the wgrad GEMM runs. in_features and out_features become this rank's (as in Transformer
+Engine).
 """
 
 from __future__ import annotations
@@ -35,24 +38,53 @@ __all__ = ["Linear"]
 _STATE = autocast_state()
 
 
+def _split_forward(inp, weight, bias, w_fp8, plan: LinearPlan, tp, needs):
+    """linear_forward between the collectives of a split layer (tp.split): the input gathered
+    along the sequence first (column + SP; under FP8 as FP8 bytes), the partial output reduced
+    after (row). Returns (y, x_saved, w_saved, the GEMM's input shape)."""
+    need_dgrad, need_wgrad = needs
+    x = inp
+    if tp.gathers_sequence:
+        quantizer = plan.input_quantizer()
+        x = tp.gather_gemm_input(inp, quantizer, need_wgrad, keep_output=False)[0]
+    y, x_saved, w_saved = linear_forward(x, weight, bias, w_fp8, plan, need_dgrad, need_wgrad)
+    if tp.mode == "row":
+        y = tp.reduce_partial(y)
+    return y, x_saved, w_saved, x.shape
+
+
 class _LinearFunction(torch.autograd.Function):
-    """Linear forward and backward; `plan` is the module's reused context object."""
+    """Linear forward and backward; `plan` is the module's reused context object; `tp` its
+    tensor-parallel setting, whose collectives run inside (None: not split)."""
 
     @staticmethod
-    def forward(ctx, inp, weight, bias, w_fp8, plan: LinearPlan):
+    def forward(ctx, inp, weight, bias, w_fp8, plan: LinearPlan, tp):
         need_dgrad = ctx.needs_input_grad[0]
         need_wgrad = ctx.needs_input_grad[1] or plan.main_grad is not None
-        y, x_saved, w_saved = linear_forward(inp, weight, bias, w_fp8, plan, need_dgrad, need_wgrad)
+        needs = (need_dgrad, need_wgrad)
+        if tp is None:
+            y, x_saved, w_saved = linear_forward(inp, weight, bias, w_fp8, plan, *needs)
+            shape = inp.shape
+        else:
+            y, x_saved, w_saved, shape = _split_forward(inp, weight, bias, w_fp8, plan, tp, needs)
         save_for_backward(ctx, x_saved, w_saved)
         grads = ctx.needs_input_grad[1:3]
-        ctx.gemm = gemm_record(inp.shape, weight, bias, plan, need_dgrad, need_wgrad, grads)
+        ctx.gemm = gemm_record(shape, weight, bias, plan, need_dgrad, need_wgrad, grads)
+        ctx.tp = tp
         return y
 
     @staticmethod
     def backward(ctx, grad_out):
         x_saved, w_saved = restore_saved(ctx)
-        dgrad, wgrad, dbias = linear_backward(ctx.gemm, grad_out, x_saved, w_saved)
-        return dgrad, wgrad, dbias, None, None
+        tp, reduction = ctx.tp, None
+        if tp is not None:
+            if tp.mode == "row" and tp.sequence_parallel:  # the output was reduce-scattered
+                grad_out = tp.gather_sequence(grad_out)
+            reduction = tp.input_grad_reduction()  # column: overlaps the wgrad GEMM
+        dgrad, wgrad, dbias = linear_backward(
+            ctx.gemm, grad_out, x_saved, w_saved, start_reduction=reduction
+        )
+        return dgrad, wgrad, dbias, None, None, None
 
 
 class Linear(LinearCore):
@@ -140,21 +172,18 @@ class Linear(LinearCore):
                 self._check_input(inp, self.in_features)
                 raise
         self._check_input(inp, self.in_features)
-        split = self._split
-        if split:
+        if self._split:
             self._tp.check_output_rows(inp)
-            inp = self._tp.gemm_input(inp)
+            self._tp.group_or_raise()
         plan = self._plan(dtype, is_first_microbatch, fp8_output, fp8_grad)
         weight = self._full(self.weight_names)
         bias = self._full(self.bias_names) if self.use_bias else None
         # Row-parallel GEMMs make partial sums: the bias goes in once, after the reduction.
         fused_bias = None if self.return_bias or self._row_split else bias
-        if plan.fast and not isinstance(weight, Float8Tensor):
+        if plan.fast and not self._split and not isinstance(weight, Float8Tensor):
             out = F.linear(inp.to(dtype), weight.to(dtype), cast_to(fused_bias, dtype))
         else:
             out = self._forward_function(inp, weight, fused_bias, plan, is_first_microbatch)
-        if split:
-            out = self._tp.gemm_output(out)
         if self.return_bias:
             return out, cast_to(bias, dtype)
         if self._row_split and bias is not None:
@@ -162,6 +191,9 @@ class Linear(LinearCore):
         return out
 
     def _apply_function(self, inp, weight, bias, w_fp8, plan: LinearPlan):
+        tp = self._tp if self._split else None
         if torch.is_grad_enabled():
-            return apply(_LinearFunction, inp, weight, bias, w_fp8, plan)
+            return apply(_LinearFunction, inp, weight, bias, w_fp8, plan, tp)
+        if tp is not None:
+            return _split_forward(inp, weight, bias, w_fp8, plan, tp, (False, False))[0]
         return linear_forward(inp, weight, bias, w_fp8, plan, False, False)[0]
