@@ -430,6 +430,15 @@ def _rank_main(rank: int) -> dict:
     except ValueError as err:
         outcome["odd sequence"] = str(err)
     layer(torch.randn(4, B, K // WORLD)).sum().backward()  # the next step still runs
+    # A layer built before its group (tp_size only) gets it later and equals one built with it.
+    late = te.Linear(K, N, parallel_mode="column", sequence_parallel=True, tp_size=WORLD)
+    early = te.Linear(
+        K, N, parallel_mode="column", sequence_parallel=True, tp_group=dist.group.WORLD
+    )
+    early.load_state_dict(late.state_dict())
+    late.set_tensor_parallel_group(dist.group.WORLD)
+    x = torch.randn(S // WORLD, B, K)
+    outcome["late group"] = "ok" if torch.equal(late(x), early(x)) else "differs"
     return outcome
 
 

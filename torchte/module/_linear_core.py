@@ -69,6 +69,8 @@ class LinearPlan:
     """Where fused wgrad accumulation adds the weight gradient (None: returned)."""
     backward_hook: Callable[[], None] | None
     """Called once the backward quantized its gradients (delayed scaling's update; None: none)."""
+    tp: Any = None
+    """The module's TensorParallel setting (_tensor_parallel.py); NO_TP where it has none."""
     fast: bool = field(init=False)
     """Plain high precision: nn.Linear's own kernels and autograd do everything."""
 
@@ -332,6 +334,7 @@ class LinearCore(TransformerEngineBaseModule):
         from ._tensor_parallel import set_group  # _tensor_parallel imports this file
 
         self._tp = set_group(f"te.{type(self).__name__}", self._tp, tp_group)
+        self.__dict__.update(_plans={}, _last_plan=None)  # the plans hold the old setting
 
     def _parameter_inits(self) -> list[ParameterInit]:
         return [
@@ -433,7 +436,14 @@ def gemm_plan(module, key: PlanKey, weights: list, gemm: int = 0) -> LinearPlan:
         fp8_grad=key.fp8_grad,
         main_grad=MainGradTarget(weights) if module.fuse_wgrad_accumulation else None,
         backward_hook=setup.backward_hook(key.group) if key.fp8 else None,
+        tp=getattr(module, "_tp", None) or _no_tp(),
     )
+
+
+def _no_tp():
+    from ._tensor_parallel import NO_TP  # _tensor_parallel imports this file
+
+    return NO_TP
 
 
 def cast_to(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:

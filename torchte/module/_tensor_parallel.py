@@ -36,7 +36,14 @@ from torchte import distributed as te_dist
 
 from ._linear_core import default_init_method
 
-__all__ = ["TensorParallel", "check_divides", "forked_init", "set_group", "tensor_parallel"]
+__all__ = [
+    "NO_TP",
+    "TensorParallel",
+    "check_divides",
+    "forked_init",
+    "set_group",
+    "tensor_parallel",
+]
 
 _MODES = (None, "column", "row")
 
@@ -172,6 +179,10 @@ class TensorParallel:
         if self.mode != "row" or self.size == 1:
             return out
         return _ReduceFromRegion.apply(out, self.group_or_raise())
+
+
+# The setting of a GEMM with no tensor parallelism (te.ops' linear ops, which take none yet).
+NO_TP = TensorParallel(None, None, 1, False)
 
 
 def set_group(module: str, tp: TensorParallel, tp_group) -> TensorParallel:

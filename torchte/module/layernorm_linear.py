@@ -43,10 +43,11 @@ __all__ = ["LayerNormLinear"]
 
 
 def _ln_linear_forward(
-    inp, ln_weight, ln_bias, weight, bias, w_fp8, plan, norm, need_dgrad, need_wgrad, tp
+    inp, ln_weight, ln_bias, weight, bias, w_fp8, plan, norm, need_dgrad, need_wgrad
 ):
     """(y (..., N), z (..., K) or None where the norm wrote FP8 directly (the gathered z under
     sequence parallelism), and what backward needs)."""
+    tp = plan.tp
     gather = tp.gathers_sequence
     quantizer = plan.input_quantizer()
     x2d, z_in, z, mean, rstd = norm.run(
@@ -62,18 +63,19 @@ class _LayerNormLinearFunction(torch.autograd.Function):
     """Norm + Linear forward and backward; outputs (y, z): z is the norm's output."""
 
     @staticmethod
-    def forward(ctx, inp, ln_weight, ln_bias, weight, bias, w_fp8, plan: LinearPlan, norm, tp):
+    def forward(ctx, inp, ln_weight, ln_bias, weight, bias, w_fp8, plan: LinearPlan, norm):
         ctx.set_materialize_grads(False)  # an unused norm output gets no zero-filled gradient
         need_dgrad = any(ctx.needs_input_grad[:3])
         need_wgrad = ctx.needs_input_grad[3] or plan.main_grad is not None
+        tp = plan.tp
         y, z, (x2d, mean, rstd, z_saved, w_saved) = _ln_linear_forward(
-            inp, ln_weight, ln_bias, weight, bias, w_fp8, plan, norm, need_dgrad, need_wgrad, tp
+            inp, ln_weight, ln_bias, weight, bias, w_fp8, plan, norm, need_dgrad, need_wgrad
         )
         save_for_backward(ctx, x2d, ln_weight, mean, rstd, z_saved, w_saved)
         grads = ctx.needs_input_grad[3:5]
         gemm_shape = (y.shape[0], *inp.shape[1:]) if tp.gathers_sequence else inp.shape
         ctx.gemm = gemm_record(gemm_shape, weight, bias, plan, need_dgrad, need_wgrad, grads)
-        ctx.norm, ctx.tp, ctx.inp_shape = norm, tp, inp.shape
+        ctx.norm, ctx.inp_shape = norm, inp.shape
         return y, (absent_output(y) if z is None else z)
 
     @staticmethod
@@ -81,7 +83,7 @@ class _LayerNormLinearFunction(torch.autograd.Function):
         x2d, ln_weight, mean, rstd, z_saved, w_saved = restore_saved(ctx)
         if grad_y is None:  # only the norm output was used
             grad_y = zero_grad_output(ctx.gemm, x2d.device)
-        tp = ctx.tp
+        tp = ctx.gemm.plan.tp
         gathered_grad = grad_z if tp.gathers_sequence else None  # the gathered z handed out
         reduction = tp.input_grad_reduction(gathered_grad)  # overlaps the wgrad GEMM
         dz, wgrad, dbias = linear_backward(
@@ -94,7 +96,7 @@ class _LayerNormLinearFunction(torch.autograd.Function):
             dx, d_ln_weight, d_ln_bias = ctx.norm.backward_after_gemm(
                 dz, grad_z, x2d, ln_weight, mean, rstd, ctx.inp_shape, ctx.needs_input_grad[2]
             )
-        return dx, d_ln_weight, d_ln_bias, wgrad, dbias, None, None, None, None
+        return dx, d_ln_weight, d_ln_bias, wgrad, dbias, None, None, None
 
 
 class LayerNormLinear(LinearCore):
@@ -202,8 +204,8 @@ class LayerNormLinear(LinearCore):
         params = self._parameters
         args = (params["layer_norm_weight"], params["layer_norm_bias"], weight, bias, w_fp8)
         if torch.is_grad_enabled():
-            return apply(_LayerNormLinearFunction, inp, *args, plan, self._norm, self._tp)
-        y, z, _ = _ln_linear_forward(inp, *args, plan, self._norm, False, False, self._tp)
+            return apply(_LayerNormLinearFunction, inp, *args, plan, self._norm)
+        y, z, _ = _ln_linear_forward(inp, *args, plan, self._norm, False, False)
         return y, z
 
     def forward(

@@ -96,8 +96,10 @@ class MLPPlan:
     fc2: LinearPlan
 
 
-def _mlp_forward(inp, params, w_fp8, plans: MLPPlan, spec: MLPSpec, needs, tp):
-    """(y (..., H), z (..., H), saved values). needs = (dgrad1, wgrad1, dgrad2, wgrad2)."""
+def _mlp_forward(inp, params, w_fp8, plans: MLPPlan, spec: MLPSpec, needs):
+    """(y (..., H), z (..., H), saved values). needs = (dgrad1, wgrad1, dgrad2, wgrad2); the
+    tensor-parallel setting is fc1's plan's (fc2 is then row-parallel)."""
+    tp = plans.fc1.tp
     ln_weight, ln_bias, fc1_weight, fc1_bias, fc2_weight, fc2_bias = params
     need_d1, need_w1, need_d2, need_w2 = needs
     keep = spec.checkpoint and (need_d1 or need_w1)  # recompute h from z in backward
@@ -131,7 +133,7 @@ class _LayerNormMLPFunction(torch.autograd.Function):
     """The whole MLP forward and backward; outputs (y, z): z is the norm's output."""
 
     @staticmethod
-    def forward(ctx, inp, ln_w, ln_b, fc1_w, fc1_b, fc2_w, fc2_b, w1_fp8, w2_fp8, plans, spec, tp):
+    def forward(ctx, inp, ln_w, ln_b, fc1_w, fc1_b, fc2_w, fc2_b, w1_fp8, w2_fp8, plans, spec):
         ctx.set_materialize_grads(False)  # an unused norm output gets no zero-filled gradient
         grads = ctx.needs_input_grad
         need_d1 = any(grads[:3])
@@ -140,7 +142,8 @@ class _LayerNormMLPFunction(torch.autograd.Function):
         need_w2 = grads[5] or plans.fc2.main_grad is not None
         params = (ln_w, ln_b, fc1_w, fc1_b, fc2_w, fc2_b)
         needs = (need_d1, need_w1, need_d2, need_w2)
-        y, z, saved = _mlp_forward(inp, params, (w1_fp8, w2_fp8), plans, spec, needs, tp)
+        y, z, saved = _mlp_forward(inp, params, (w1_fp8, w2_fp8), plans, spec, needs)
+        tp = plans.fc1.tp
         save_for_backward(ctx, ln_w, fc1_b, *saved)
         rows = tuple(y.shape[:1]) if not tp.gathers_sequence else (inp.shape[0] * tp.size,)
         z_shape = (*rows, *inp.shape[1:])
@@ -148,7 +151,7 @@ class _LayerNormMLPFunction(torch.autograd.Function):
         a_shape = (*z_shape[:-1], fc2_w.shape[1])
         bias2 = None if tp.split else fc2_b
         ctx.gemm2 = gemm_record(a_shape, fc2_w, bias2, plans.fc2, need_d2, need_w2, grads[5:7])
-        ctx.plans, ctx.spec, ctx.tp, ctx.inp_shape = plans, spec, tp, inp.shape
+        ctx.plans, ctx.spec, ctx.inp_shape = plans, spec, inp.shape
         ctx.split_bias_grad = tp.split and fc2_b is not None and grads[6]
         return y, (absent_output(y) if z is None else z)
 
@@ -156,7 +159,7 @@ class _LayerNormMLPFunction(torch.autograd.Function):
     def backward(ctx, grad_y, grad_z):
         ln_w, fc1_b, x2d, mean, rstd, z_saved, w1_saved, h2d, a_saved, w2_saved = restore_saved(ctx)
         spec: MLPSpec = ctx.spec
-        tp = ctx.tp
+        tp = ctx.plans.fc1.tp
         if grad_y is None:  # only the norm output was used
             rows = ctx.gemm2.inp_shape[0] // (tp.size if tp.sequence_parallel else 1)
             shape = (rows, *ctx.gemm2.inp_shape[1:-1], ctx.gemm2.weight_shape[0])
@@ -188,7 +191,7 @@ class _LayerNormMLPFunction(torch.autograd.Function):
                 dx, d_ln_w, d_ln_b = spec.norm.backward_after_gemm(
                     dz, grad_z, x2d, ln_w, mean, rstd, ctx.inp_shape, ctx.needs_input_grad[2]
                 )
-        return dx, d_ln_w, d_ln_b, dw1, db1, dw2, db2, None, None, None, None, None
+        return dx, d_ln_w, d_ln_b, dw1, db1, dw2, db2, None, None, None, None
 
 
 class LayerNormMLP(TransformerEngineBaseModule):
@@ -297,6 +300,7 @@ class LayerNormMLP(TransformerEngineBaseModule):
         """Set the tensor-parallel process group (when the module was built before it), as in
         Transformer Engine; its size must be tp_size."""
         self._tp = set_group("te.LayerNormMLP", self._tp, tp_group)
+        self.__dict__.update(_plans={}, _last_plan=None)  # the plans hold the old setting
 
     def _parameter_inits(self) -> list[ParameterInit]:
         return [
@@ -374,11 +378,10 @@ class LayerNormMLP(TransformerEngineBaseModule):
                 params[2], plans.fc1, is_first_microbatch, need_dgrad, params[2:3]
             )
             w2 = self._fp8_weight(params[4], plans.fc2, is_first_microbatch, True, params[4:5])
-            tp = self._tp
             if torch.is_grad_enabled():
-                return apply(_LayerNormMLPFunction, inp, *params, w1, w2, plans, self._spec, tp)
+                return apply(_LayerNormMLPFunction, inp, *params, w1, w2, plans, self._spec)
             needs = (False, False, False, False)
-            return _mlp_forward(inp, params, (w1, w2), plans, self._spec, needs, tp)[:2]
+            return _mlp_forward(inp, params, (w1, w2), plans, self._spec, needs)[:2]
 
         y, z = self._guarded_forward(plans.fc1.setup, plans.fc1.group, run)
         out = (y,)

@@ -54,14 +54,15 @@ def _split_forward(inp, weight, bias, w_fp8, plan: LinearPlan, tp, needs):
 
 
 class _LinearFunction(torch.autograd.Function):
-    """Linear forward and backward; `plan` is the module's reused context object; `tp` its
-    tensor-parallel setting, whose collectives run inside (None: not split)."""
+    """Linear forward and backward; `plan` is the module's reused context object (with plan.tp,
+    its tensor-parallel setting, whose collectives run inside where the GEMM is split)."""
 
     @staticmethod
-    def forward(ctx, inp, weight, bias, w_fp8, plan: LinearPlan, tp):
+    def forward(ctx, inp, weight, bias, w_fp8, plan: LinearPlan):
         need_dgrad = ctx.needs_input_grad[0]
         need_wgrad = ctx.needs_input_grad[1] or plan.main_grad is not None
         needs = (need_dgrad, need_wgrad)
+        tp = plan.tp if plan.tp.split else None
         if tp is None:
             y, x_saved, w_saved = linear_forward(inp, weight, bias, w_fp8, plan, *needs)
             shape = inp.shape
@@ -84,7 +85,7 @@ class _LinearFunction(torch.autograd.Function):
         dgrad, wgrad, dbias = linear_backward(
             ctx.gemm, grad_out, x_saved, w_saved, start_reduction=reduction
         )
-        return dgrad, wgrad, dbias, None, None, None
+        return dgrad, wgrad, dbias, None, None
 
 
 class Linear(LinearCore):
@@ -191,9 +192,8 @@ class Linear(LinearCore):
         return out
 
     def _apply_function(self, inp, weight, bias, w_fp8, plan: LinearPlan):
-        tp = self._tp if self._split else None
         if torch.is_grad_enabled():
-            return apply(_LinearFunction, inp, weight, bias, w_fp8, plan, tp)
-        if tp is not None:
-            return _split_forward(inp, weight, bias, w_fp8, plan, tp, (False, False))[0]
+            return apply(_LinearFunction, inp, weight, bias, w_fp8, plan)
+        if plan.tp.split:
+            return _split_forward(inp, weight, bias, w_fp8, plan, plan.tp, (False, False))[0]
         return linear_forward(inp, weight, bias, w_fp8, plan, False, False)[0]
