@@ -112,7 +112,7 @@ class TensorParallel:
         """Inside a Function's forward, column + SP: (the GEMM's input, the norm output to hand
         out). Under FP8 (quantizer, a per-tensor quantizer) with no norm output handed out: z's
         rows cast with a scale the ranks agree on and gathered as FP8 bytes, half of bf16's
-        (quantizer.quantize_gathered), and None; else z gathered in high precision, twice."""
+        (quantizer.quantize_gathered), and None; else z gathered in high precision, as both."""
         if quantizer is None or keep_output:
             whole = self.gather_sequence(z)
             return whole, whole
