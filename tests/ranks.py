@@ -29,6 +29,7 @@ def on_ranks(fn, world: int, tmp_path, *args) -> list:
     """[fn(rank, *args) for each of `world` gloo ranks], run in spawned processes; fn must be a
     module-level function and its result picklable. A rank that raises fails the call."""
     results = mp.Manager().dict()
+    tmp_path.mkdir(parents=True, exist_ok=True)
     init_file = str(tmp_path / "init")
     mp.spawn(_rank_main, args=(world, init_file, fn, args, results), nprocs=world, join=True)
     return [results[rank] for rank in range(world)]

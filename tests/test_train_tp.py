@@ -62,3 +62,39 @@ def test_tensor_parallel_training_equals_one_process(tmp_path, recipe, compute, 
     # order) can round to a neighbouring FP8 value, so FP8 runs agree within bf16's tolerance.
     tol = torch.float32 if compute == "fp32" and recipe == "bf16" else torch.bfloat16
     assert_close(torch.tensor(ranks[0]), torch.tensor(want, dtype=torch.float64), tol)
+
+
+def _steps(args, tp_group, steps: int, save=None, resume=None) -> list[float]:
+    """Losses of `steps` steps of a trainer (over tp_group's ranks where given), resumed from
+    `resume` and saved to `save` after them where given."""
+    model_config, config = cli.parse_args([*args, *(["--save", str(save)] if save else [])])
+    if tp_group is not None:
+        config = dataclasses.replace(config, tp=dist.get_world_size(tp_group))
+    corpus = data.load_corpus(config.data, config.max_bytes, model_config.seq_len)
+    trainer = loop.Trainer(config.recipes[0], model_config, config, corpus, tp_group)
+    if resume is not None:
+        trainer.resume(resume)
+    losses = [trainer.train_step().item() for _ in range(steps)]
+    if save is not None:
+        trainer.save(0.0)
+    return losses
+
+
+def _rank_steps(rank: int, args, steps: int, save, resume) -> list[float]:
+    return _steps(args, dist.group.WORLD, steps, save, resume)
+
+
+def test_checkpoints_carry_over_between_one_process_and_tensor_parallel(tmp_path):
+    """A checkpoint holds the whole model whatever saved it: saved over 2 ranks it resumes in one
+    process, saved in one process it resumes over 2 ranks, each continuing with the losses of a
+    run never interrupted (within fp32's tolerance: the split GEMMs add in another order)."""
+    args = tiny(write_corpus(tmp_path), tmp_path / "out", "--recipe", "delayed")
+    args += ["--compute-dtype", "fp32"]
+    want = _steps(args, None, 4)
+    split_saved, one_saved = tmp_path / "split.pt", tmp_path / "one.pt"
+    first = on_ranks(_rank_steps, 2, tmp_path / "a", args, 2, split_saved, None)[0]
+    then = _steps(args, None, 2, resume=split_saved)
+    assert_close(torch.tensor(first + then), torch.tensor(want, dtype=torch.float64), torch.float32)
+    _steps(args, None, 2, save=one_saved)
+    then = on_ranks(_rank_steps, 2, tmp_path / "b", args, 2, None, one_saved)[0]
+    assert_close(torch.tensor(then), torch.tensor(want[2:], dtype=torch.float64), torch.float32)

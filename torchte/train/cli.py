@@ -161,8 +161,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[ModelConfig, RunConfig]:
     steps = preset.steps if args.steps is None else args.steps
     recipes = _recipes(p, args)
     why = check_launch(args.tp)
-    if why is None and args.tp > 1 and (args.experts or args.save or args.resume):
-        why = f"--tp {args.tp} with --experts, --save or --resume is not implemented yet"
+    if why is None and args.tp > 1 and args.experts:
+        why = f"--tp {args.tp} with --experts is not implemented yet"
     if why is None and args.sequence_parallel and args.tp == 1:
         why = "--sequence-parallel needs --tp N with N > 1"
     if why is not None:

@@ -35,6 +35,7 @@ from .config import ModelConfig, RunConfig
 from .data import BatchSampler, Corpus, validation_batches
 from .model import GPT, restore_scaling, scaling_snapshot, shard_from
 from .progress import Progress
+from .tp_state import split_state, whole_state
 
 # fp32 master weights and AdamW state; the model computes in RunConfig.compute_dtype: bf16
 # under torch.autocast, or fp32 with autocast off (te modules then compute in their parameters'
@@ -340,6 +341,12 @@ class Trainer:
         """Write the checkpoint of the current step (see checkpoint.py for its contents)."""
         self.elapsed = time.perf_counter() - start
         path = self.checkpoint_path(self.config.save)
+        model, optim = self.model.state_dict(), self.optimizer.state_dict()
+        if self.tp_group is not None:  # the whole model's, written by rank 0 (tp_state.py)
+            model, optim = whole_state(self.model, self.optimizer, self.tp_group)
+            if dist.get_rank(self.tp_group) != 0:
+                self.saved = (path, self.step)
+                return
         checkpoint.save_checkpoint(
             path,
             {
@@ -352,8 +359,8 @@ class Trainer:
                     k: getattr(self.config, k)
                     for k in ("steps", "batch_size", "lr", "warmup", "seed")
                 },
-                "model": self.model.state_dict(),
-                "optimizer": self.optimizer.state_dict(),
+                "model": model,
+                "optimizer": optim,
                 "rng": checkpoint.rng_states(self.device, self.sampler.get_state()),
                 "history": self.rows,
                 "window": [loss.item() for loss in self.window],
@@ -368,8 +375,11 @@ class Trainer:
         path = self.checkpoint_path(path)
         state = checkpoint.load_checkpoint(path)
         check_resumable(state, path, self.name, self.model.config, self.config, self.corpus)
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        model, optim = state["model"], state["optimizer"]
+        if self.tp_group is not None:  # this rank's pieces of the whole model's state
+            model, optim = split_state(self.model, self.optimizer, model, optim, self.tp_group)
+        self.model.load_state_dict(model)
+        self.optimizer.load_state_dict(optim)
         self.sampler.set_state(checkpoint.restore_rng(state["rng"]))
         self.step = int(state["step"])
         self.rows = list(state["history"])

@@ -156,30 +156,34 @@ class GPT(nn.Module):
             return self.head(z_BSH)
 
 
-@torch.no_grad()
-def shard_from(model: GPT, whole: GPT, rank: int, size: int) -> None:
-    """Copy a whole (one-rank) model's weights into `model`, tensor-parallel over `size` ranks,
-    as rank `rank`: its heads' rows of q, k and v, its columns of each projection, its share of
-    each MLP; the rest whole."""
-    h = whole.config.hidden
+def shard_index(name: str, config: ModelConfig, rank: int, size: int) -> tuple:
+    """Where rank `rank`'s piece of parameter `name` (a name of GPT's) sits in the whole
+    parameter, tensor-parallel over `size` ranks: its heads' rows of q, k and v, its columns of
+    each projection, its share of each MLP; everything else whole."""
+    h, ffn = config.hidden, config.ffn
 
     def rows(total: int) -> slice:
         return slice(rank * total // size, (rank + 1) * total // size)
 
-    qkv_rows = torch.cat([torch.arange(h)[rows(h)] + j * h for j in range(3)])
-    ffn = whole.config.ffn
+    key = name.split(".", 2)[-1] if name.startswith("blocks.") else name
+    if key in ("attn.qkv.weight", "attn.qkv.bias"):
+        return (torch.cat([torch.arange(h)[rows(h)] + j * h for j in range(3)]),)
     index = {
-        "attn.qkv.weight": (qkv_rows,),
-        "attn.qkv.bias": (qkv_rows,),
         "attn.proj.weight": (slice(None), rows(h)),
         "mlp.fc1_weight": (rows(ffn),),
         "mlp.fc1_bias": (rows(ffn),),
         "mlp.fc2_weight": (slice(None), rows(ffn)),
     }
+    return index.get(key, (slice(None),))
+
+
+@torch.no_grad()
+def shard_from(model: GPT, whole: GPT, rank: int, size: int) -> None:
+    """Copy a whole (one-rank) model's weights into `model`, tensor-parallel over `size` ranks,
+    as rank `rank` (shard_index)."""
     wholes = dict(whole.named_parameters())
     for name, param in model.named_parameters():
-        key = name.split(".", 2)[-1] if name.startswith("blocks.") else name
-        param.copy_(wholes[name][index.get(key, (slice(None),))])
+        param.copy_(wholes[name][shard_index(name, whole.config, rank, size)])
 
 
 def _stream_dtype(x: torch.Tensor) -> torch.dtype:
