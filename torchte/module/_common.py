@@ -261,6 +261,16 @@ def stack_parameters(parts: Sequence[torch.Tensor]) -> torch.Tensor:
     return stacked
 
 
+def group_bias_rows(biases: Sequence[torch.Tensor], splits, dtype: torch.dtype) -> torch.Tensor:
+    """(T, N) in dtype: row t holds the bias (N,) of its group (biases, one per group; splits a
+    GroupSplits), to add to a grouped GEMM's output inside an autograd Function (the stacked
+    view is not linked to the parameters in autograd); no host synchronization."""
+    stacked = stack_parameters(biases)
+    if stacked.dtype != dtype:
+        stacked = stacked.to(dtype)
+    return stacked.index_select(0, splits.row_groups())
+
+
 def group_sums(dy: torch.Tensor, splits) -> torch.Tensor:
     """(G, N) fp32: the column sums of each group's rows of dy (T, N), splits a GroupSplits, as
     one GEMM with a one-hot (G, T) matrix: the same order every run, no atomics, no host

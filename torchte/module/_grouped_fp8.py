@@ -33,6 +33,7 @@ from torchte.gemm import (
 from torchte.quantization.grouped import GroupedStorage
 
 from ._common import (
+    group_bias_rows,
     group_sums,
     restore_saved,
     save_for_backward,
@@ -84,7 +85,7 @@ def fp8_forward(ctx, x, splits: GroupSplits, plan, biases, w_fp8: GroupedStorage
             weights = w_fp8.rowwise_data.view(num_groups, n, -1)
             y = device_grouped_rows(x_fp8, weights, w_fp8.scale_inv, dtype)
         if biases:
-            y.add_(torch.stack(bias).index_select(0, splits.row_groups()))
+            y.add_(group_bias_rows(biases, splits, dtype))
     else:
         y = torch.empty(x_fp8.shape[0], n, dtype=dtype, device=x_fp8.rowwise_data.device)
         x_rows, _, x_scales = x_fp8.gemm_operands()

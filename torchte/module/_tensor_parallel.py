@@ -126,15 +126,12 @@ class TensorParallel:
         too) and returns the wait; None where nothing is reduced."""
         if self.mode != "column" or self.size == 1:
             return None
-        group = self.group_or_raise()
+        self.group_or_raise()
 
         def start(grad: torch.Tensor):
             if grad_z is not None:
                 grad = grad + grad_z.reshape(grad.shape)
-            if self.sequence_parallel:
-                out, handle = te_dist.reduce_scatter_along_first_dim(grad, group, async_op=True)
-            else:
-                out, handle = te_dist.allreduce(grad.contiguous(), group, async_op=True)
+            out, handle = self._reduce(grad, async_op=True)
 
             def finish() -> torch.Tensor:
                 if handle is not None:
@@ -151,10 +148,15 @@ class TensorParallel:
         for the layer's split)."""
         if self.size == 1:
             return y
+        return self._reduce(y, async_op=False)[0]
+
+    def _reduce(self, t: torch.Tensor, async_op: bool):
+        """(t summed over the ranks: this rank's rows under sequence parallelism (reduce-scatter
+        along dim 0), else all of it (all-reduce), handle)."""
         group = self.group_or_raise()
         if self.sequence_parallel:
-            return te_dist.reduce_scatter_along_first_dim(y, group)[0]
-        return te_dist.allreduce(y.contiguous(), group)[0]
+            return te_dist.reduce_scatter_along_first_dim(t, group, async_op=async_op)
+        return te_dist.allreduce(t.contiguous(), group, async_op=async_op)
 
     def gemm_input(self, inp: torch.Tensor) -> torch.Tensor:
         """Around a GEMM Function without sequence parallelism (te.GroupedLinear): the input as

@@ -41,7 +41,13 @@ from torchte.gemm import (
 )
 from torchte.quantization.model_init import model_init_settings
 
-from ._common import group_sums, restore_saved, save_for_backward, stack_parameters
+from ._common import (
+    group_bias_rows,
+    group_sums,
+    restore_saved,
+    save_for_backward,
+    stack_parameters,
+)
 from ._functorch import apply, transforms_active
 from ._grouped_fp8 import fp8_backward, fp8_forward, grouped_fp8_weights
 from ._lifecycle import ParameterInit, fill
@@ -78,7 +84,7 @@ def _grouped_forward(ctx, x, splits: GroupSplits, dtype, weights, biases, needs)
     w = cast_to(stack_parameters(weights), dtype)
     y = grouped_fprop(x, w, splits.offsets())
     if biases:
-        y.add_(cast_to(stack_parameters(biases), dtype).index_select(0, splits.row_groups()))
+        y.add_(group_bias_rows(biases, splits, dtype))
     ctx.save_for_backward(x if need_wgrad else None, w if need_dgrad else None)
     return y
 
@@ -379,7 +385,7 @@ class GroupedLinear(TransformerEngineBaseModule):
         y = self._guarded_forward(first.setup, first.group, run)
         if tp.split:
             y = tp.gemm_output(y)
-        if row_biases:
+        if row_biases:  # under autograd: stacked by torch.stack, not group_bias_rows' view
             stacked = cast_to(torch.stack(row_biases), dtype)
             y = y + stacked.index_select(0, splits.row_groups())
         y = y.view(*inp.shape[:-1], self.out_features)

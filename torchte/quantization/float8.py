@@ -124,12 +124,8 @@ class _Float8Quantizer(Quantizer):
         columnwise. reduce_max(t) all-reduces t in place with MAX over the ranks; gather(t)
         all-gathers t along dim 0 (uint8 here). The same bytes as quantizing the gathered
         tensor: see _group_scale."""
-        x2d = _as_2d(x_hp)
-        scale, scale_inv = self._group_scale(x2d, reduce_max)
-        spec = CastSpec(self.fp8_dtype, True, False, scale, torch.zeros_like(scale))
-        data, _, delayed_scale_inv = ct.quantize(x2d, spec)
+        data, _, scale_inv = self._cast_agreed(_as_2d(x_hp), reduce_max, True, False)
         gathered = gather(data.view(torch.uint8).view(x_hp.shape)).view(self.fp8_dtype)
-        scale_inv = delayed_scale_inv if scale_inv is None else scale_inv
         shape = tuple(gathered.shape)
         storage = Float8Storage(
             gathered.reshape(-1, shape[-1]), None, scale_inv, self.fp8_dtype, shape
@@ -138,13 +134,25 @@ class _Float8Quantizer(Quantizer):
             storage.update_usage(columnwise_usage=True)
         return storage
 
+    def _cast_agreed(self, x2d, reduce_max, rowwise: bool, columnwise: bool):
+        """(rowwise, columnwise, scale_inv) of x2d cast with the scale the ranks agree on
+        (_group_scale; reduce_max all-reduces with MAX over them)."""
+        scale, scale_inv = self._group_scale(x2d, reduce_max)
+        spec = CastSpec(self.fp8_dtype, rowwise, columnwise, scale, torch.zeros_like(scale))
+        data, data_t, own_scale_inv = ct.quantize(x2d, spec)
+        return data, data_t, own_scale_inv if scale_inv is None else scale_inv
+
     def _group_scale(self, x2d, reduce_max) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(scale (1,), scale_inv (1,) or None for 1 / scale) every rank casts its rows with."""
         raise NotImplementedError
 
     def quantize(self, x_hp, *, rowwise=True, columnwise=True):
         """x_hp (..., N) -> Float8Storage (or Float8Tensor when not internal)."""
-        data, data_t, scale_inv = ct.quantize(_as_2d(x_hp), self.cast_spec(rowwise, columnwise))
+        cast = ct.quantize(_as_2d(x_hp), self.cast_spec(rowwise, columnwise))
+        return self._output(*cast, x_hp)
+
+    def _output(self, data, data_t, scale_inv, x_hp):
+        """What quantize returns for the bytes a kernel wrote from x_hp."""
         storage = Float8Storage(data, data_t, scale_inv, self.fp8_dtype, tuple(x_hp.shape))
         if self.internal:
             return storage
@@ -260,16 +268,8 @@ class Float8CurrentScalingQuantizer(_Float8Quantizer):
         amax_reduction, scaled by the amax over the ranks (one more launch, one all-reduce)."""
         if self.amax_reduction is None:
             return super().quantize(x_hp, rowwise=rowwise, columnwise=columnwise)
-        x2d = _as_2d(x_hp)
-        scale, scale_inv = self._group_scale(x2d, self.amax_reduction)
-        spec = CastSpec(self.fp8_dtype, rowwise, columnwise, scale, torch.zeros_like(scale))
-        data, data_t, _ = ct.quantize(x2d, spec)
-        storage = Float8Storage(data, data_t, scale_inv, self.fp8_dtype, tuple(x_hp.shape))
-        if self.internal:
-            return storage
-        from .float8_tensor import Float8Tensor
-
-        return Float8Tensor.from_storage(storage, dtype=x_hp.dtype, quantizer=self)
+        cast = self._cast_agreed(_as_2d(x_hp), self.amax_reduction, rowwise, columnwise)
+        return self._output(*cast, x_hp)
 
     def _group_scale(self, x2d, reduce_max):
         """The scale of the whole tensor's amax (the MAX of the ranks' amaxes), and its
