@@ -17,8 +17,11 @@ to move) at a smaller size beside its baseline, to check the script. Rank 0 prin
 asserts.
 
 Modes: te's collectives (the backward's reduce-scatter of fc1's input gradient overlapping
-fc1's weight-gradient GEMM, the rest not overlapped). torch's symmetric-memory async TP is not
-implemented: reported as such.
+fc1's weight-gradient GEMM, the rest not overlapped). Then, in bf16, the same MLP built from
+two te.Linear (column + SP, GELU, row + SP; no norm) with te's collectives and with torch's
+symmetric-memory async TP (te.distributed.use_symmetric_memory: all-gather-matmul and
+matmul-reduce-scatter micro-pipelined), against one GPU running that pair at FFN / P; at P = 1
+(--single) both run without collectives (nothing is split).
 """
 
 from __future__ import annotations
@@ -108,6 +111,44 @@ def measure(args, world: int, group) -> dict:
     return results
 
 
+class LinearPair(torch.nn.Module):
+    """fc2(gelu(fc1(x))): two te.Linear, column then row, sequence parallel over `group` (or
+    whole, group None)."""
+
+    def __init__(self, hidden: int, ffn: int, group) -> None:
+        super().__init__()
+        kw = {"params_dtype": torch.bfloat16, "device": "cuda"}
+        if group is not None:
+            kw.update(sequence_parallel=True, tp_group=group)
+        column, row = ("column", "row") if group is not None else (None, None)
+        self.fc1 = te.Linear(hidden, ffn, parallel_mode=column, **kw)
+        self.fc2 = te.Linear(ffn, hidden, parallel_mode=row, **kw)
+
+    def forward(self, x):
+        return self.fc2(torch.nn.functional.gelu(self.fc1(x)))
+
+
+def measure_symmetric(args, world: int, group) -> dict:
+    """Step ms of the bf16 te.Linear pair: te's collectives, symmetric memory, one GPU."""
+    seq, batch, hidden, ffn = args.seq, args.batch, args.hidden, args.ffn
+    pair = LinearPair(hidden, ffn, group)
+    step = make_step(pair, seq // world, batch, hidden, None)
+    results = {}
+    for name, enabled in (("te collectives", False), ("symmetric memory", True)):
+        previous = te_dist.use_symmetric_memory(enabled)
+        try:
+            results[name] = device_s(step, 3, 5, "cuda") * 1e3
+        finally:
+            te_dist.use_symmetric_memory(previous)
+    del pair, step
+    baseline = LinearPair(hidden, ffn // world, None)
+    base_step = make_step(baseline, seq, batch, hidden, None)
+    results["1 GPU, 1/P work"] = device_s(base_step, 3, 5, "cuda") * 1e3
+    del baseline, base_step
+    torch.cuda.empty_cache()
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--single", action="store_true", help="one GPU, P = 1, smaller size")
@@ -129,13 +170,14 @@ def main() -> None:
         rank, world = dist.get_rank(), dist.get_world_size()
         torch.cuda.set_device(rank % torch.cuda.device_count())
         results = measure(args, world, dist.group.WORLD)
+        pair = measure_symmetric(args, world, dist.group.WORLD)
         if rank == 0:
-            report(args, world, results)
+            report(args, world, results, pair)
     finally:
         dist.destroy_process_group()
 
 
-def report(args, world: int, results: dict) -> None:
+def report(args, world: int, results: dict, pair: dict) -> None:
     tokens = args.seq * args.batch
     print(
         f"{torch.cuda.get_device_name()}, torch {torch.__version__}: te.LayerNormMLP "
@@ -153,7 +195,10 @@ def report(args, world: int, results: dict) -> None:
     bf16, fp8 = results["bf16"]["gather_bytes"], results["fp8 current"]["gather_bytes"]
     if bf16:
         print(f"FP8 forward all-gather bytes / bf16's: {fp8 / bf16:.2f}")
-    print("symmetric-memory async TP: not implemented")
+    base = pair.pop("1 GPU, 1/P work")
+    print(f"bf16 te.Linear pair (column + SP, GELU, row + SP); 1 GPU, 1/P work: {base:.2f} ms")
+    for name, ms in pair.items():
+        print(f"  {name:18s} {ms:9.2f} ms  efficiency {base / ms:6.1%}")
 
 
 if __name__ == "__main__":

@@ -417,6 +417,35 @@ def test_triton_current_matches_reference(fp8_dtype, m_splits, features, eps, po
 
 @pytest.mark.gpu
 @requires_triton
+@pytest.mark.parametrize("m_splits", GPU_SPLITS)
+@pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
+def test_triton_current_with_amax_reduction_matches_reference(fp8_dtype, m_splits):
+    """A reduction (as tensor parallelism's MAX over the ranks) raising some groups' amaxes:
+    the kernels cast with the reduced amaxes, byte for byte as the reference."""
+    x, offsets, _ = _gpu_case(m_splits, 1024, torch.bfloat16, fp8_dtype, seed=5)
+    floor = torch.zeros(len(m_splits), device="cuda")
+    floor[::3] = 1e5  # above every group's own amax (random_input stays below 1e4)
+    calls = []
+
+    def reduce_max(amax: torch.Tensor) -> None:
+        calls.append(amax.clone())
+        torch.maximum(amax, floor, out=amax)
+
+    common = (x, m_splits, *offsets)
+    spec = CastSpec(fp8_dtype, True, True)
+    out = gc.quantize_grouped(*common, spec, reduce_max)
+    ref = gc.quantize_grouped_reference(*common, spec, reduce_max)
+    assert len(calls) == 2 and torch.equal(calls[0], calls[1])  # the groups' own amaxes
+    assert_same(out[:2], ref[:2])
+    assert same_bits(out[2], ref[2])
+    plain = gc.quantize_grouped(*common, spec)
+    raised = (floor > calls[0]).cpu()
+    assert torch.equal(out[2].cpu()[~raised], plain[2].cpu()[~raised])
+    assert (out[2].cpu()[raised] > plain[2].cpu()[raised]).all()
+
+
+@pytest.mark.gpu
+@requires_triton
 @pytest.mark.parametrize("rowwise,columnwise", [(True, False), (False, True), (False, False)])
 def test_triton_usage_and_nan(rowwise, columnwise):
     m_splits, fp8 = [100, 0, 37, 300], torch.float8_e4m3fn

@@ -24,6 +24,7 @@ from tolerances import assert_close, tolerance
 import torchte as te
 from torchte import distributed as te_dist
 from torchte import recipe
+from torchte.quantization.grouped_quantizer import GroupedQuantizer
 
 WORLD = 2
 S, B, K, N = 8, 2, 32, 64
@@ -400,6 +401,59 @@ def _check_current_scaling_agrees(rank) -> None:
     )
 
 
+SYMMETRIC_CONFIGS = [(mode, precision) for mode in ("column", "row") for precision in PRECISIONS]
+_FUSED = ("all_gather_matmul", "matmul_reduce_scatter")
+
+
+def _check_symmetric(mode, precision, rank) -> None:
+    """te.distributed.use_symmetric_memory: te.Linear + sequence parallelism equals one rank as
+    without it; its high-precision GEMMs go through the fused collectives (here, on the CPU,
+    their plain fallback), FP8 ones keep the plain collectives."""
+    calls, originals = [], {name: getattr(te_dist, name) for name in _FUSED}
+
+    def recorded(name):
+        def run(*args, **kwargs):
+            calls.append(name)
+            return originals[name](*args, **kwargs)
+
+        return run
+
+    previous = te_dist.use_symmetric_memory(True)
+    try:
+        for name in _FUSED:
+            setattr(te_dist, name, recorded(name))
+        _check_config(mode, True, precision, rank)
+    finally:
+        for name in _FUSED:
+            setattr(te_dist, name, originals[name])
+        te_dist.use_symmetric_memory(previous)
+    forward, backward = _FUSED if mode == "column" else reversed(_FUSED)
+    want = [] if precision in RECIPES else [forward, backward] * 2  # two steps
+    assert calls == want, calls
+
+
+def _check_grouped_current_scaling_agrees(rank) -> None:
+    """The grouped quantizer of a row-split te.GroupedLinear scales each group's piece by the
+    group's amax over the ranks (a different rank holding the largest value of each group): the
+    same scales on both, the bytes of the whole groups' cast."""
+    splits = [16, 0, 32, 16]
+    layer = te.GroupedLinear(len(splits), K, N, parallel_mode="row", tp_group=dist.group.WORLD)
+    quantizer = layer._fp8_setup(recipe.Float8CurrentScaling()).grouped_input
+    gen = torch.Generator().manual_seed(11)
+    magnitude = torch.tensor([[1.0, 5.0, 4.0, 0.5], [3.0, 1.0, 0.25, 2.0]])
+    rows = torch.repeat_interleave(magnitude, torch.tensor(splits), dim=1)  # (WORLD, T)
+    whole = torch.randn(WORLD, sum(splits), K // WORLD, generator=gen) * rows[..., None]
+    piece = quantizer.quantize(whole[rank], splits, columnwise=False)
+    alone = GroupedQuantizer(quantizer.fp8_dtype).quantize(
+        torch.cat(list(whole), dim=1), splits, columnwise=False
+    )
+    assert torch.equal(piece.scale_inv, alone.scale_inv)
+    cols = slice(rank * K // WORLD, (rank + 1) * K // WORLD)
+    assert torch.equal(
+        piece.rowwise_data.view(torch.uint8), alone.rowwise_data[:, cols].view(torch.uint8)
+    )
+
+
 def _each(check, configs, rank) -> dict:
     """{config: "ok" or the error} of check(*config, rank) over configs."""
     outcome = {}
@@ -419,6 +473,10 @@ def _rank_main(rank: int) -> dict:
     outcome.update({("mlp", *config): text for config, text in mlp.items()})
     outcome.update(_each(_check_features, FEATURE_CONFIGS, rank))
     outcome.update(_each(_check_current_scaling_agrees, [()], rank))
+    symmetric = _each(_check_symmetric, SYMMETRIC_CONFIGS, rank)
+    outcome.update({("symmetric", *config): text for config, text in symmetric.items()})
+    agrees = _each(_check_grouped_current_scaling_agrees, [()], rank)
+    outcome.update({("grouped", *config): text for config, text in agrees.items()})
     gathered = [("LayerNormLinear",), ("LayerNormMLP",)]
     outcome.update(_each(_check_gathered_norm_output, gathered, rank))
     grouped = _each(_check_grouped, GROUPED_CONFIGS, rank)
@@ -518,3 +576,15 @@ def test_rng_tracker_draws_the_initial_weights():
         16, 32, get_rng_state_tracker=lambda: again, parallel_mode="column", tp_size=2
     )
     assert torch.equal(first.weight, layers[0].weight)
+
+
+def test_symmetric_memory_switch():
+    assert te_dist.symmetric_memory_enabled() is False  # off unless TORCHTE_SYMMETRIC_MEMORY=1
+    assert te_dist.use_symmetric_memory(True) is False
+    try:
+        assert te_dist.symmetric_memory_enabled() is True
+        with pytest.raises(TypeError, match="enabled must be a bool"):
+            te_dist.use_symmetric_memory("yes")
+        assert te_dist.symmetric_memory_enabled() is True  # a refused call changes nothing
+    finally:
+        assert te_dist.use_symmetric_memory(False) is True

@@ -80,3 +80,24 @@ def test_grouped_linear_of_one_rank_equals_no_parallelism(nccl_group, mode):
         outs.append((y.detach(), xi.grad, *(p.grad for p in module.parameters())))
     for got, want in zip(outs[1], outs[0], strict=True):
         assert torch.equal(got, want)
+
+
+def test_symmetric_memory_gemms_of_one_rank(nccl_group):
+    """te.distributed's fused symmetric-memory GEMMs run on the device (torch's ops, where this
+    torch has them) and equal the GEMM of the whole tensor."""
+    from torchte import distributed as te_dist
+
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    a = torch.randint(-2, 3, (256, 512), device="cuda", generator=gen).to(torch.bfloat16)
+    b = torch.randint(-2, 3, (512, 384), device="cuda", generator=gen).to(torch.bfloat16)
+    previous = te_dist.use_symmetric_memory(True)
+    try:
+        fused = te_dist._symmetric_group(a, nccl_group)
+        gathered, product = te_dist.all_gather_matmul(a, b, nccl_group)
+        scattered = te_dist.matmul_reduce_scatter(a, b, nccl_group)
+    finally:
+        te_dist.use_symmetric_memory(previous)
+    assert fused == nccl_group.group_name  # torch 2.11 on CUDA has the ops
+    want = torch.mm(a, b)
+    assert torch.equal(gathered, a)
+    assert torch.equal(product, want) and torch.equal(scattered, want)

@@ -39,6 +39,8 @@ programs each make their group's scale from its amax).
 from __future__ import annotations
 
 import functools
+import itertools
+from collections.abc import Callable
 
 import torch
 
@@ -49,6 +51,8 @@ from ._fp8_codec import (
     COLUMNWISE_ALIGN,
     FP8_MAX,
     check_fp8_dtype,
+    compute_scale_reference,
+    current_scale_inv_reference,
     encode_reference,
     record_amax_reference,
 )
@@ -252,20 +256,25 @@ def quantize_grouped(
     row_offsets: torch.Tensor,
     col_offsets: torch.Tensor,
     spec: CastSpec,
+    reduce_max: Callable[[torch.Tensor], None] | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
     """Quantize the G groups of x (T, K) as spec says (see the module docstring): delayed with
     spec.scale (G,), max |x| of each group max-accumulated into spec.amax (G,); current with
-    each group's own amax (written to spec.amax (G,) when given). One launch on CUDA under
-    delayed scaling, three under current. Returns (rowwise (T, K) | None, columnwise (K * C,) |
-    None, scale_inv (G,) fp32), laid out as the module says; m_splits None: the sizes come from
-    the offsets on the device, C = grouped_columns(None, T, G)."""
+    each group's own amax (written to spec.amax (G,) when given), all-reduced first by
+    reduce_max (in place, MAX over the ranks holding pieces of each group: tensor parallelism)
+    when given. One launch on CUDA under delayed scaling, three under current. Returns (rowwise
+    (T, K) | None, columnwise (K * C,) | None, scale_inv (G,) fp32), laid out as the module
+    says; m_splits None: the sizes come from the offsets on the device, C =
+    grouped_columns(None, T, G)."""
     _check_groups(x, m_splits, row_offsets, col_offsets, spec)
     if not (x.is_cuda and triton_available() and x.numel() > 0):
-        return _reference(x, m_splits, row_offsets, spec)
+        return _reference(x, m_splits, row_offsets, spec, reduce_max)
     if spec.delayed:
         return _grouped_cast_transpose(x, m_splits, row_offsets, col_offsets, spec)
     amax = _zeroed_amax(spec.amax, row_offsets.numel() - 1, x.device)
     _grouped_amax(x, m_splits, row_offsets, amax)
+    if reduce_max is not None:
+        reduce_max(amax)
     return _grouped_cast_transpose(x, m_splits, row_offsets, col_offsets, spec, amax)
 
 
@@ -390,16 +399,19 @@ def quantize_grouped_reference(
     row_offsets: torch.Tensor,
     col_offsets: torch.Tensor,
     spec: CastSpec,
+    reduce_max: Callable[[torch.Tensor], None] | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
     """Torch reference of quantize_grouped (row_offsets and col_offsets are checked, not read:
     the groups come from m_splits)."""
     _check_groups(x, m_splits, row_offsets, col_offsets, spec)
-    return _reference(x, m_splits, row_offsets, spec)
+    return _reference(x, m_splits, row_offsets, spec, reduce_max)
 
 
-def _reference(x, m_splits, row_offsets, spec: CastSpec):
+def _reference(x, m_splits, row_offsets, spec: CastSpec, reduce_max=None):
     """Each group through encode_reference, laid out as the module says (bytes copied through
-    uint8 views; m_splits None: the sizes read from row_offsets, the columnwise tail zero)."""
+    uint8 views; m_splits None: the sizes read from row_offsets, the columnwise tail zero).
+    Current scaling: every group's amax first (reduce_max'd), each group then cast with the
+    scale its amax gives, as the kernels do."""
     tokens, features = x.shape
     fp8_dtype, rowwise, columnwise = spec.fp8_dtype, spec.rowwise, spec.columnwise
     data = torch.empty(tokens, features, dtype=fp8_dtype, device=x.device) if rowwise else None
@@ -410,29 +422,30 @@ def _reference(x, m_splits, row_offsets, spec: CastSpec):
         data_t = data_t.view(fp8_dtype)
     if m_splits is None:
         m_splits = torch.diff(row_offsets).tolist()
+    starts = [0, *itertools.accumulate(m_splits)]
+    scale, amax = spec.scale, spec.amax
+    if not spec.delayed:
+        amax = _zeroed_amax(amax, len(m_splits), x.device)
+        for g, rows in enumerate(m_splits):
+            record_amax_reference(x[starts[g] : starts[g] + rows], amax[g : g + 1])
+        if reduce_max is not None:
+            reduce_max(amax)
+        eps, power_2 = spec.amax_epsilon, spec.power_2_scale
+        scale = compute_scale_reference(amax, FP8_MAX[fp8_dtype], eps, power_2)
     scale_inv = torch.empty(len(m_splits), dtype=torch.float32, device=x.device)
-    amax = spec.amax
-    if not spec.delayed and amax is not None:
-        amax.zero_()
-    row = col = 0
+    # Current scaling casts with the scale found above; its amaxes are not accumulated again.
+    scratch = torch.zeros_like(scale) if not spec.delayed else amax
+    col = 0
     for g, rows in enumerate(m_splits):
-        x_g, one = x[row : row + rows], slice(g, g + 1)
-        if spec.delayed:
-            scale_g, amax_g = spec.scale[one], amax[one]
-        else:
-            scale_g = amax_g = None
-            if amax is not None:
-                record_amax_reference(x_g, amax[one])
-        spec_g = CastSpec(
-            fp8_dtype, rowwise, columnwise, scale_g, amax_g, spec.amax_epsilon, spec.power_2_scale
-        )
-        data_g, data_t_g, scale_inv_g = encode_reference(x_g, spec_g)
-        scale_inv[one] = scale_inv_g
+        x_g, one = x[starts[g] : starts[g] + rows], slice(g, g + 1)
+        spec_g = CastSpec(fp8_dtype, rowwise, columnwise, scale[one], scratch[one])
+        data_g, data_t_g, scale_inv[one] = encode_reference(x_g, spec_g)
         if data is not None:
-            data.view(torch.uint8)[row : row + rows] = data_g.view(torch.uint8)
+            data.view(torch.uint8)[starts[g] : starts[g] + rows] = data_g.view(torch.uint8)
         if data_t is not None:
             block = features * round_up(rows, COLUMNWISE_ALIGN)
             data_t.view(torch.uint8)[col : col + block] = data_t_g.view(torch.uint8).reshape(-1)
             col += block
-        row += rows
+    if not spec.delayed:
+        scale_inv = current_scale_inv_reference(amax, scale)
     return data, data_t, scale_inv

@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
+from torchte import distributed as te_dist
 from torchte.autocast import autocast_state
 from torchte.quantization.float8_tensor import Float8Tensor
 
@@ -43,6 +44,8 @@ def _split_forward(inp, weight, bias, w_fp8, plan: LinearPlan, tp, needs):
     along the sequence first (column + SP; under FP8 as FP8 bytes), the partial output reduced
     after (row). Returns (y, x_saved, w_saved, the GEMM's input shape)."""
     need_dgrad, need_wgrad = needs
+    if _fuses_symmetric(plan, tp):
+        return _symmetric_forward(inp, weight, bias, plan, tp, needs)
     x = inp
     if tp.gathers_sequence:
         quantizer = plan.input_quantizer()
@@ -51,6 +54,46 @@ def _split_forward(inp, weight, bias, w_fp8, plan: LinearPlan, tp, needs):
     if tp.mode == "row":
         y = tp.reduce_partial(y)
     return y, x_saved, w_saved, x.shape
+
+
+def _fuses_symmetric(plan: LinearPlan, tp) -> bool:
+    """Whether a split layer's GEMM runs fused with its sequence-parallel collective
+    (te.distributed.use_symmetric_memory; high precision only: FP8 gathers move FP8 bytes)."""
+    plain = not (plan.fp8 or plan.calibrating or plan.fp8_output or plan.fp8_grad)
+    return plain and tp.sequence_parallel and te_dist.symmetric_memory_enabled()
+
+
+def _symmetric_forward(inp, weight, bias, plan: LinearPlan, tp, needs):
+    """_split_forward's high-precision sequence-parallel GEMM with its collective fused
+    (te.distributed.all_gather_matmul: column; matmul_reduce_scatter: row)."""
+    need_dgrad, need_wgrad = needs
+    x = cast_to(inp.reshape(-1, inp.shape[-1]), plan.dtype)
+    w = cast_to(weight, plan.dtype)
+    group = tp.group_or_raise()
+    if tp.mode == "column":
+        x, y = te_dist.all_gather_matmul(x, w.t(), group)
+        rows = inp.shape[0] * tp.size
+    else:
+        y = te_dist.matmul_reduce_scatter(x, w.t(), group)
+        rows = inp.shape[0] // tp.size
+    if bias is not None:
+        y.add_(cast_to(bias, plan.dtype))
+    y = y.view(rows, *inp.shape[1:-1], y.shape[-1])
+    shape = torch.Size((rows, *inp.shape[1:])) if tp.mode == "column" else inp.shape
+    return y, x if need_wgrad else None, w if need_dgrad else None, shape
+
+
+def _symmetric_dgrad(tp, grad_out, w, inp_shape):
+    """The fused backward GEMM of _symmetric_forward: (the input gradient of inp_shape, the
+    output gradient the wgrad GEMM reads): column, the dgrad reduce-scattered; row, the output
+    gradient gathered."""
+    group = tp.group_or_raise()
+    dy = grad_out.reshape(-1, grad_out.shape[-1]).contiguous()
+    if tp.mode == "column":
+        dgrad = te_dist.matmul_reduce_scatter(dy, w, group)
+    else:
+        dy, dgrad = te_dist.all_gather_matmul(dy, w, group)
+    return dgrad.view(inp_shape), dy
 
 
 class _LinearFunction(torch.autograd.Function):
@@ -63,29 +106,35 @@ class _LinearFunction(torch.autograd.Function):
         need_wgrad = ctx.needs_input_grad[1] or plan.main_grad is not None
         needs = (need_dgrad, need_wgrad)
         tp = plan.tp if plan.tp.split else None
+        # With the collective fused (symmetric memory), backward makes the dgrad itself.
+        ctx.symmetric = tp is not None and _fuses_symmetric(plan, tp)
         if tp is None:
             y, x_saved, w_saved = linear_forward(inp, weight, bias, w_fp8, plan, *needs)
             shape = inp.shape
         else:
             y, x_saved, w_saved, shape = _split_forward(inp, weight, bias, w_fp8, plan, tp, needs)
+        if ctx.symmetric:
+            ctx.inp_shape, needs = inp.shape, (False, need_wgrad)
         save_for_backward(ctx, x_saved, w_saved)
         grads = ctx.needs_input_grad[1:3]
-        ctx.gemm = gemm_record(shape, weight, bias, plan, need_dgrad, need_wgrad, grads)
+        ctx.gemm = gemm_record(shape, weight, bias, plan, *needs, grads)
         ctx.tp = tp
         return y
 
     @staticmethod
     def backward(ctx, grad_out):
         x_saved, w_saved = restore_saved(ctx)
-        tp, reduction = ctx.tp, None
-        if tp is not None:
+        tp, reduction, dgrad = ctx.tp, None, None
+        if ctx.symmetric and w_saved is not None:
+            dgrad, grad_out = _symmetric_dgrad(tp, grad_out, w_saved, ctx.inp_shape)
+        elif tp is not None:
             if tp.mode == "row" and tp.sequence_parallel:  # the output was reduce-scattered
                 grad_out = tp.gather_sequence(grad_out)
             reduction = tp.input_grad_reduction()  # column: overlaps the wgrad GEMM
-        dgrad, wgrad, dbias = linear_backward(
+        gemm_dgrad, wgrad, dbias = linear_backward(
             ctx.gemm, grad_out, x_saved, w_saved, start_reduction=reduction
         )
-        return dgrad, wgrad, dbias, None, None
+        return gemm_dgrad if dgrad is None else dgrad, wgrad, dbias, None, None
 
 
 class Linear(LinearCore):

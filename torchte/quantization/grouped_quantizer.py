@@ -5,7 +5,10 @@ a GroupSplits whose sizes may be on the device only: then nothing is read back, 
 take the offsets on the device and the GroupedStorage has room for the worst case).
 Delayed scaling: group g uses GEMM g's scale of one slot of a slot-major DelayedScalingState
 (a (G,) vector, read through views) and max-accumulates its amax there. Current scaling: each
-group's scale comes from its own amax. One grouped cast kernel writes all groups.
+group's scale comes from its own amax; with amax_reduction (tensor parallelism: a function
+all-reducing the (G,) amaxes with MAX over the ranks holding pieces of the groups) from the
+amax over the ranks, so every rank casts its piece of a group with the same scale. One grouped
+cast kernel writes all groups.
 """
 
 from __future__ import annotations
@@ -38,7 +41,15 @@ def split_offsets(splits, device) -> tuple[list[int] | None, torch.Tensor, torch
 class GroupedQuantizer:
     """Quantizes grouped rows with one scale per group (see the module docstring)."""
 
-    __slots__ = ("_specs", "amax_epsilon", "fp8_dtype", "power_2_scale", "slot", "state")
+    __slots__ = (
+        "_specs",
+        "amax_epsilon",
+        "amax_reduction",
+        "fp8_dtype",
+        "power_2_scale",
+        "slot",
+        "state",
+    )
 
     def __init__(
         self,
@@ -53,6 +64,7 @@ class GroupedQuantizer:
         self.fp8_dtype = fp8_dtype
         self.state, self.slot = state, slot
         self.amax_epsilon, self.power_2_scale = amax_epsilon, power_2_scale
+        self.amax_reduction = None
         # CastSpecs per usage: the state's (G,) views stay valid (it is updated in place).
         self._specs: dict[tuple[bool, bool], CastSpec] = {}
 
@@ -74,9 +86,11 @@ class GroupedQuantizer:
     ) -> GroupedStorage:
         """x (T, K) contiguous with groups of m_splits rows (host ints or a GroupSplits) ->
         GroupedStorage, in one launch (delayed) or three (current: zero amax, amax, cast) on a
-        GPU."""
+        GPU (current scaling with amax_reduction: one all-reduce more)."""
         sizes, rows, cols = split_offsets(m_splits, x.device)
         spec = self.cast_spec(rowwise, columnwise)
-        data, data_t, scale_inv = grouped_cast.quantize_grouped(x, sizes, rows, cols, spec)
+        data, data_t, scale_inv = grouped_cast.quantize_grouped(
+            x, sizes, rows, cols, spec, self.amax_reduction
+        )
         shape = tuple(x.shape)
         return GroupedStorage(data, data_t, scale_inv, self.fp8_dtype, sizes, shape, (rows, cols))

@@ -163,7 +163,7 @@ class FP8Setup:
         if self.fwd_state is not None:
             return
         for slot in ("input", "weight", "grad_output"):
-            for quantizer in getattr(self, slot):
+            for quantizer in (*getattr(self, slot), getattr(self, f"grouped_{slot}")):
                 quantizer.amax_reduction = reduce_max
 
     def drop_weight_caches(self) -> None:
