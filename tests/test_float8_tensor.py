@@ -162,11 +162,34 @@ def test_detach_and_same_shape_views_share_storage():
         assert alias.shape == tensor.shape and alias.dtype == tensor.dtype
 
 
-def test_shape_changing_views_give_plain_tensors():
+def test_transposing_views_give_plain_tensors():
     tensor, x_hp = _f8((6, 10), torch.float8_e4m3fn)
-    for out, expected in ((tensor.t(), x_hp.t()), (tensor.reshape(-1), x_hp.reshape(-1))):
+    for out, expected in ((tensor.t(), x_hp.t()), (tensor[:, 2:5], x_hp[:, 2:5])):
         assert type(out) is torch.Tensor
         assert torch.equal(out, expected)
+
+
+def test_row_views_are_float8_tensors_over_the_same_bytes():
+    """reshape(-1), a block of rows, split along rows (how FSDP2 shards a parameter): Float8Tensors
+    over the rowwise bytes with the same scale_inv; a write through one shows in the other."""
+    tensor, x_hp = _f8((6, 10), torch.float8_e4m3fn)
+    views = [
+        (tensor.reshape(-1), x_hp.reshape(-1)),
+        (tensor[2:5], x_hp[2:5]),
+        *zip(torch.split(tensor, 4), torch.split(x_hp, 4), strict=True),
+    ]
+    for out, expected in views:
+        assert isinstance(out, Float8Tensor) and out.shape == expected.shape
+        assert out._storage.scale_inv is tensor._storage.scale_inv
+        assert out._storage.columnwise_data is None
+        assert torch.equal(out.dequantize(), expected)
+    zeros = tensor.new_zeros((3, 10))
+    assert isinstance(zeros, Float8Tensor) and torch.equal(zeros.dequantize(), torch.zeros(3, 10))
+    tensor[2:5].copy_(zeros)
+    assert tensor._storage.columnwise_data is None  # no stale transpose left behind
+    tensor._storage.update_usage(rowwise_usage=False, columnwise_usage=True)
+    want = torch.cat([x_hp[:2], torch.zeros(3, 10), x_hp[5:]])
+    assert torch.equal(tensor.dequantize(), want)  # from the transpose made anew
 
 
 def test_detach_sees_in_place_updates():

@@ -3,7 +3,7 @@
 Use it as Transformer Engine's `transformer_engine.pytorch`: `import torchte as te`.
 """
 
-from . import distributed, offload, ops, recipe
+from . import distributed, fsdp, offload, ops, recipe
 from ._device import is_fp8_available
 from .autocast import autocast, fp8_autocast
 from .graphs import make_graphed_callables
@@ -30,6 +30,7 @@ __all__ = [
     "distributed",
     "fp8_autocast",
     "fp8_model_init",
+    "fsdp",
     "get_cpu_offload_context",
     "is_fp8_available",
     "make_graphed_callables",

@@ -261,6 +261,24 @@ def stack_parameters(parts: Sequence[torch.Tensor]) -> torch.Tensor:
     return stacked
 
 
+_UNSAFE_VIEW = torch.ops.aten._unsafe_view.default
+
+
+def as_output(y: torch.Tensor, shape) -> torch.Tensor:
+    """A GEMM's output y (contiguous, its elements in `shape`'s order) as a module's output
+    of `shape`: y itself when it has that shape, else a tensor on y's memory that autograd does
+    not mark as a view (FSDP2 warns about module outputs that are views: an in-place op on one
+    would drop its backward hooks)."""
+    if y.shape == shape:
+        return y
+    return _UNSAFE_VIEW(y, shape)
+
+
+def no_view(y: torch.Tensor) -> torch.Tensor:
+    """An alias of y (contiguous) that autograd does not mark as a view (see as_output)."""
+    return _UNSAFE_VIEW(y, y.shape)
+
+
 def group_bias_rows(biases: Sequence[torch.Tensor], splits, dtype: torch.dtype) -> torch.Tensor:
     """(T, N) in dtype: row t holds the bias (N,) of its group (biases, one per group; splits a
     GroupSplits), to add to a grouped GEMM's output inside an autograd Function (the stacked

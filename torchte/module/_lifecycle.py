@@ -14,6 +14,7 @@ another device, and its FP8 scaling state in a state_dict.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -87,12 +88,33 @@ def reinitialize(module, inits: Sequence[ParameterInit], prime: Callable | None)
                 prime(full, spec.gemm)
             start = 0
             for part in parts:
-                piece = full[start : start + part.shape[0]]
+                piece = _like(part, full[start : start + part.shape[0]])
                 if fp8:
                     part.quantize_(piece)
                 else:
                     part.copy_(piece)
                 start += part.shape[0]
+
+
+def _like(part: torch.Tensor, piece: torch.Tensor) -> torch.Tensor:
+    """piece laid out as the parameter `part`: for a DTensor (a parameter sharded by FSDP2)
+    this rank's shard of rank 0's piece (every rank then holds one model, whatever its RNG)."""
+    if not isinstance(part, _dtensor_type()):
+        return piece
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(piece, part.device_mesh, part.placements, src_data_rank=0)
+
+
+@functools.cache
+def _dtensor_type() -> type:
+    """torch's DTensor class (a class nothing is an instance of where torch.distributed is not
+    built)."""
+    if not torch.distributed.is_available():
+        return type("NoDTensor", (), {})
+    from torch.distributed.tensor import DTensor
+
+    return DTensor
 
 
 def keeping_out_of_inference() -> contextlib.AbstractContextManager:

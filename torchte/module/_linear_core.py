@@ -21,7 +21,13 @@ from torchte.quantization.model_init import make_fp8_parameter, model_init_setti
 from torchte.quantization.setup import FP8Setup
 from torchte.recipe import Recipe
 
-from ._common import MainGradTarget, NoopCat, should_overwrite, split_parameter_names
+from ._common import (
+    MainGradTarget,
+    NoopCat,
+    as_output,
+    should_overwrite,
+    split_parameter_names,
+)
 from ._functorch import apply
 from ._lifecycle import ParameterInit, fill
 from .base import PlanKey, TransformerEngineBaseModule, check_fp8_dims
@@ -144,7 +150,7 @@ def linear_forward(
         y = fprop(x_hp, w_hp, bias, plan, residual)
         x_saved = x_hp if need_wgrad else None
         w_saved = w_hp if need_dgrad else None
-    y = y.view(*inp.shape[:-1], y.shape[-1])
+    y = as_output(y, (*inp.shape[:-1], y.shape[-1]))
     if plan.fp8_output:
         y = plan.setup.output[plan.gemm].quantize(y, rowwise=True, columnwise=True)
     return y, x_saved, w_saved
@@ -423,6 +429,12 @@ def gemm_plan(module, key: PlanKey, weights: list, gemm: int = 0) -> LinearPlan:
     weight parameters `weights` when the module fuses wgrad accumulation."""
     recipe = key.recipe
     setup = module._fp8_setup(recipe) if recipe is not None else None
+    if module.fuse_wgrad_accumulation and module.__dict__.get("_is_fsdp_managed_module"):
+        raise NotImplementedError(
+            f"te.{type(module).__name__}: fuse_wgrad_accumulation under FSDP2 is not "
+            "supported: FSDP2 reduce-scatters each parameter's .grad and keeps no main_grad; "
+            "build the module with fuse_wgrad_accumulation=False"
+        )
     return LinearPlan(
         gemm=gemm,
         dtype=key.dtype,

@@ -48,7 +48,10 @@ __all__ = ["PlanKey", "TransformerEngineBaseModule"]
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Plain attributes torch itself sets on a module after construction (torch.compile's module
 # wrapper mirrors its training flag and marks the module): no hot-path warning for those.
-_SET_BY_TORCH = frozenset(("training", "_is_torch_compile"))
+# Plain flags torch sets on a module (FSDP2's when it wraps one): kept in __dict__, no warning.
+_SET_BY_TORCH = frozenset(
+    ("training", "_is_torch_compile", "_is_fsdp_managed_module", "_fsdp_use_orig_params")
+)
 _STATE = autocast_state()
 
 
@@ -108,9 +111,13 @@ class TransformerEngineBaseModule(nn.Module):
     def __setattr__(self, name: str, value: Any) -> None:
         if name in _SET_BY_TORCH:
             self.__dict__[name] = value
+            if name == "_is_fsdp_managed_module":  # FSDP2 replaced the parameters
+                self._parameters_replaced()
             return
-        if self.__dict__.get("_initialized", False) and not isinstance(
-            value, (nn.Parameter, nn.Module)
+        if (
+            self.__dict__.get("_initialized", False)
+            and not isinstance(value, (nn.Parameter, nn.Module))
+            and name != "__class__"  # FSDP2's wrapping class, set once
         ):
             warnings.warn(
                 f"{type(self).__name__}.{name} set through nn.Module.__setattr__ after "
@@ -142,11 +149,16 @@ class TransformerEngineBaseModule(nn.Module):
         devices = {p.device for p in params}
         if len(devices) == 1 and (device := devices.pop()) != self.device:
             self._move_state(device)
+        self._parameters_replaced()
+        return result
+
+    def _parameters_replaced(self) -> None:
+        """Parameters were replaced (to_empty makes new ones; te.fsdp wraps them): forget the
+        FP8 weight copies made from the old ones and the plans holding them (and quantizers of
+        old states)."""
         for setup in self._fp8_setups.values():
             setup.drop_weight_caches()
-        # Plans hold the old parameters (to_empty makes new ones) and quantizers of old states.
         self.__dict__.update(_plans={}, _last_plan=None)
-        return result
 
     def _move_state(self, device: torch.device) -> None:
         """The parameters moved to `device`: the module's device and FP8 state follow."""
@@ -279,6 +291,17 @@ class TransformerEngineBaseModule(nn.Module):
         device_type = self._autocast_type
         if device_type is not None and torch.is_autocast_enabled(device_type):
             return torch.get_autocast_dtype(device_type)
+        if self.__dict__.get("_is_fsdp_managed_module"):
+            return self._gathered_dtype()
+        return self.params_dtype
+
+    def _gathered_dtype(self) -> torch.dtype:
+        """Under FSDP2: the dtype its all-gather gave the parameters (a MixedPrecisionPolicy's
+        param_dtype; FP8-gathered weights stand for it), as nn.Linear computes in; params_dtype
+        when there is none."""
+        for param in self._parameters.values():
+            if param is not None and param.dtype in SUPPORTED_DTYPES:
+                return param.dtype
         return self.params_dtype
 
     def _plan(self, dtype, is_first_microbatch, fp8_output, fp8_grad):
@@ -358,11 +381,20 @@ class TransformerEngineBaseModule(nn.Module):
             setup.weight_cache[plan.gemm],
             weight,
             quantizer,
-            weight_version(params),
+            self._weight_version(params),
             generation,
             is_first_microbatch,
             need_columnwise,
         )
+
+    def _weight_version(self, params):
+        """What a cached FP8 copy of the weight `params` is keyed by (weight_version). Under
+        FSDP2 a key equal to no other: its all-gathers rewrite the unsharded weights in place
+        without moving their _version, so the copy is made anew at each forward
+        (is_first_microbatch=False still reuses it, as across microbatches)."""
+        if self.__dict__.get("_is_fsdp_managed_module"):
+            return object()
+        return weight_version(params)
 
     def __getstate__(self) -> dict:
         # Plans hold weakrefs to this module's parameters: a copy builds its own.

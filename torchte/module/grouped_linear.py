@@ -42,6 +42,7 @@ from torchte.gemm import (
 from torchte.quantization.model_init import model_init_settings
 
 from ._common import (
+    as_output,
     group_bias_rows,
     group_sums,
     restore_saved,
@@ -62,7 +63,7 @@ from ._linear_core import (
     linear_forward,
 )
 from ._tensor_parallel import check_divides, forked_init, set_group, tensor_parallel
-from .base import PlanKey, TransformerEngineBaseModule, check_fp8_dims, weight_version
+from .base import PlanKey, TransformerEngineBaseModule, check_fp8_dims
 
 __all__ = ["GroupedLinear"]
 
@@ -220,7 +221,7 @@ def grouped_weights_fp8(module, plan: GroupedPlan, weights, is_first_microbatch,
         )
     if plan.mode == "fp8":
         setup = first.setup
-        key = (weight_version(weights), (_STATE.step, setup.weight_generation()))
+        key = (module._weight_version(weights), (_STATE.step, setup.weight_generation()))
         return grouped_fp8_weights(weights, setup, key, is_first_microbatch, columnwise)
     return [
         module._fp8_weight(w, gemm, is_first_microbatch, columnwise, (w,))
@@ -388,7 +389,7 @@ class GroupedLinear(TransformerEngineBaseModule):
         if row_biases:  # under autograd: stacked by torch.stack, not group_bias_rows' view
             stacked = cast_to(torch.stack(row_biases), dtype)
             y = y + stacked.index_select(0, splits.row_groups())
-        y = y.view(*inp.shape[:-1], self.out_features)
+        y = as_output(y, (*inp.shape[:-1], self.out_features))
         if self.return_bias:
             return y, [cast_to(p[n], dtype) for n in self.bias_names]
         return y

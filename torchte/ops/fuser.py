@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from torchte.autocast import autocast_state
-from torchte.module._common import restore_saved, save_for_backward
+from torchte.module._common import no_view, restore_saved, save_for_backward
 from torchte.module._functorch import apply, transforms_active
 from torchte.module.base import SUPPORTED_DTYPES
 
@@ -103,6 +103,7 @@ class _FuserFunction(torch.autograd.Function):
             ctx.num_saved, ctx.saved = len(ctx.saved), ()
         autograd_ctx.op_ctxs, autograd_ctx.call = ctxs, call
         autograd_ctx.x_shape = x.shape
+        y = no_view(y)  # a module output (FSDP2 warns about views)
         return (y, *[t for extra in extra_outputs for t in extra])
 
     @staticmethod

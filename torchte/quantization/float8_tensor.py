@@ -5,7 +5,10 @@ high-precision dtype it stands for: fp32, bf16 or fp16) and device are those of 
 bytes live in the storage's data tensors. Modules read `_storage` directly and skip quantizing.
 
 What __torch_dispatch__ does, per kind of op:
-- detach / alias / a view that keeps shape and strides: a Float8Tensor over the same storage.
+- detach / alias / a view that keeps shape and strides: a Float8Tensor over the same storage;
+  view, slice and split whose result over the rowwise bytes is contiguous (how FSDP2 shards a
+  parameter along its rows): a Float8Tensor over those bytes, with the same scale_inv; new_zeros:
+  a Float8Tensor of zero bytes (float8_fsdp.py, which also has the FSDP2 all-gather hooks).
 - copy_ into a Float8Tensor: requantize in place (an FP8 source of the same fp8 dtype is copied
   byte for byte, so checkpoints load exactly).
 - any op that writes a Float8Tensor argument (add_, mul_, addcdiv_, lerp_, zero_, fill_, ...;
@@ -35,6 +38,7 @@ import torch
 from torch._subclasses.fake_tensor import is_fake
 from torch.utils._pytree import tree_map_only
 
+from . import float8_fsdp
 from .base import Quantizer
 from .float8 import Float8CurrentScalingQuantizer, Float8Storage
 
@@ -85,6 +89,10 @@ class Float8Tensor(torch.Tensor):
     _quantizer: Quantizer | None
 
     __torch_function__ = torch._C._disabled_torch_function_impl
+
+    # FSDP2 shards and gathers FP8 parameters as FP8 bytes (float8_fsdp.py).
+    fsdp_pre_all_gather = float8_fsdp.fsdp_pre_all_gather
+    fsdp_post_all_gather = float8_fsdp.fsdp_post_all_gather
 
     @staticmethod
     def __new__(
@@ -464,7 +472,25 @@ def _handle_view(func, args, kwargs):
         and out.storage_offset() == 0
     ):
         return _alias(self)
+    if func in _ROW_VIEWS:
+        rows = float8_fsdp.row_view(self, func, args, kwargs)
+        if rows is not None:
+            return rows
     return _run_dequantized(func, args, kwargs)
+
+
+# Views whose result, where contiguous, is a Float8Tensor over the rowwise bytes (how FSDP2
+# shards a parameter: float8_fsdp.py).
+_ROW_VIEWS = frozenset((aten.view.default, aten.slice.Tensor, aten.split.Tensor))
+
+
+def _handle_new_zeros(func, args, kwargs):
+    """A Float8Tensor of zero bytes (float8_fsdp.new_zeros) in the same nominal dtype; else the
+    plain tensor."""
+    self, size = args[0], args[1]
+    if kwargs.get("dtype", self.dtype) == self.dtype and self._storage.rowwise_data is not None:
+        return float8_fsdp.new_zeros(self, size)
+    return _handle_like(func, args, kwargs)
 
 
 def _handle_copy(func, args, kwargs):
@@ -526,6 +552,7 @@ def _build_handlers() -> MappingProxyType:
         aten.permute.default,
         aten.transpose.int,
         aten.t.default,
+        aten.split.Tensor,
     )
     likes = (
         aten.empty_like.default,
@@ -542,6 +569,7 @@ def _build_handlers() -> MappingProxyType:
     )
     handlers.update(dict.fromkeys(views, _handle_view))
     handlers.update(dict.fromkeys(likes, _handle_like))
+    handlers[aten.new_zeros.default] = _handle_new_zeros
     return MappingProxyType(handlers)
 
 

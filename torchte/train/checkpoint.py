@@ -16,6 +16,8 @@ A checkpoint is one torch.save file (loaded with weights_only=True) holding:
 Files are written to a temporary file beside the target and moved into place with os.replace,
 so a crash never leaves a half-written checkpoint. With several recipes in one run each gets
 its own file: the recipe's name goes before the suffix (ckpt.pt -> ckpt-delayed.pt).
+Under --fsdp a checkpoint is a folder instead (fsdp_state.py), whose SHARDED_POSITION file holds
+this format without "model" and "optimizer".
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from typing import Any
 import torch
 
 FORMAT = "torchte.train/1"
+SHARDED_POSITION = "position.pt"  # the training position in a --fsdp checkpoint folder
 
 
 def recipe_path(path: Path, recipe: str, several: bool) -> Path:
@@ -52,6 +55,11 @@ def load_checkpoint(path: Path, mmap: bool = False) -> dict[str, Any]:
     """Read a checkpoint written by save_checkpoint; SystemExit naming the fix if it is not
     one. `mmap`: map the tensors' bytes instead of reading them (for a quick look at the
     metadata)."""
+    if (path / SHARDED_POSITION).is_file():
+        raise SystemExit(
+            f"--resume {path}: a checkpoint folder written under --fsdp; resume it with --fsdp "
+            "under torchrun (--nproc-per-node 1 for one process)"
+        )
     if not path.is_file():
         raise SystemExit(
             f"--resume {path}: no such checkpoint file; give a file written by --save "

@@ -22,9 +22,12 @@ from torchte import _device
 from . import checkpoint
 from .config import DEFAULT_MAX_BYTES, FP8_MULTIPLE, RECIPES, SIZES, ModelConfig, RunConfig
 from .data import Corpus, load_corpus
+from .fsdp_run import DataParallel, check_fsdp, data_parallel, data_parallel_ranks
+from .fsdp_state import check_save_path, read_position
+from .interruption import interruption_report
 from .loop import PARAMS_DTYPE, RunResult, Trainer, check_resumable
 from .model import count_parameters
-from .parallel import check_launch, tensor_parallel_run
+from .parallel import check_launch, launched_run, tensor_parallel_run
 from .plot import write_plot
 from .precision import choose_compute_dtype
 from .progress import Progress, format_duration
@@ -102,6 +105,19 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="with --tp: each rank keeps its rows of the batch between the split layers",
     )
+    p.add_argument(
+        "--fsdp",
+        action="store_true",
+        help="sharded data parallelism (FSDP2) over the processes of torchrun --nproc-per-node N "
+        "(N = 1 too): each rank trains on its share of every batch; --save and --resume take "
+        "torch.distributed.checkpoint folders, which resume over any N",
+    )
+    p.add_argument(
+        "--fp8-all-gather",
+        action="store_true",
+        help="with --fsdp: the FP8 recipes' te modules shard and all-gather their weights as FP8 "
+        "(torchte.fsdp.enable_fp8_all_gather)",
+    )
     p.add_argument("--data", type=Path, help="a text file or folder (default: Python's stdlib)")
     p.add_argument(
         "--max-bytes",
@@ -110,7 +126,9 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"read at most this many bytes of text (default {DEFAULT_MAX_BYTES // 2**20} MiB)",
     )
     p.add_argument("--out", type=Path, default=Path("train_out"), help="output folder")
-    p.add_argument("--save", type=Path, help="checkpoint file, written at the end")
+    p.add_argument(
+        "--save", type=Path, help="checkpoint file (a folder with --fsdp), written at the end"
+    )
     p.add_argument("--save-every", type=int, default=0, help="also save every N steps")
     p.add_argument("--resume", type=Path, help="continue from this checkpoint")
     p.add_argument(
@@ -165,6 +183,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[ModelConfig, RunConfig]:
         why = f"--tp {args.tp} with --experts is not implemented yet"
     if why is None and args.sequence_parallel and args.tp == 1:
         why = "--sequence-parallel needs --tp N with N > 1"
+    if why is None:
+        batch_size = preset.batch_size if args.batch_size is None else args.batch_size
+        why = check_fsdp(args.fsdp, args.fp8_all_gather, args.tp, batch_size)
     if why is not None:
         p.error(why)
     try:
@@ -199,23 +220,29 @@ def parse_args(argv: list[str] | None = None) -> tuple[ModelConfig, RunConfig]:
             stop_at=args.stop_at,
             tp=args.tp,
             sequence_parallel=args.sequence_parallel,
+            fsdp=args.fsdp,
+            fp8_all_gather=args.fp8_all_gather,
         )
     except ValueError as err:
         p.error(str(err))
     supported = _fp8_supported(args, recipes)
     if supported != recipes:
         config = dataclasses.replace(config, recipes=supported)
+    if config.fp8_all_gather and not config.uses_fp8:
+        p.error("--fp8-all-gather gathers FP8 weights: it needs an FP8 --recipe (delayed, current)")
     if config.sequence_parallel and config.batch_size % config.tp:
         p.error(
             f"--sequence-parallel splits the batch over the {config.tp} ranks: --batch-size "
             f"{config.batch_size} must be a multiple of {config.tp}"
         )
-    tokens = config.batch_size * model_config.seq_len
+    ranks = data_parallel_ranks(config.fsdp)  # each trains on batch / ranks rows
+    tokens = config.batch_size // ranks * model_config.seq_len
     if config.uses_fp8 and tokens % FP8_MULTIPLE:
+        share = f" / {ranks} --fsdp ranks" if ranks > 1 else ""
         p.error(
-            f"--batch-size {config.batch_size} x --seq-len {model_config.seq_len} = {tokens} "
-            f"tokens per step, but FP8 needs a multiple of {FP8_MULTIPLE}: change --batch-size "
-            "or --seq-len, or use --recipe bf16"
+            f"--batch-size {config.batch_size}{share} x --seq-len {model_config.seq_len} = "
+            f"{tokens} tokens per step, but FP8 needs a multiple of {FP8_MULTIPLE}: change "
+            "--batch-size or --seq-len, or use --recipe bf16"
         )
     compute = choose_compute_dtype(
         args.compute_dtype, config.device, model_config.hidden, model_config.ffn
@@ -252,7 +279,9 @@ def check_outputs(config: RunConfig) -> None:
         return
     for name in config.recipes:
         path = checkpoint.recipe_path(config.save, name, len(config.recipes) > 1)
-        if path.is_dir():
+        if config.fsdp:
+            check_save_path(path)
+        elif path.is_dir():
             raise SystemExit(
                 f"--save {config.save}: {path} is a folder; give a file path, such as "
                 f"{config.save / 'ckpt.pt'}"
@@ -268,7 +297,8 @@ def resume_steps(model_config: ModelConfig, config: RunConfig, corpus: Corpus) -
     steps = []
     for name in config.recipes:
         path = checkpoint.recipe_path(config.resume, name, len(config.recipes) > 1)
-        state = checkpoint.load_checkpoint(path, mmap=True)  # the tensors stay on disk
+        # mmap: the tensors stay on disk (a --fsdp folder's position holds none)
+        state = read_position(path) if config.fsdp else checkpoint.load_checkpoint(path, mmap=True)
         check_resumable(state, path, name, model_config, config, corpus)
         steps.append(int(state["step"]))
     return steps
@@ -278,11 +308,16 @@ def train(argv: list[str] | None = None) -> list[RunResult]:
     """Run the command line: train each recipe, then write the table, CSV and plot
     (SystemExit(130) after them when Ctrl-C stopped the run)."""
     model_config, config = parse_args(argv)
+    if config.fsdp:
+        with launched_run(config.device) as group:
+            return _train(model_config, config, group, data_parallel(config.device))
     with tensor_parallel_run(config.tp, config.device) as group:
         return _train(model_config, config, group)
 
 
-def _train(model_config: ModelConfig, config: RunConfig, group) -> list[RunResult]:
+def _train(
+    model_config: ModelConfig, config: RunConfig, group, dp: DataParallel | None = None
+) -> list[RunResult]:
     check_outputs(config)
     corpus = load_corpus(config.data, config.max_bytes, model_config.seq_len)
     capped = f", capped at --max-bytes {config.max_bytes}" if corpus.capped else ""
@@ -301,7 +336,7 @@ def _train(model_config: ModelConfig, config: RunConfig, group) -> list[RunResul
         f"validation every {config.eval_every} steps",
         flush=True,
     )
-    results, summaries = run_recipes(model_config, config, corpus, starts, group)
+    results, summaries = run_recipes(model_config, config, corpus, starts, group, dp)
     if summaries and (group is None or dist.get_rank(group) == 0):
         write_outputs(model_config, config, results, summaries)
     if len(results) < len(config.recipes) or results[-1].interrupted:
@@ -327,20 +362,28 @@ def write_outputs(
 
 
 def run_recipes(
-    model_config: ModelConfig, config: RunConfig, corpus: Corpus, starts: list[int], group=None
+    model_config: ModelConfig,
+    config: RunConfig,
+    corpus: Corpus,
+    starts: list[int],
+    group=None,
+    dp: DataParallel | None = None,
 ) -> tuple[list[RunResult], list[Summary]]:
     """Train each recipe in turn (from its step in `starts`) and summarize it; stops after
-    a run that Ctrl-C interrupted, or at a recipe whose setup it interrupted."""
+    a run that Ctrl-C interrupted, or at a recipe whose setup it interrupted. group: the
+    tensor-parallel ranks (without dp); dp: FSDP's."""
     device = torch.device(config.device)
     results, summaries = [], []
     for i, name in enumerate(config.recipes):
         later = sum(config.last_step - min(s, config.last_step) for s in starts[i + 1 :])
         try:
-            trainer = Trainer(name, model_config, config, corpus, group)
+            trainer = Trainer(name, model_config, config, corpus, None if dp else group, dp)
             if not results:
                 parameters = count_parameters(trainer.model)
                 line = describe_model(model_config, parameters, config.compute_dtype)
-                if group is not None:
+                if dp is not None:
+                    line += f", sharded over {dp.size} ranks (FSDP)"
+                elif group is not None:
                     line += f", on each of {config.tp} tensor-parallel ranks"
                 print(line, flush=True)
             if config.resume is not None:
@@ -367,48 +410,6 @@ def run_recipes(
         if result.interrupted:
             break
     return results, summaries
-
-
-def interruption_report(results: list[RunResult], config: RunConfig) -> str:
-    """What Ctrl-C left: where each recipe stopped and its last checkpoint, or how to get
-    one."""
-    lines = ["interrupted (Ctrl-C):"]
-    for i, name in enumerate(config.recipes):
-        label = config.label(name)
-        if i >= len(results):
-            lines.append(f"  {label}: not started")
-            continue
-        result = results[i]
-        state = "stopped at" if result.interrupted else "finished"
-        saved = (
-            f"last checkpoint {result.saved[0]} (step {result.saved[1]})"
-            if result.saved
-            else "no checkpoint written"
-        )
-        lines.append(f"  {label}: {state} step {result.steps}/{config.last_step}; {saved}")
-    lines.append("  " + _how_to_continue(results, config))
-    return "\n".join(lines)
-
-
-def _how_to_continue(results: list[RunResult], config: RunConfig) -> str:
-    """The options that continue an interrupted run from its checkpoints, or that would have
-    written some."""
-    if config.save is None:
-        return (
-            "to be able to continue an interrupted run, pass --save PATH and --save-every N (a "
-            "checkpoint every N steps); then run again with --resume PATH"
-        )
-    if len(results) == len(config.recipes) and all(r.saved for r in results):
-        return f"to continue, run again with the same options and --resume {config.save}"
-    # The recipe that did not finish: the one interrupted, else the one that never started.
-    i = len(results) - 1 if results and results[-1].interrupted else len(results)
-    name, saved = config.recipes[i], results[i].saved if i < len(results) else None
-    if saved is None:
-        return f"no checkpoint of {config.label(name)} yet: --save-every N saves one every N steps"
-    return (
-        f"--resume {config.save} needs a checkpoint of every recipe; to continue "
-        f"{config.label(name)} alone, run again with --recipe {name} --resume {saved[0]}"
-    )
 
 
 def plot_title(model_config: ModelConfig, config: RunConfig) -> str:

@@ -135,6 +135,11 @@ class RunConfig:
     """Tensor-parallel ranks (processes started by torchrun)."""
     sequence_parallel: bool = False
     """With tp > 1: each rank holds its rows of the batch between the split layers."""
+    fsdp: bool = False
+    """Sharded data parallelism (FSDP2) over the processes torchrun started; checkpoints are
+    torch.distributed.checkpoint folders."""
+    fp8_all_gather: bool = False
+    """With fsdp: the FP8 recipes' te modules shard and gather their weights as FP8."""
     compute_dtype: str = "bf16"
     """"bf16" (torch.autocast) or "fp32" (autocast off): what the model computes in besides
     FP8 GEMMs; see precision.py."""

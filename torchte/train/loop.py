@@ -28,13 +28,17 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import torchte as te
+from torchte import fsdp as te_fsdp
 from torchte import recipe as te_recipe
 
 from . import checkpoint
 from .config import ModelConfig, RunConfig
 from .data import BatchSampler, Corpus, validation_batches
+from .fsdp_run import DataParallel, local_rows, shard_model
+from .fsdp_state import load_sharded, read_position, save_sharded
 from .model import GPT, restore_scaling, scaling_snapshot, shard_from
 from .progress import Progress
+from .throughput import Throughput
 from .tp_state import split_state, whole_state
 
 # fp32 master weights and AdamW state; the model computes in RunConfig.compute_dtype: bf16
@@ -87,7 +91,8 @@ class RunResult:
 
 
 def clip_grad_norm(params: list, max_norm: float, tp_group) -> None:
-    """torch.nn.utils.clip_grad_norm_ over the whole model: with a tensor-parallel group, the
+    """torch.nn.utils.clip_grad_norm_ over the whole model (over every shard of a model sharded
+    by FSDP, whose gradients are DTensors); with a tensor-parallel group, the
     squares of the split parameters' gradients (tensor_model_parallel) are summed over its ranks
     and the others counted once, so every rank scales by the same factor."""
     if tp_group is None:
@@ -104,40 +109,11 @@ def clip_grad_norm(params: list, max_norm: float, tp_group) -> None:
     torch._foreach_mul_(grads, (max_norm / (total + 1e-6)).clamp(max=1.0))
 
 
-class Throughput:
-    """Training tokens per second: the wall time between steps, with evaluation and saving
-    left out (restart() after them)."""
-
-    def __init__(self, tokens_per_step: int) -> None:
-        self.tokens_per_step = tokens_per_step
-        self.last = time.perf_counter()
-        self.window_tokens, self.window_s = 0, 0.0
-        self.tokens, self.seconds = 0, 0.0
-
-    def tick(self, counted: bool = True) -> None:
-        """A step ended now; `counted`: it also counts toward rate()."""
-        now = time.perf_counter()
-        dt, self.last = now - self.last, now
-        self.window_tokens, self.window_s = (
-            self.window_tokens + self.tokens_per_step,
-            dt + self.window_s,
-        )
-        if counted:
-            self.tokens, self.seconds = self.tokens + self.tokens_per_step, self.seconds + dt
-
-    def restart(self) -> None:
-        """The time since the last tick was not training."""
-        self.last = time.perf_counter()
-
-    def window_rate(self) -> float:
-        """Tokens/s of the steps since the last call (all of them counted)."""
-        rate = self.window_tokens / self.window_s if self.window_s > 0 else float("nan")
-        self.window_tokens, self.window_s = 0, 0.0
-        return rate
-
-    def rate(self) -> float:
-        """Tokens/s of the counted steps so far (nan before the first)."""
-        return self.tokens / self.seconds if self.seconds > 0 else float("nan")
+def _mean_over(value: torch.Tensor, group, ranks: int) -> torch.Tensor:
+    """The mean of `value` over the `ranks` ranks of `group` (a new tensor)."""
+    total = value.clone()
+    dist.all_reduce(total, group=group)
+    return total / ranks
 
 
 class Trainer:
@@ -150,10 +126,13 @@ class Trainer:
         config: RunConfig,
         corpus: Corpus,
         tp_group=None,
+        dp: DataParallel | None = None,
     ) -> None:
         """tp_group: tensor parallelism over its ranks (each draws the same batches; the model
         starts from the one-rank model's weights of the seed); with config.sequence_parallel
-        each rank computes the loss of its rows of the batch (see _backward)."""
+        each rank computes the loss of its rows of the batch (see _backward). dp: the model
+        sharded by FSDP over its ranks (fsdp_run.py), each training on its rows of the batch;
+        the delayed-scaling amaxes are reduced over them."""
         self.name, self.config, self.corpus = name, config, corpus
         self.label = config.label(name)
         self.device = torch.device(config.device)
@@ -173,6 +152,9 @@ class Trainer:
             shard_from(
                 self.model, whole, dist.get_rank(self.tp_group), dist.get_world_size(self.tp_group)
             )
+        self.dp = dp
+        if dp is not None:
+            shard_model(self.model, dp.mesh, config.fp8_all_gather and self.recipe is not None)
         params = list(self.model.parameters())
         groups = [
             {"params": [p for p in params if p.dim() >= 2], "weight_decay": WEIGHT_DECAY},
@@ -198,13 +180,18 @@ class Trainer:
     def _loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean cross entropy (fp32) of the model on one batch, under the run's recipe and in
         its compute dtype."""
+        if self.dp is not None:  # this rank's rows of the batch
+            inputs, targets = (local_rows(t, self.dp.rank, self.dp.size) for t in (inputs, targets))
         if self.sp_ranks > 1:  # this rank's rows of the batch
-            rows = inputs.shape[0] // self.sp_ranks
-            start = dist.get_rank(self.tp_group) * rows
-            inputs, targets = inputs[start : start + rows], targets[start : start + rows]
+            rank = dist.get_rank(self.tp_group)
+            inputs, targets = (local_rows(t, rank, self.sp_ranks) for t in (inputs, targets))
         inputs = inputs.to(self.device, non_blocking=True)
         targets = targets.to(self.device, non_blocking=True)
-        with self.autocast(), te.autocast(enabled=self.recipe is not None, recipe=self.recipe):
+        amax_group = None if self.dp is None else self.dp.group
+        fp8 = te.autocast(
+            self.recipe is not None, recipe=self.recipe, amax_reduction_group=amax_group
+        )
+        with self.autocast(), fp8:
             logits = self.model(inputs)
         return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
@@ -223,6 +210,8 @@ class Trainer:
         self._backward(loss)
         clip_grad_norm(list(self.model.parameters()), GRAD_CLIP, self.tp_group)
         self.optimizer.step()
+        if self.dp is not None:  # FP8-gathered weights: their scales in one all-reduce
+            te_fsdp.precompute_fp8_scales(self.model)
         self.step += 1
         return self._batch_mean(loss.detach())
 
@@ -246,11 +235,11 @@ class Trainer:
 
     def _batch_mean(self, loss: torch.Tensor) -> torch.Tensor:
         """The batch's mean loss from this rank's (the mean of the ranks' means under sequence
-        parallelism, whose row counts are equal)."""
+        or data parallelism, whose row counts are equal)."""
         if self.sp_ranks > 1:
-            loss = loss.clone()
-            dist.all_reduce(loss, group=self.tp_group)
-            loss /= self.sp_ranks
+            loss = _mean_over(loss, self.tp_group, self.sp_ranks)
+        if self.dp is not None and self.dp.size > 1:
+            loss = _mean_over(loss, self.dp.group, self.dp.size)
         return loss
 
     def evaluate(self) -> float:
@@ -338,48 +327,51 @@ class Trainer:
         return checkpoint.recipe_path(path, self.name, len(self.config.recipes) > 1)
 
     def save(self, start: float) -> None:
-        """Write the checkpoint of the current step (see checkpoint.py for its contents)."""
+        """Write the checkpoint of the current step (see checkpoint.py for its contents; under
+        FSDP a folder of every rank's shards, fsdp_state.py)."""
         self.elapsed = time.perf_counter() - start
         path = self.checkpoint_path(self.config.save)
-        model, optim = self.model.state_dict(), self.optimizer.state_dict()
-        if self.tp_group is not None:  # the whole model's, written by rank 0 (tp_state.py)
-            model, optim = whole_state(self.model, self.optimizer, self.tp_group)
-            if dist.get_rank(self.tp_group) != 0:
-                self.saved = (path, self.step)
-                return
-        checkpoint.save_checkpoint(
-            path,
-            {
-                "recipe": self.name,
-                "compute_dtype": self.config.compute_dtype,
-                "step": self.step,
-                "model_config": self.model.config.as_dict(),
-                "corpus": self.corpus.fingerprint(),
-                "run": {
-                    k: getattr(self.config, k)
-                    for k in ("steps", "batch_size", "lr", "warmup", "seed")
-                },
-                "model": model,
-                "optimizer": optim,
-                "rng": checkpoint.rng_states(self.device, self.sampler.get_state()),
-                "history": self.rows,
-                "window": [loss.item() for loss in self.window],
-                "elapsed_s": self.elapsed,
-            },
-        )
+        if self.dp is not None:
+            save_sharded(path, self._position(), self.model, self.optimizer)
+        else:
+            model, optim = self.model.state_dict(), self.optimizer.state_dict()
+            if self.tp_group is not None:  # the whole model's, written by rank 0 (tp_state.py)
+                model, optim = whole_state(self.model, self.optimizer, self.tp_group)
+            if self.tp_group is None or dist.get_rank(self.tp_group) == 0:
+                state = {**self._position(), "model": model, "optimizer": optim}
+                checkpoint.save_checkpoint(path, state)
         self.saved = (path, self.step)
+
+    def _position(self) -> dict:
+        """Everything a checkpoint holds besides the model's and AdamW's state."""
+        run = {k: getattr(self.config, k) for k in ("steps", "batch_size", "lr", "warmup", "seed")}
+        return {
+            "recipe": self.name,
+            "compute_dtype": self.config.compute_dtype,
+            "step": self.step,
+            "model_config": self.model.config.as_dict(),
+            "corpus": self.corpus.fingerprint(),
+            "run": run,
+            "rng": checkpoint.rng_states(self.device, self.sampler.get_state()),
+            "history": self.rows,
+            "window": [loss.item() for loss in self.window],
+            "elapsed_s": self.elapsed,
+        }
 
     def resume(self, path: Path) -> None:
         """Continue from the checkpoint of this recipe at `path` (SystemExit if it does not
         fit this run)."""
         path = self.checkpoint_path(path)
-        state = checkpoint.load_checkpoint(path)
+        state = read_position(path) if self.dp is not None else checkpoint.load_checkpoint(path)
         check_resumable(state, path, self.name, self.model.config, self.config, self.corpus)
-        model, optim = state["model"], state["optimizer"]
-        if self.tp_group is not None:  # this rank's pieces of the whole model's state
-            model, optim = split_state(self.model, self.optimizer, model, optim, self.tp_group)
-        self.model.load_state_dict(model)
-        self.optimizer.load_state_dict(optim)
+        if self.dp is not None:  # DCP reshards whatever rank count saved it
+            load_sharded(path, self.model, self.optimizer)
+        else:
+            model, optim = state["model"], state["optimizer"]
+            if self.tp_group is not None:  # this rank's pieces of the whole model's state
+                model, optim = split_state(self.model, self.optimizer, model, optim, self.tp_group)
+            self.model.load_state_dict(model)
+            self.optimizer.load_state_dict(optim)
         self.sampler.set_state(checkpoint.restore_rng(state["rng"]))
         self.step = int(state["step"])
         self.rows = list(state["history"])

@@ -2,7 +2,8 @@
 --tp N` trains one model split over N ranks (tensor parallelism, model.py), every rank on the
 same batches. torchrun sets RANK, WORLD_SIZE, LOCAL_RANK and the rendezvous address; the
 group uses NCCL on GPUs (one GPU per rank, LOCAL_RANK's) and gloo on the CPU. Rank 0 prints,
-draws the progress bar and writes the outputs; the others stay quiet.
+draws the progress bar and writes the outputs; the others stay quiet. launched_run sets this up
+for any run under torchrun (--tp here, --fsdp in fsdp_run.py).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
-__all__ = ["check_launch", "tensor_parallel_run"]
+__all__ = ["check_launch", "launched_run", "tensor_parallel_run"]
 
 
 def check_launch(tp: int) -> str | None:
@@ -36,14 +37,24 @@ def check_launch(tp: int) -> str | None:
 
 @contextlib.contextmanager
 def tensor_parallel_run(tp: int, device: str) -> Iterator[object | None]:
-    """The process group of a `--tp` run (None for one process), initialized for the block and
-    destroyed after it, even when it raises; ranks other than 0 print nothing inside it."""
+    """The process group of a `--tp` run (None for one process): launched_run's."""
     if tp == 1:
         yield None
         return
-    if device == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group("nccl" if device == "cuda" else "gloo")
+    with launched_run(device) as group:
+        yield group
+
+
+@contextlib.contextmanager
+def launched_run(device: str) -> Iterator[object]:
+    """The default process group of the processes torchrun started, initialized for the block
+    and destroyed after it, even when it raises; ranks other than 0 print nothing inside it."""
+    if device == "cuda":  # one GPU per rank, named to NCCL (which would guess it otherwise)
+        gpu = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(gpu)
+        dist.init_process_group("nccl", device_id=gpu)
+    else:
+        dist.init_process_group("gloo")
     try:
         if dist.get_rank() == 0:
             yield dist.group.WORLD

@@ -1,0 +1,203 @@
+"""The training example with FSDP2 (--fsdp): 2 gloo ranks, each training on half of every batch
+of the tiny model, reach the losses of one process that trains on the whole batch (without FP8,
+FP8 delayed and current scaling); checkpoints written through torch.distributed.checkpoint resume
+over another number of ranks, delayed-scaling state included; bad options fail before training.
+
+The ranks add their gradients in another order than one process does (each sums its rows, then
+the ranks' sums are averaged), so the weights drift apart in their last fp32 bits: the runs
+without FP8 agree within fp32's tolerance. Under FP8 a weight a few bits off can round to a
+neighbouring FP8 value, and current scaling scales each rank's activations by the amax of its
+own rows (the batch's amax in one process), so FP8 runs agree within bf16's tolerance.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from ranks import on_ranks
+from test_train import tiny, write_corpus
+from tolerances import assert_close
+from torch.distributed.tensor import DTensor
+
+from torchte.fsdp import FP8GatheredWeight
+from torchte.train import cli, data, fsdp_run, loop
+from torchte.train.model import scaling_snapshot
+
+STEPS = 4
+# (recipe, compute dtype); "+ag": the FP8 weights gathered as FP8 (--fp8-all-gather).
+CASES = [
+    ("bf16", "fp32"),
+    ("bf16", "bf16"),
+    ("delayed", "fp32"),
+    ("current", "fp32"),
+    ("current+ag", "fp32"),
+]
+
+
+def _args(tmp_path: Path, recipe: str, compute: str) -> list[str]:
+    recipe = recipe.removesuffix("+ag")  # set on the config (_trainer): the option needs torchrun
+    args = tiny(tmp_path / "corpus", tmp_path / "out", "--recipe", recipe, "--batch-size", "4")
+    return [*args, "--compute-dtype", compute, "--steps", str(STEPS)]
+
+
+def _fp8_gathered(trainer: loop.Trainer) -> bool:
+    return isinstance(trainer.model.blocks[0].mlp.fc1_weight.to_local(), FP8GatheredWeight)
+
+
+def _trainer(args: list[str], fsdp: bool, gather: bool = False) -> loop.Trainer:
+    """A trainer of `args`, sharded over the initialized group's ranks where `fsdp` (parse_args
+    refuses --fsdp outside torchrun: the trainer is given the layout directly)."""
+    model_config, config = cli.parse_args(args)
+    corpus = data.load_corpus(config.data, config.max_bytes, model_config.seq_len)
+    if not fsdp:
+        return loop.Trainer(config.recipes[0], model_config, config, corpus)
+    config = dataclasses.replace(config, fsdp=True, fp8_all_gather=gather)
+    dp = fsdp_run.data_parallel("cpu")
+    return loop.Trainer(config.recipes[0], model_config, config, corpus, dp=dp)
+
+
+def _steps(trainer: loop.Trainer, steps: int) -> list[float]:
+    return [trainer.train_step().item() for _ in range(steps)]
+
+
+def _scales(trainer: loop.Trainer) -> list[list[float]]:
+    """The forward scales of the te modules' delayed-scaling state (none before FP8 ran)."""
+    return [s["fwd_scale"].tolist() for s in scaling_snapshot(trainer.model) if s]
+
+
+def _rank_losses(rank: int, tmp_path: Path) -> list[list[float]]:
+    losses = []
+    for recipe, compute in CASES:
+        gather = recipe.endswith("+ag")
+        trainer = _trainer(_args(tmp_path, recipe, compute), fsdp=True, gather=gather)
+        weight = trainer.model.blocks[0].mlp.fc1_weight
+        assert isinstance(weight, DTensor) and weight.to_local().shape[0] == weight.shape[0] // 2
+        assert _fp8_gathered(trainer) == gather
+        losses.append(_steps(trainer, STEPS))
+    return losses
+
+
+def test_two_ranks_reach_the_losses_of_one_process(tmp_path: Path) -> None:
+    write_corpus(tmp_path)
+    ranks = on_ranks(_rank_losses, 2, tmp_path / "ranks", tmp_path)
+    assert ranks[0] == ranks[1]  # the losses are averaged over the ranks
+    for (recipe, compute), got in zip(CASES, ranks[0], strict=True):
+        want = _steps(_trainer(_args(tmp_path, recipe, compute), fsdp=False), STEPS)
+        tol = torch.float32 if (recipe, compute) == ("bf16", "fp32") else torch.bfloat16
+        msg = f"{recipe} recipe, {compute} compute"
+        assert_close(torch.tensor(got), torch.tensor(want, dtype=torch.float64), tol, msg=msg)
+
+
+# -- checkpoints ----------------------------------------------------------------------------
+
+
+def _saved_run(args: list[str], steps: int, save: Path | None, resume: Path | None):
+    """(losses of `steps` steps of a sharded trainer, its forward scales): resumed from `resume`
+    where given (the scales just after), saved to `save` after the steps where given (the
+    scales saved)."""
+    trainer = _trainer([*args, *(["--save", str(save)] if save else [])], fsdp=True)
+    scales = []
+    if resume is not None:
+        trainer.resume(resume)
+        scales = _scales(trainer)
+    losses = _steps(trainer, steps)
+    if save is not None:
+        trainer.save(0.0)
+        scales = _scales(trainer)
+    return losses, scales
+
+
+def _rank_save_or_resume(rank: int, args, save, resume) -> tuple:
+    return _saved_run(args, 2, save, resume)
+
+
+def _one_rank_round_trips(rank: int, args, two: Path, one: Path) -> dict:
+    whole = _steps(_trainer(args, fsdp=True), 4)
+    first, _ = _saved_run(args, 2, one, None)
+    then, _ = _saved_run(args, 2, None, one)
+    from_two, scales = _saved_run(args, 2, None, two)
+    return {"whole": whole, "split": first + then, "from_two": from_two, "scales": scales}
+
+
+def test_checkpoints_resume_over_another_number_of_ranks(tmp_path: Path) -> None:
+    """Saved over 2 ranks, a delayed-scaling run resumes over 1 with its scales and continues
+    with the losses of a run never interrupted; saved over 1 it resumes over 2; over one rank a
+    resumed run's losses are bit-identical."""
+    write_corpus(tmp_path)
+    args = _args(tmp_path, "delayed", "fp32")
+    two, one = tmp_path / "two", tmp_path / "one"
+    saved, saved_scales = on_ranks(_rank_save_or_resume, 2, tmp_path / "a", args, two, None)[0]
+    assert (two / "position.pt").is_file() and not (tmp_path / "two.partial").exists()
+    got = on_ranks(_one_rank_round_trips, 1, tmp_path / "b", args, two, one)[0]
+    assert got["split"] == got["whole"]  # exactly: one rank, the same order of sums
+    assert saved_scales and got["scales"] == saved_scales  # the delayed-scaling state, loaded
+    want = torch.tensor(got["whole"], dtype=torch.float64)
+    assert_close(torch.tensor(saved + got["from_two"]), want, torch.bfloat16)
+    then = on_ranks(_rank_save_or_resume, 2, tmp_path / "c", args, None, one)[0][0]
+    assert_close(torch.tensor(then), want[2:], torch.bfloat16)
+    # What the folder's position says is checked before any rank loads it.
+    model_config, config = cli.parse_args([*args, "--seq-len", "48"])
+    corpus = data.load_corpus(config.data, config.max_bytes, model_config.seq_len)
+    config = dataclasses.replace(config, fsdp=True, resume=two)
+    with pytest.raises(SystemExit, match=r"seq_len 32 \(now 48\).*--seq-len"):
+        cli.resume_steps(model_config, config, corpus)
+    with pytest.raises(SystemExit, match=r"written under --fsdp; resume it with --fsdp"):
+        cli.train([*args, "--resume", str(two)])
+    model_config, config = cli.parse_args(args)
+    config = dataclasses.replace(config, fsdp=True, resume=tmp_path / "one-process.pt")
+    (tmp_path / "one-process.pt").write_bytes(b"")
+    with pytest.raises(SystemExit, match=r"one-process checkpoint file .* without --fsdp"):
+        cli.resume_steps(model_config, config, corpus)
+
+
+# -- bad options ----------------------------------------------------------------------------
+
+
+def _error(argv: list[str], capsys: pytest.CaptureFixture) -> str:
+    with pytest.raises(SystemExit) as info:
+        cli.parse_args(argv)
+    assert info.value.code == 2
+    return capsys.readouterr().err
+
+
+def test_bad_fsdp_options_are_refused_before_training(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    args = tiny(tmp_path, tmp_path / "out", "--recipe", "delayed")
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert "launch it with torchrun --nproc-per-node N" in _error([*args, "--fsdp"], capsys)
+    assert "it needs --fsdp" in _error([*args, "--fp8-all-gather"], capsys)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    err = _error([*args, "--fsdp", "--batch-size", "3"], capsys)
+    assert "--batch-size 3 must be a multiple of 2" in err
+    err = _error([*args, "--fsdp", "--tp", "2"], capsys)
+    assert "--fsdp with --tp 2" in err and "not implemented yet" in err
+    err = _error([*args, "--fsdp", "--batch-size", "2", "--seq-len", "24"], capsys)
+    assert "--batch-size 2 / 2 --fsdp ranks x --seq-len 24 = 24 tokens" in err
+    err = _error([*args, "--fsdp", "--fp8-all-gather", "--recipe", "bf16"], capsys)
+    assert "needs an FP8 --recipe" in err
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "keep.txt").write_text("mine")
+    _, config = cli.parse_args([*args, "--fsdp", "--save", str(tmp_path / "notes")])
+    with pytest.raises(SystemExit, match="a folder with other files in it"):
+        cli.check_outputs(config)
+    assert (tmp_path / "notes" / "keep.txt").read_text() == "mine"
+
+
+def test_torchrun_prints_one_report(tmp_path: Path) -> None:
+    """Under torchrun, rank 0 alone prints the log and the table, and writes the outputs."""
+    args = tiny(write_corpus(tmp_path), tmp_path / "out", "--recipe", "bf16", "--steps", "2")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    command += ["--nproc-per-node", "2", "-m", "torchte.train", "--fsdp", *args]
+    command += ["--batch-size", "4", "--save", str(tmp_path / "ckpt")]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "sharded over 2 ranks (FSDP)" in done.stdout
+    assert done.stdout.count("recipe ") == 1  # one table
+    assert (tmp_path / "out" / "losses.csv").is_file()
+    assert (tmp_path / "ckpt" / "position.pt").is_file()

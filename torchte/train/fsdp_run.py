@@ -1,0 +1,104 @@
+"""The training example with sharded data parallelism: `torchrun --nproc-per-node N -m
+torchte.train --fsdp` trains one model over N ranks with PyTorch's FSDP2 (fully_shard): every
+parameter and its AdamW state sharded over the ranks, each transformer block gathered whole just
+before it runs. Every rank draws the same global batch from the seed and trains on its share of
+the rows (rank r the r-th of N equal slices); the gradients are averaged over the ranks, so a
+step is the one-process step on the whole batch. The group and the quiet ranks are parallel.py's
+(launched_run); checkpoints go through torch.distributed.checkpoint (fsdp_state.py).
+
+--fsdp always runs under torchrun, also over one rank (`--nproc-per-node 1`): a launch without it
+is refused with the command to use, as a --tp launch is.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+from torchte import fsdp as te_fsdp
+
+__all__ = [
+    "DataParallel",
+    "check_fsdp",
+    "data_parallel",
+    "data_parallel_ranks",
+    "local_rows",
+    "shard_model",
+]
+
+
+def check_fsdp(fsdp: bool, fp8_all_gather: bool, tp: int, batch_size: int) -> str | None:
+    """Why the --fsdp options cannot run in this process (None when they can): --fsdp needs
+    torchrun, a --batch-size its ranks divide, no --tp yet; --fp8-all-gather needs --fsdp."""
+    if fp8_all_gather and not fsdp:
+        return "--fp8-all-gather shards FP8 weights under FSDP: it needs --fsdp"
+    if not fsdp:
+        return None
+    world = os.environ.get("WORLD_SIZE")
+    if world is None:
+        return (
+            "--fsdp trains over the processes torchrun starts (not under torchrun): launch it "
+            "with torchrun --nproc-per-node N -m torchte.train --fsdp ... (N = 1 runs FSDP over "
+            "one process)"
+        )
+    if tp > 1:
+        return (
+            f"--fsdp with --tp {tp} (FSDP over data-parallel ranks, tensor parallelism inside) "
+            "is not implemented yet: use one of them"
+        )
+    if batch_size % int(world):
+        return (
+            f"--fsdp splits each batch over the {world} ranks: --batch-size {batch_size} must "
+            f"be a multiple of {world}"
+        )
+    return None
+
+
+def data_parallel_ranks(fsdp: bool) -> int:
+    """The ranks a batch is split over: torchrun's WORLD_SIZE under --fsdp (checked by
+    check_fsdp), else 1."""
+    return int(os.environ["WORLD_SIZE"]) if fsdp else 1
+
+
+@dataclass(frozen=True)
+class DataParallel:
+    """The ranks of a --fsdp run: each trains on its share of every batch."""
+
+    mesh: DeviceMesh
+    """The 1-D mesh FSDP shards over."""
+    group: dist.ProcessGroup
+    """Its process group: losses are averaged over it, delayed-scaling amaxes reduced."""
+    rank: int
+    """This rank's index in the group: which slice of the batch's rows it trains on."""
+    size: int
+    """Ranks in the group."""
+
+
+def data_parallel(device: str) -> DataParallel:
+    """The data-parallel layout over every rank of the initialized default group."""
+    mesh = init_device_mesh(device, (dist.get_world_size(),), mesh_dim_names=("dp",))
+    group = mesh.get_group("dp")
+    return DataParallel(mesh, group, dist.get_rank(group), dist.get_world_size(group))
+
+
+def local_rows(batch: torch.Tensor, index: int, parts: int) -> torch.Tensor:
+    """Rows index * B / parts up to (index + 1) * B / parts of a (B, ...) batch (B divisible)."""
+    rows = batch.shape[0] // parts
+    return batch[index * rows : (index + 1) * rows]
+
+
+def shard_model(model: nn.Module, mesh: DeviceMesh, fp8_all_gather: bool) -> None:
+    """Shard `model` (a GPT) in place with fully_shard: each block, then the whole model (the
+    embeddings, final norm and head). `fp8_all_gather`: first let its te modules shard and
+    gather their weights as FP8 (torchte.fsdp.enable_fp8_all_gather)."""
+    if fp8_all_gather:
+        te_fsdp.enable_fp8_all_gather(model)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)

@@ -1,0 +1,127 @@
+"""Checkpoints of a --fsdp run: a folder written through torch.distributed.checkpoint (DCP).
+
+The folder holds DCP's files, with {"model": the model's state_dict, "optimizer": AdamW's}, each
+rank writing its shards (torch.distributed.checkpoint.state_dict's sharded form), and the
+training position (checkpoint.SHARDED_POSITION: the one-process format's file without "model"
+and "optimizer": step, recipe, configs, corpus, RNG, history), written by rank 0. DCP reshards
+on load, so a folder saved over N ranks resumes over any number of them.
+
+The te modules' delayed-scaling state (each one's `_extra_state`: scales and amax histories)
+goes through DCP with the rest of the model, saved once (it is the same on every rank: the
+amaxes are reduced over the ranks). A model that has not run under delayed scaling has none
+yet, so before loading, the entries the folder holds are added to the state_dict it loads
+into (sized from the folder's metadata).
+
+A save is written to PATH.partial and then moved to PATH (a crash never leaves a half-written
+folder at PATH); the folder it replaces must be such a checkpoint, never any other folder.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from . import checkpoint
+from .checkpoint import SHARDED_POSITION
+
+__all__ = ["check_save_path", "load_sharded", "read_position", "save_sharded"]
+
+EXTRA_STATE = "._extra_state."
+
+
+def read_position(path: Path) -> dict[str, Any]:
+    """The training position of the checkpoint folder `path` (SystemExit naming the fix if it
+    is not one)."""
+    if path.is_file():
+        raise SystemExit(
+            f"--resume {path}: a one-process checkpoint file (written without --fsdp); resume "
+            "it without --fsdp, or give a folder written by --save under --fsdp"
+        )
+    if not (path / SHARDED_POSITION).is_file():
+        found = "no such folder" if not path.exists() else f"no {SHARDED_POSITION} in it"
+        raise SystemExit(
+            f"--resume {path}: not a --fsdp checkpoint ({found}); give a folder written by "
+            "--save under --fsdp (with several recipes, one per recipe: NAME-RECIPE)"
+        )
+    return checkpoint.load_checkpoint(path / SHARDED_POSITION)
+
+
+def check_save_path(path: Path) -> None:
+    """SystemExit unless `path` can become a checkpoint folder: absent, or one written before
+    (which a save replaces), never a file or another folder with files in it."""
+    if path.is_file():
+        raise SystemExit(
+            f"--save {path}: a file; under --fsdp a checkpoint is a folder: give a new path, "
+            f"such as {path.with_suffix('')}-fsdp"
+        )
+    if path.is_dir() and any(path.iterdir()) and not (path / SHARDED_POSITION).is_file():
+        raise SystemExit(
+            f"--save {path}: a folder with other files in it (a save replaces the folder); "
+            "give a new path or an earlier --fsdp checkpoint's"
+        )
+
+
+def save_sharded(
+    path: Path, position: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer
+) -> None:
+    """Write the checkpoint folder `path` of every rank's shards and rank 0's `position`; all
+    ranks call it."""
+    partial = path.with_name(path.name + ".partial")
+    first = dist.get_rank() == 0
+    if first:
+        shutil.rmtree(partial, ignore_errors=True)
+    dist.barrier()
+    model_state, optim_state = get_state_dict(model, optimizer)
+    dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=partial)
+    if first:
+        checkpoint.save_checkpoint(partial / SHARDED_POSITION, position)
+        _replace(partial, path)
+    dist.barrier()
+
+
+def _replace(new: Path, path: Path) -> None:
+    """Move the folder `new` to `path`, removing the folder there after the move."""
+    old = path.with_name(path.name + ".old")
+    shutil.rmtree(old, ignore_errors=True)
+    if path.exists():
+        path.rename(old)
+    new.rename(path)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def load_sharded(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Load the model and AdamW state of the checkpoint folder `path` into this rank's shards
+    (any rank count may have saved it); all ranks call it."""
+    model_state, optim_state = get_state_dict(model, optimizer)
+    metadata = dcp.FileSystemReader(path).read_metadata()
+    _add_extra_states(model_state, metadata.state_dict_metadata)
+    state = {"model": model_state, "optimizer": optim_state}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(
+        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
+    )
+
+
+def _add_extra_states(model_state: dict, saved: dict) -> None:
+    """Put an entry into `model_state` for every piece of module extra state the checkpoint
+    holds (`saved`: DCP's metadata by flattened key, "model.<module>._extra_state.<field>"),
+    so that DCP loads them: tensors of the saved size and dtype, None for plain values."""
+    for key, meta in saved.items():
+        if not key.startswith("model.") or EXTRA_STATE not in key:
+            continue
+        module, field = key.removeprefix("model.").split(EXTRA_STATE)
+        entry = model_state.get(f"{module}._extra_state")
+        if not isinstance(entry, dict):
+            entry = model_state[f"{module}._extra_state"] = {}
+        if isinstance(meta, TensorStorageMetadata):
+            entry[field] = torch.empty(meta.size, dtype=meta.properties.dtype)
+        else:
+            entry[field] = None
