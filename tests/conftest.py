@@ -1,4 +1,5 @@
-"""Shared pytest setup: skip `gpu` tests without CUDA, and seed torch before every test.
+"""Shared pytest setup: skip `gpu` tests without CUDA, seed torch before every test, and an
+NCCL group of one rank for the GPU tests of distributed code.
 
 The `gpu` marker and RuntimeWarning-as-error live in pyproject.toml; nothing is registered
 here. This folder is on sys.path, so tests import helpers as `from tolerances import ...`.
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 
 SEED = 1234
 
@@ -33,3 +35,14 @@ def cpu_default_device():
     """Build layers and tensors on the CPU (the FP8 emulation) even on a GPU machine."""
     with torch.device("cpu"):
         yield
+
+
+@pytest.fixture
+def nccl_group(tmp_path):
+    """An NCCL process group of one rank (the GPU tests of distributed code), destroyed after
+    the test."""
+    dist.init_process_group("nccl", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()

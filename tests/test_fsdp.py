@@ -17,7 +17,10 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from ranks import on_ranks
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
     get_state_dict,
+    set_model_state_dict,
     set_state_dict,
 )
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -77,11 +80,12 @@ def _batch():
     return torch.randint(-2, 3, (T, H), generator=gen).float() / 4
 
 
-def _train(model, precision, steps=3, one_region=False):
-    """Losses of `steps` SGD steps on one batch; one_region: one te.autocast around them all
-    (the weights change inside it)."""
+def _train(model, precision, steps=3, one_region=False, optimizer=None):
+    """Losses of `steps` steps on one batch (SGD unless an optimizer is given); one_region: one
+    te.autocast around them all (the weights change inside it)."""
     x, losses = _batch(), []
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.5, foreach=True)  # as on GPUs
+    if optimizer is None:
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.5, foreach=True)  # as on GPUs
     make = RECIPES.get(precision)
 
     def region():
@@ -274,6 +278,50 @@ def _check_quantized_model_init(precision, rank) -> None:
         assert _same_on_ranks(value), name
 
 
+def _check_cache_built_before_wrapping(rank) -> None:
+    """An FP8 forward before fully_shard caches FP8 weights of the unsharded parameters; the
+    sharded model never reuses them: it trains as one process that ran the same forward."""
+    ref, sharded = _model("Linear"), _model("Linear")
+    for model in (ref, sharded):
+        with te.autocast(recipe=RECIPES["current"]()):
+            model(_batch())
+    assert _train(_shard(sharded), "current") == _train(ref, "current")
+
+
+def _check_amax_histories_agree(rank) -> None:
+    """Each rank on its own batch: delayed scaling reduces the amaxes over the ranks, so the
+    histories and scales stay the same on every rank under FSDP2."""
+    model = _shard(_model("LayerNorm"))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(rank)
+    for _ in range(3):
+        with te.autocast(recipe=RECIPES["delayed"](), amax_reduction_group=dist.group.WORLD):
+            model(torch.randn(T, H, generator=gen) * (rank + 1)).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    states = [s for m in model.modules() for s in getattr(m, "_delayed_states", {}).get(4, ())]
+    assert states
+    for state in states:
+        assert _same_on_ranks(state.amax_history) and _same_on_ranks(state.scale)
+
+
+def _check_state_dict_round_trip(rank) -> None:
+    """A one-process model's state_dict loads into the sharded model (full_state_dict) and the
+    sharded model's full state_dict loads back into a one-process model: the same values, FP8
+    scaling state included."""
+    options = StateDictOptions(full_state_dict=True)
+    ref = _model("Linear")
+    _train(ref, "delayed", steps=2)
+    sharded = _shard(_model("Linear"))
+    set_model_state_dict(sharded, ref.state_dict(), options=options)
+    assert _train(sharded, "delayed", steps=2) == _train(ref, "delayed", steps=2)
+    back = _model("Linear")
+    back.load_state_dict(get_model_state_dict(sharded, options=options))
+    for name, value in _full(sharded).items():
+        assert torch.equal(back.get_parameter(name), value), name
+    assert _train(back, "delayed", steps=1) == _train(ref, "delayed", steps=1)
+
+
 def _each(check, configs, rank) -> dict:
     outcome = {}
     for config in configs:
@@ -288,7 +336,16 @@ def _each(check, configs, rank) -> dict:
 def _rank_main(rank: int) -> dict:
     warnings.simplefilter("error", RuntimeWarning)  # torchte's setattr guard, as in the suite
     outcome = _each(_check_one_rank, ONE_RANK_CONFIGS, rank)
-    for check in (_check_one_region, _check_fp8_all_gather, _check_meta_init, _check_bad_input):
+    checks = (
+        _check_one_region,
+        _check_fp8_all_gather,
+        _check_meta_init,
+        _check_bad_input,
+        _check_cache_built_before_wrapping,
+        _check_amax_histories_agree,
+        _check_state_dict_round_trip,
+    )
+    for check in checks:
         outcome.update(_each(check, [()], rank))
     outcome.update(_each(_check_quantized_model_init, [(p,) for p in RECIPES], rank))
     return outcome
@@ -308,15 +365,7 @@ def _adam(model):
 
 
 def _steps(model, optimizer, steps: int) -> list[float]:
-    x, losses = _batch(), []
-    for _ in range(steps):
-        with te.autocast(recipe=RECIPES["delayed"]()):
-            loss = model(x).float().square().mean()
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    return losses
+    return _train(model, "delayed", steps, optimizer=optimizer)
 
 
 def _checkpointed_model(kind: str):
@@ -363,3 +412,27 @@ def test_checkpoint_saved_at_four_ranks_resumes_at_two(tmp_path, kind):
     resumed = on_ranks(_resume_or_run, WORLD, tmp_path / "load", path, kind)
     uninterrupted = on_ranks(_resume_or_run, WORLD, tmp_path / "run", None, kind)
     assert resumed == uninterrupted
+
+
+def _uneven(rank: int) -> dict:
+    """64 rows over 3 ranks (22, 22, 20: FSDP2 pads the last shard): the FP8 all-gather and FP8
+    parameters pad and unpad their bytes, and train as one process."""
+    outcome = {}
+    for name in ("fp8 all-gather", "quantized"):
+        try:
+            if name == "quantized":
+                ref, sharded = _quantized_model("current"), _shard(_quantized_model("current"))
+            else:
+                ref = _model("Linear")
+                sharded = _shard(te_fsdp.enable_fp8_all_gather(_model("Linear")))
+            assert sharded[0].weight.to_local().shape[0] == (20 if rank == 2 else 22)
+            assert _train(sharded, "current") == _train(ref, "current")
+            outcome[name] = "ok"
+        except Exception as err:
+            outcome[name] = f"{type(err).__name__}: {str(err)[:600]}"
+    return outcome
+
+
+def test_uneven_shards_over_three_ranks(tmp_path):
+    for outcome in on_ranks(_uneven, 3, tmp_path):
+        assert all(text == "ok" for text in outcome.values()), outcome

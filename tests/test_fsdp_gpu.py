@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import torchte as te
@@ -19,15 +18,6 @@ pytestmark = pytest.mark.gpu
 H, F, T = 256, 512, 128
 FP8 = torch.float8_e4m3fn
 RECIPES = {"delayed": recipe.DelayedScaling, "current": recipe.Float8CurrentScaling}
-
-
-@pytest.fixture
-def nccl_group(tmp_path):
-    dist.init_process_group("nccl", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
-    try:
-        yield dist.group.WORLD
-    finally:
-        dist.destroy_process_group()
 
 
 def _model():

@@ -8,21 +8,11 @@ import copy
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import torchte as te
 from torchte import recipe
 
 pytestmark = pytest.mark.gpu
-
-
-@pytest.fixture
-def nccl_group(tmp_path):
-    dist.init_process_group("nccl", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
-    try:
-        yield dist.group.WORLD
-    finally:
-        dist.destroy_process_group()
 
 
 def _modules(group):

@@ -18,8 +18,6 @@ amax's, not its amax history's). te.ops modules keep gathering in high precision
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -27,7 +25,9 @@ from torch.utils._pytree import tree_leaves, tree_map_only
 
 from torchte.kernels import cast_transpose as ct
 from torchte.kernels.cast_spec import CastSpec
-from torchte.quantization.float8 import Float8CurrentScalingQuantizer, Float8Storage
+from torchte.quantization import float8_fsdp
+from torchte.quantization.float8 import Float8CurrentScalingQuantizer
+from torchte.quantization.float8_fsdp import pad_rows
 from torchte.quantization.float8_tensor import Float8Tensor
 
 __all__ = ["FP8GatheredWeight", "enable_fp8_all_gather", "precompute_fp8_scales"]
@@ -120,7 +120,6 @@ class FP8GatheredWeight(torch.Tensor):
         """This rank's shard cast to FP8 (as uint8, padded to FSDP2's padded shard rows) with
         the scale of the whole weight's amax over the mesh's ranks, and that scale's inverse:
         the precomputed scale (one cast launch) unless the master changed since."""
-        rows = math.ceil(outer_size[0] / mesh.size())
         shard = self._data.reshape(-1, *outer_size[1:])
         agreed = self._scale
         if agreed.version == self._data._version:
@@ -134,27 +133,11 @@ class FP8GatheredWeight(torch.Tensor):
                 dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
 
             data, _, scale_inv = _QUANTIZER._cast_agreed(shard, reduce_max, True, False)
-        if data is not None and shard.shape[0] == rows:
-            return (data.view(torch.uint8),), (scale_inv, tuple(outer_size))
-        padded = torch.zeros(rows, *outer_size[1:], dtype=torch.uint8, device=self.device)
-        if data is not None:
-            padded[: shard.shape[0]] = data.view(torch.uint8)
-        return (padded,), (scale_inv, tuple(outer_size))
+        meta = (scale_inv, tuple(outer_size), FP8_DTYPE, _GATHERED_QUANTIZER)
+        return (pad_rows(data, outer_size, mesh.size(), self.device),), meta
 
-    def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
-        """The gathered FP8 weight as a Float8Tensor of nominal param_dtype (its bytes the
-        all-gather's output); with out (FSDP2 re-gathering into the weight it made before),
-        out takes the new bytes and scale in a new storage (an older one may be saved for a
-        backward)."""
-        (data,) = all_gather_outputs
-        scale_inv, shape = metadata
-        # The ranks' padded shards one after the other: the weight is their first rows.
-        rows = data.view(FP8_DTYPE).view(-1, *shape[1:])[: shape[0]]
-        storage = Float8Storage(rows, None, scale_inv, FP8_DTYPE, shape)
-        if out is not None:
-            out._storage = storage
-            return None
-        return Float8Tensor.from_storage(storage, param_dtype, _GATHERED_QUANTIZER), (data,)
+    # The gathered bytes become a Float8Tensor as an FP8 parameter's do.
+    fsdp_post_all_gather = float8_fsdp.fsdp_post_all_gather
 
 
 def _gemm_weights(model: nn.Module):

@@ -22,7 +22,13 @@ import torch.distributed as dist
 
 from .float8 import Float8CurrentScalingQuantizer, Float8Storage
 
-__all__ = ["fsdp_post_all_gather", "fsdp_pre_all_gather", "new_zeros", "row_view"]
+__all__ = [
+    "fsdp_post_all_gather",
+    "fsdp_pre_all_gather",
+    "new_zeros",
+    "pad_rows",
+    "row_view",
+]
 
 
 def row_view(tensor, func, args, kwargs):
@@ -77,20 +83,30 @@ def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy)
     storage = self._storage
     if storage.rowwise_data is None:
         storage.update_usage(rowwise_usage=True)
-    data = storage.rowwise_data.view(torch.uint8).reshape(-1, *outer_size[1:])
-    rows = math.ceil(outer_size[0] / mesh.size())
-    if data.shape[0] != rows:
-        padded = torch.zeros(rows, *outer_size[1:], dtype=torch.uint8, device=data.device)
-        padded[: data.shape[0]] = data
-        data = padded
+    data = pad_rows(storage.rowwise_data, outer_size, mesh.size(), self.device)
     meta = (storage.scale_inv.clone(), tuple(outer_size), storage.fp8_dtype, quantizer)
     return (data,), meta
 
 
+def pad_rows(shard: torch.Tensor | None, outer_size, ranks: int, device) -> torch.Tensor:
+    """A rank's FP8 shard (rows of a weight of outer_size; None: no rows) as uint8 with
+    FSDP2's padded shard rows, ceil(rows / ranks), zero-filled past its own."""
+    rows = math.ceil(outer_size[0] / ranks)
+    if shard is not None:
+        data = shard.view(torch.uint8).reshape(-1, *outer_size[1:])
+        if data.shape[0] == rows:
+            return data
+    padded = torch.zeros(rows, *outer_size[1:], dtype=torch.uint8, device=device)
+    if shard is not None:
+        padded[: data.shape[0]] = data
+    return padded
+
+
 def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
-    """The gathered bytes as a Float8Tensor of nominal param_dtype; with out (a re-gather into
-    the tensor made before), out takes them in a new storage (an older one may be saved for a
-    backward)."""
+    """The gathered bytes (the ranks' padded shards one after the other: the weight is their
+    first rows) as a Float8Tensor of nominal param_dtype; metadata (scale_inv, shape, fp8
+    dtype, quantizer). With out (a re-gather into the tensor made before), out takes them in
+    a new storage (an older one may be saved for a backward). Also te.fsdp's."""
     from .float8_tensor import Float8Tensor
 
     (data,) = all_gather_outputs

@@ -110,7 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="sharded data parallelism (FSDP2) over the processes of torchrun --nproc-per-node N "
         "(N = 1 too): each rank trains on its share of every batch; --save and --resume take "
-        "torch.distributed.checkpoint folders, which resume over any N",
+        "torch.distributed.checkpoint folders, which resume over any N; with --tp M, FSDP over "
+        "N / M groups of M tensor-parallel ranks",
     )
     p.add_argument(
         "--fp8-all-gather",
@@ -178,7 +179,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[ModelConfig, RunConfig]:
     preset = SIZES[args.size or ("large" if args.device == "cuda" else "tiny")]
     steps = preset.steps if args.steps is None else args.steps
     recipes = _recipes(p, args)
-    why = check_launch(args.tp)
+    why = check_launch(args.tp, args.fsdp)
     if why is None and args.tp > 1 and args.experts:
         why = f"--tp {args.tp} with --experts is not implemented yet"
     if why is None and args.sequence_parallel and args.tp == 1:
@@ -230,12 +231,13 @@ def parse_args(argv: list[str] | None = None) -> tuple[ModelConfig, RunConfig]:
         config = dataclasses.replace(config, recipes=supported)
     if config.fp8_all_gather and not config.uses_fp8:
         p.error("--fp8-all-gather gathers FP8 weights: it needs an FP8 --recipe (delayed, current)")
-    if config.sequence_parallel and config.batch_size % config.tp:
+    ranks = data_parallel_ranks(config.fsdp, config.tp)  # each trains on batch / ranks rows
+    if config.sequence_parallel and (config.batch_size // ranks) % config.tp:
         p.error(
-            f"--sequence-parallel splits the batch over the {config.tp} ranks: --batch-size "
-            f"{config.batch_size} must be a multiple of {config.tp}"
+            f"--sequence-parallel splits each rank's rows of the batch over the {config.tp} "
+            f"tensor-parallel ranks: --batch-size {config.batch_size} / {ranks} must be a "
+            f"multiple of {config.tp}"
         )
-    ranks = data_parallel_ranks(config.fsdp)  # each trains on batch / ranks rows
     tokens = config.batch_size // ranks * model_config.seq_len
     if config.uses_fp8 and tokens % FP8_MULTIPLE:
         share = f" / {ranks} --fsdp ranks" if ranks > 1 else ""
@@ -310,7 +312,7 @@ def train(argv: list[str] | None = None) -> list[RunResult]:
     model_config, config = parse_args(argv)
     if config.fsdp:
         with launched_run(config.device) as group:
-            return _train(model_config, config, group, data_parallel(config.device))
+            return _train(model_config, config, group, data_parallel(config.device, config.tp))
     with tensor_parallel_run(config.tp, config.device) as group:
         return _train(model_config, config, group)
 
@@ -377,11 +379,14 @@ def run_recipes(
     for i, name in enumerate(config.recipes):
         later = sum(config.last_step - min(s, config.last_step) for s in starts[i + 1 :])
         try:
-            trainer = Trainer(name, model_config, config, corpus, None if dp else group, dp)
+            tp_group = dp.tp_group if dp else group
+            trainer = Trainer(name, model_config, config, corpus, tp_group, dp)
             if not results:
                 parameters = count_parameters(trainer.model)
                 line = describe_model(model_config, parameters, config.compute_dtype)
                 if dp is not None:
+                    if dp.tp_group is not None:
+                        line += f", split over {config.tp} tensor-parallel ranks"
                     line += f", sharded over {dp.size} ranks (FSDP)"
                 elif group is not None:
                     line += f", on each of {config.tp} tensor-parallel ranks"

@@ -7,7 +7,10 @@ step is the one-process step on the whole batch. The group and the quiet ranks a
 (launched_run); checkpoints go through torch.distributed.checkpoint (fsdp_state.py).
 
 --fsdp always runs under torchrun, also over one rank (`--nproc-per-node 1`): a launch without it
-is refused with the command to use, as a --tp launch is.
+is refused with the command to use, as a --tp launch is. With --tp M (2-D): the N ranks form a
+(N / M, M) DeviceMesh; each row of M ranks splits the model Megatron-style (tensor
+parallelism), FSDP shards those pieces over the N / M ranks of each column, and the batch is
+split over the N / M data-parallel ranks.
 """
 
 from __future__ import annotations
@@ -47,23 +50,24 @@ def check_fsdp(fsdp: bool, fp8_all_gather: bool, tp: int, batch_size: int) -> st
             "with torchrun --nproc-per-node N -m torchte.train --fsdp ... (N = 1 runs FSDP over "
             "one process)"
         )
-    if tp > 1:
+    if int(world) % tp:
         return (
-            f"--fsdp with --tp {tp} (FSDP over data-parallel ranks, tensor parallelism inside) "
-            "is not implemented yet: use one of them"
+            f"--fsdp with --tp {tp}: the {world} processes must be a multiple of {tp} (each "
+            f"group of {tp} splits the model, FSDP shards over the groups)"
         )
-    if batch_size % int(world):
+    ranks = int(world) // tp
+    if batch_size % ranks:
         return (
-            f"--fsdp splits each batch over the {world} ranks: --batch-size {batch_size} must "
-            f"be a multiple of {world}"
+            f"--fsdp splits each batch over the {ranks} data-parallel ranks: --batch-size "
+            f"{batch_size} must be a multiple of {ranks}"
         )
     return None
 
 
-def data_parallel_ranks(fsdp: bool) -> int:
-    """The ranks a batch is split over: torchrun's WORLD_SIZE under --fsdp (checked by
+def data_parallel_ranks(fsdp: bool, tp: int = 1) -> int:
+    """The ranks a batch is split over: torchrun's WORLD_SIZE / tp under --fsdp (checked by
     check_fsdp), else 1."""
-    return int(os.environ["WORLD_SIZE"]) if fsdp else 1
+    return int(os.environ["WORLD_SIZE"]) // tp if fsdp else 1
 
 
 @dataclass(frozen=True)
@@ -78,13 +82,22 @@ class DataParallel:
     """This rank's index in the group: which slice of the batch's rows it trains on."""
     size: int
     """Ranks in the group."""
+    tp_group: dist.ProcessGroup | None = None
+    """This rank's tensor-parallel group under --tp (2-D), else None."""
 
 
-def data_parallel(device: str) -> DataParallel:
-    """The data-parallel layout over every rank of the initialized default group."""
-    mesh = init_device_mesh(device, (dist.get_world_size(),), mesh_dim_names=("dp",))
-    group = mesh.get_group("dp")
-    return DataParallel(mesh, group, dist.get_rank(group), dist.get_world_size(group))
+def data_parallel(device: str, tp: int = 1) -> DataParallel:
+    """The data-parallel layout over every rank of the initialized default group: the ranks
+    in groups of `tp` consecutive ones that split the model, FSDP over the groups."""
+    world = dist.get_world_size()
+    if tp == 1:
+        mesh = init_device_mesh(device, (world,), mesh_dim_names=("dp",))
+        dp_mesh, tp_group = mesh, None
+    else:
+        mesh = init_device_mesh(device, (world // tp, tp), mesh_dim_names=("dp", "tp"))
+        dp_mesh, tp_group = mesh["dp"], mesh.get_group("tp")
+    group = dp_mesh.get_group()
+    return DataParallel(dp_mesh, group, dist.get_rank(group), dist.get_world_size(group), tp_group)
 
 
 def local_rows(batch: torch.Tensor, index: int, parts: int) -> torch.Tensor:

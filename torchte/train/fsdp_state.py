@@ -12,6 +12,10 @@ amaxes are reduced over the ranks). A model that has not run under delayed scali
 yet, so before loading, the entries the folder holds are added to the state_dict it loads
 into (sized from the folder's metadata).
 
+With --tp (2-D) each tensor-parallel rank's pieces live under their own name, "tp<r>" (DCP
+reshards them over the data-parallel ranks, not over tensor-parallel ones): such a folder
+resumes with the same --tp, over any number of data-parallel ranks.
+
 A save is written to PATH.partial and then moved to PATH (a crash never leaves a half-written
 folder at PATH); the folder it replaces must be such a checkpoint, never any other folder.
 """
@@ -69,20 +73,36 @@ def check_save_path(path: Path) -> None:
         )
 
 
+def _tp_key(tp_group) -> str | None:
+    """The name this rank's tensor-parallel pieces are saved under (None without --tp)."""
+    return None if tp_group is None else f"tp{dist.get_rank(tp_group)}"
+
+
+def _nested(state: dict, tp_group) -> dict:
+    key = _tp_key(tp_group)
+    return state if key is None else {key: state}
+
+
 def save_sharded(
-    path: Path, position: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer
+    path: Path,
+    position: dict[str, Any],
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    tp_group=None,
 ) -> None:
-    """Write the checkpoint folder `path` of every rank's shards and rank 0's `position`; all
-    ranks call it."""
+    """Write the checkpoint folder `path` of every rank's shards and rank 0's `position`
+    (with the tensor-parallel size); all ranks call it."""
     partial = path.with_name(path.name + ".partial")
     first = dist.get_rank() == 0
     if first:
         shutil.rmtree(partial, ignore_errors=True)
     dist.barrier()
     model_state, optim_state = get_state_dict(model, optimizer)
-    dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=partial)
+    state = _nested({"model": model_state, "optimizer": optim_state}, tp_group)
+    dcp.save(state, checkpoint_id=partial)
     if first:
-        checkpoint.save_checkpoint(partial / SHARDED_POSITION, position)
+        tp = 1 if tp_group is None else dist.get_world_size(tp_group)
+        checkpoint.save_checkpoint(partial / SHARDED_POSITION, {**position, "tp": tp})
         _replace(partial, path)
     dist.barrier()
 
@@ -97,27 +117,40 @@ def _replace(new: Path, path: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def load_sharded(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+def load_sharded(
+    path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, tp_group=None
+) -> None:
     """Load the model and AdamW state of the checkpoint folder `path` into this rank's shards
-    (any rank count may have saved it); all ranks call it."""
+    (any data-parallel rank count may have saved it; SystemExit for another tensor-parallel
+    size); all ranks call it."""
+    tp = 1 if tp_group is None else dist.get_world_size(tp_group)
+    saved_tp = checkpoint.load_checkpoint(path / SHARDED_POSITION).get("tp", 1)
+    if saved_tp != tp:
+        raise SystemExit(
+            f"--resume {path}: saved with --tp {saved_tp}, this run has --tp {tp}; resume with "
+            f"--tp {saved_tp} (the number of data-parallel ranks may differ)"
+        )
     model_state, optim_state = get_state_dict(model, optimizer)
     metadata = dcp.FileSystemReader(path).read_metadata()
-    _add_extra_states(model_state, metadata.state_dict_metadata)
-    state = {"model": model_state, "optimizer": optim_state}
+    key = _tp_key(tp_group)
+    prefix = "model." if key is None else f"{key}.model."
+    _add_extra_states(model_state, metadata.state_dict_metadata, prefix)
+    state = _nested({"model": model_state, "optimizer": optim_state}, tp_group)
     dcp.load(state, checkpoint_id=path)
+    state = state if key is None else state[key]
     set_state_dict(
         model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
     )
 
 
-def _add_extra_states(model_state: dict, saved: dict) -> None:
+def _add_extra_states(model_state: dict, saved: dict, prefix: str) -> None:
     """Put an entry into `model_state` for every piece of module extra state the checkpoint
-    holds (`saved`: DCP's metadata by flattened key, "model.<module>._extra_state.<field>"),
+    holds (`saved`: DCP's metadata by flattened key, "<prefix><module>._extra_state.<field>"),
     so that DCP loads them: tensors of the saved size and dtype, None for plain values."""
     for key, meta in saved.items():
-        if not key.startswith("model.") or EXTRA_STATE not in key:
+        if not key.startswith(prefix) or EXTRA_STATE not in key:
             continue
-        module, field = key.removeprefix("model.").split(EXTRA_STATE)
+        module, field = key.removeprefix(prefix).split(EXTRA_STATE)
         entry = model_state.get(f"{module}._extra_state")
         if not isinstance(entry, dict):
             entry = model_state[f"{module}._extra_state"] = {}

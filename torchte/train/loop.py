@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 import torchte as te
 from torchte import fsdp as te_fsdp
@@ -90,23 +91,32 @@ class RunResult:
     """(file, step) of the last checkpoint this process wrote; None if it wrote none."""
 
 
-def clip_grad_norm(params: list, max_norm: float, tp_group) -> None:
+def clip_grad_norm(params: list, max_norm: float, tp_group, dp_group=None) -> None:
     """torch.nn.utils.clip_grad_norm_ over the whole model (over every shard of a model sharded
     by FSDP, whose gradients are DTensors); with a tensor-parallel group, the
     squares of the split parameters' gradients (tensor_model_parallel) are summed over its ranks
-    and the others counted once, so every rank scales by the same factor."""
+    and the others counted once, so every rank scales by the same factor; with FSDP over
+    dp_group as well (2-D), each rank's rows of every gradient, summed over dp_group."""
     if tp_group is None:
         torch.nn.utils.clip_grad_norm_(params, max_norm)
         return
     with_grad = [p for p in params if p.grad is not None]
-    grads = [p.grad for p in with_grad]
-    split = [p.grad for p in with_grad if getattr(p, "tensor_model_parallel", False)]
-    whole = [p.grad for p in with_grad if not getattr(p, "tensor_model_parallel", False)]
+    grads = [_local(p.grad) for p in with_grad]
+    is_split = [getattr(p, "tensor_model_parallel", False) for p in with_grad]
+    split = [g for g, s in zip(grads, is_split, strict=True) if s]
+    whole = [g for g, s in zip(grads, is_split, strict=True) if not s]
     zero = torch.zeros((), dtype=torch.float32, device=grads[0].device)
     squares = [sum((g.float().square().sum() for g in part), zero) for part in (split, whole)]
     dist.all_reduce(squares[0], group=tp_group)
-    total = (squares[0] + squares[1]).sqrt()
-    torch._foreach_mul_(grads, (max_norm / (total + 1e-6)).clamp(max=1.0))
+    total = squares[0] + squares[1]
+    if dp_group is not None:
+        dist.all_reduce(total, group=dp_group)
+    torch._foreach_mul_(grads, (max_norm / (total.sqrt() + 1e-6)).clamp(max=1.0))
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of t: the local shard of a DTensor (FSDP's), else t."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _mean_over(value: torch.Tensor, group, ranks: int) -> torch.Tensor:
@@ -187,7 +197,9 @@ class Trainer:
             inputs, targets = (local_rows(t, rank, self.sp_ranks) for t in (inputs, targets))
         inputs = inputs.to(self.device, non_blocking=True)
         targets = targets.to(self.device, non_blocking=True)
-        amax_group = None if self.dp is None else self.dp.group
+        # Delayed scaling's amaxes: over every rank (the data-parallel copies of a tensor and
+        # its tensor-parallel pieces).
+        amax_group = None if self.dp is None else dist.group.WORLD
         fp8 = te.autocast(
             self.recipe is not None, recipe=self.recipe, amax_reduction_group=amax_group
         )
@@ -208,7 +220,8 @@ class Trainer:
         loss = self._loss(*self.sampler.next())
         self.optimizer.zero_grad(set_to_none=True)
         self._backward(loss)
-        clip_grad_norm(list(self.model.parameters()), GRAD_CLIP, self.tp_group)
+        dp_group = self.dp.group if self.dp is not None else None
+        clip_grad_norm(list(self.model.parameters()), GRAD_CLIP, self.tp_group, dp_group)
         self.optimizer.step()
         if self.dp is not None:  # FP8-gathered weights: their scales in one all-reduce
             te_fsdp.precompute_fp8_scales(self.model)
@@ -231,7 +244,7 @@ class Trainer:
             if p.grad is not None and not getattr(p, "tensor_model_parallel", False)
         ]
         for grad in whole:
-            dist.all_reduce(grad, group=self.tp_group)
+            dist.all_reduce(_local(grad), group=self.tp_group)
 
     def _batch_mean(self, loss: torch.Tensor) -> torch.Tensor:
         """The batch's mean loss from this rank's (the mean of the ranks' means under sequence
@@ -332,7 +345,7 @@ class Trainer:
         self.elapsed = time.perf_counter() - start
         path = self.checkpoint_path(self.config.save)
         if self.dp is not None:
-            save_sharded(path, self._position(), self.model, self.optimizer)
+            save_sharded(path, self._position(), self.model, self.optimizer, self.tp_group)
         else:
             model, optim = self.model.state_dict(), self.optimizer.state_dict()
             if self.tp_group is not None:  # the whole model's, written by rank 0 (tp_state.py)
@@ -365,7 +378,7 @@ class Trainer:
         state = read_position(path) if self.dp is not None else checkpoint.load_checkpoint(path)
         check_resumable(state, path, self.name, self.model.config, self.config, self.corpus)
         if self.dp is not None:  # DCP reshards whatever rank count saved it
-            load_sharded(path, self.model, self.optimizer)
+            load_sharded(path, self.model, self.optimizer, self.tp_group)
         else:
             model, optim = state["model"], state["optimizer"]
             if self.tp_group is not None:  # this rank's pieces of the whole model's state

@@ -18,12 +18,12 @@ import torch.distributed as dist
 __all__ = ["check_launch", "launched_run", "tensor_parallel_run"]
 
 
-def check_launch(tp: int) -> str | None:
+def check_launch(tp: int, fsdp: bool = False) -> str | None:
     """Why `--tp tp` cannot run in this process (None when it can): a split needs torchrun
-    with as many processes."""
+    with as many processes (under --fsdp, a multiple of them: fsdp_run.check_fsdp)."""
     if tp < 1:
         return f"--tp must be at least 1, got {tp}"
-    if tp == 1:
+    if tp == 1 or fsdp:
         return None
     world = os.environ.get("WORLD_SIZE")
     if world != str(tp):
