@@ -57,7 +57,10 @@ def _model(kind: str) -> torch.nn.Module:
         return torch.nn.Sequential(te.Linear(H, F), te.Linear(F, H))
     if kind == "LayerNorm":
         return torch.nn.Sequential(
-            te.LayerNormLinear(H, F, normalization="RMSNorm"), te.LayerNormMLP(F, H)
+            te.LayerNorm(H),
+            te.LayerNormLinear(H, F, normalization="RMSNorm"),
+            te.LayerNormMLP(F, H),
+            te.RMSNorm(F),
         )
     if kind == "Grouped":
         return _Grouped()
@@ -221,6 +224,14 @@ def _check_fp8_all_gather(rank) -> None:
     assert scale_inv.data_ptr() % 16 == 0  # cuBLAS's FP8 GEMM refuses unaligned scales
 
 
+def _check_fp8_all_gather_modules(kind, rank) -> None:
+    """enable_fp8_all_gather on the other GEMM modules (te.GroupedLinear requantizes the
+    gathered weight: the same bytes under current scaling): the high-precision gather's
+    training under current scaling, bit for bit."""
+    want = _train(_shard(_model(kind)), "current")
+    assert _train(_shard(te_fsdp.enable_fp8_all_gather(_model(kind))), "current") == want
+
+
 def _check_meta_init(rank) -> None:
     """Built on the meta device, sharded, then to_empty + reset_parameters: every rank holds
     its shard of rank 0's initialization (seeds differ per rank here)."""
@@ -348,6 +359,7 @@ def _rank_main(rank: int) -> dict:
     for check in checks:
         outcome.update(_each(check, [()], rank))
     outcome.update(_each(_check_quantized_model_init, [(p,) for p in RECIPES], rank))
+    outcome.update(_each(_check_fp8_all_gather_modules, [("LayerNorm",), ("Grouped",)], rank))
     return outcome
 
 

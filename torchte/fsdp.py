@@ -13,7 +13,9 @@ all-reduces its own amax in its all-gather.
 
 The gathered weight is FP8 for every forward, also outside te.autocast (then dequantized for
 the high-precision GEMM), and under delayed scaling too (the weight's scale is then its own
-amax's, not its amax history's). te.ops modules keep gathering in high precision.
+amax's, not its amax history's). te.GroupedLinear casts the gathered weights again with its
+grouped quantizer (the same bytes under current scaling). te.ops modules keep gathering in
+high precision.
 """
 
 from __future__ import annotations
