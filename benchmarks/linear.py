@@ -261,7 +261,7 @@ def environment(args: argparse.Namespace) -> dict:
         "torch": torch.__version__,
         "triton": triton_version,
         "python": platform.python_version(),
-        "fp8_available": list(te.is_fp8_available()),
+        "fp8_available": list(te.is_fp8_available(return_reason=True)),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": " ".join(["python", *sys.argv]),
         "quick": args.quick,
@@ -275,7 +275,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
     env = environment(args)
     print(" ".join(f"{k}={v}" for k, v in env.items()), flush=True)
-    fp8_ok, reason = te.is_fp8_available()
+    fp8_ok, reason = te.is_fp8_available(return_reason=True)
     runnable = [cfg for cfg in CONFIGS if fp8_ok or not cfg.make_recipe]
     host = measure_host(runnable, args)
     results = []

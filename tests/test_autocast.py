@@ -121,15 +121,35 @@ def test_non_recipe_raises_type_error(bad):
     assert_clean_state()
 
 
-def test_is_fp8_available_returns_bool_and_reason():
-    result = te.is_fp8_available()
-    assert isinstance(result, tuple) and len(result) == 2
-    available, reason = result
+def test_is_fp8_available_returns_a_bool_and_a_reason_on_request():
+    """Transformer Engine's convention: a bool (so `if te.is_fp8_available():` means it), and
+    (bool, reason) with return_reason=True."""
+    available = te.is_fp8_available()
     assert isinstance(available, bool)
-    assert isinstance(reason, str)
+    answer = te.is_fp8_available(return_reason=True)
+    assert isinstance(answer, tuple) and answer[0] is available and isinstance(answer[1], str)
     if not torch.cuda.is_available():
-        assert available is True  # emulated on the CPU
-        assert "CPU" in reason
+        assert available is True and "CPU" in answer[1]  # emulated on the CPU
+
+
+@pytest.mark.parametrize(
+    "check", ["is_mxfp8_available", "is_fp8_block_scaling_available", "is_nvfp4_available"]
+)
+def test_recipes_not_implemented_are_not_available(check):
+    assert getattr(te, check)() is False
+    available, reason = getattr(te, check)(return_reason=True)
+    assert available is False and "not implemented in torchte" in reason
+
+
+def test_bf16_and_compute_capability():
+    assert isinstance(te.is_bf16_available(), bool)
+    assert te.is_bf16_available(return_reason=True)[0] == te.is_bf16_available()
+    capability = te.get_device_compute_capability()
+    assert isinstance(capability, tuple) and len(capability) == 2
+    if torch.cuda.is_available():
+        assert capability == torch.cuda.get_device_capability()
+    else:
+        assert capability == (0, 0) and te.is_bf16_available() is True
 
 
 # -- delayed scaling: when amaxes are recorded and scales move ----------------------------------

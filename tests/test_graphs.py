@@ -43,6 +43,32 @@ def test_on_the_cpu_modules_run_eagerly_under_the_autocast_arguments():
     assert not torch.equal(graphed(x), plain)  # FP8 really ran
 
 
+def test_transformer_engine_2x_argument_names():
+    """enabled / recipe (2.x's names of fp8_enabled / fp8_recipe) work as the old ones do; the
+    2.x capture options are accepted while off."""
+    graphed, eager = twins(1)
+    x = torch.randn(16, 32, dtype=torch.bfloat16)
+    fp8 = DelayedScaling(amax_history_len=4)
+    te.make_graphed_callables(
+        graphed, (x,), enabled=True, recipe=fp8, amax_reduction_group=None,
+        cache_quantized_params=False, clone_param_grads_on_return=False,
+        _reuse_graph_input_output_buffers=False,
+    )  # fmt: skip
+    with te.autocast(recipe=fp8):
+        want = eager(x)
+    assert torch.equal(graphed(x), want)
+    layer = te.Linear(32, 32)
+    with pytest.raises(ValueError, match="enabled=True and fp8_enabled=False disagree"):
+        te.make_graphed_callables(layer, (x,), enabled=True, fp8_enabled=False)
+    with pytest.raises(NotImplementedError, match="fp8_weight_caching"):
+        te.make_graphed_callables(layer, (x,), cache_quantized_params=True)
+    with pytest.raises(NotImplementedError, match="capture_time_hooks"):
+        te.make_graphed_callables(layer, (x,), capture_time_hooks={"pre": []})
+    with pytest.raises(TypeError, match="not_an_option"):
+        te.make_graphed_callables(layer, (x,), not_an_option=1)
+    assert "forward" not in layer.__dict__
+
+
 def test_bad_arguments():
     layer = te.Linear(32, 32)
     x = torch.randn(4, 32)

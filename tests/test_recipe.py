@@ -7,6 +7,7 @@ import dataclasses
 import pytest
 import torch
 
+import torchte as te
 from torchte import recipe
 from torchte.recipe import (
     DelayedScaling,
@@ -50,7 +51,53 @@ def test_delayed_scaling_field_names_are_transformer_engines():
         "reduce_amax",
         "fp8_dpa",
         "fp8_mha",
+        "backward_override",
+        "interval",  # the older ones clients still pass
+        "override_linear_precision",
+        "params_dtype",
+        "device",
     ]
+
+
+def test_predicates_are_class_methods():
+    assert DelayedScaling.delayed() and DelayedScaling().float8_per_tensor_scaling()
+    assert recipe.Float8CurrentScaling.float8_current_scaling()
+    assert not recipe.Float8CurrentScaling().delayed()
+    assert recipe.CustomRecipe.custom() and not DelayedScaling.custom()
+    assert recipe.MXFP8BlockScaling.mxfp8() and recipe.NVFP4BlockScaling().nvfp4()
+    assert recipe.Float8BlockScaling.float8_block_scaling()
+
+
+def test_transformer_engine_2x_fields_are_accepted_at_construction():
+    """backward_override (validated as Transformer Engine validates it), the block recipes' 2.x
+    fields, the older DelayedScaling fields clients pass, and CustomRecipe: accepted when the
+    recipe is built; what torchte cannot run is refused when a module first uses it."""
+    current = recipe.Float8CurrentScaling(backward_override="high_precision")
+    recipe.MXFP8BlockScaling(enable_2d_quantization=True, backward_override="dequantized")
+    recipe.NVFP4BlockScaling(disable_stochastic_rounding=True, disable_rht=True)
+    wgrad_hp = DelayedScaling(interval=1, override_linear_precision=(False, False, True))
+    custom = recipe.CustomRecipe(qfactory=lambda role: None)
+    with pytest.raises(ValueError, match="backward_override"):
+        DelayedScaling(backward_override="high_precision")  # None only, as there
+    with pytest.raises(ValueError, match="backward_override"):
+        recipe.Float8CurrentScaling(backward_override="fp32")
+    with pytest.raises(ValueError, match="override_linear_precision"):
+        DelayedScaling(override_linear_precision=(False, True))
+    with pytest.raises(ValueError, match="interval"):
+        DelayedScaling(interval=0)
+    with pytest.warns(UserWarning, match="params_dtype, device has no effect"):
+        DelayedScaling(params_dtype=torch.bfloat16, device="cuda", margin=1)
+    layer = te.Linear(16, 16, device="cpu")
+    x = torch.randn(16, 16)
+    for used, match in (
+        (current, "backward_override='high_precision'"),
+        (wgrad_hp, "override_linear_precision"),
+        (custom, "CustomRecipe is not implemented"),
+    ):
+        with pytest.raises(NotImplementedError, match=match), te.autocast(recipe=used):
+            layer(x)
+    with te.autocast(recipe=DelayedScaling(override_linear_precision=(False, False, False))):
+        assert layer(x).shape == (16, 16)
 
 
 def test_delayed_scaling_accepts_keywords():

@@ -4,7 +4,14 @@ Use it as Transformer Engine's `transformer_engine.pytorch`: `import torchte as 
 """
 
 from . import distributed, fsdp, offload, ops, recipe
-from ._device import is_fp8_available
+from ._device import (
+    get_device_compute_capability,
+    is_bf16_available,
+    is_fp8_available,
+    is_fp8_block_scaling_available,
+    is_mxfp8_available,
+    is_nvfp4_available,
+)
 from .autocast import autocast, fp8_autocast
 from .graphs import make_graphed_callables
 from .module.grouped_linear import GroupedLinear
@@ -32,7 +39,12 @@ __all__ = [
     "fp8_model_init",
     "fsdp",
     "get_cpu_offload_context",
+    "get_device_compute_capability",
+    "is_bf16_available",
     "is_fp8_available",
+    "is_fp8_block_scaling_available",
+    "is_mxfp8_available",
+    "is_nvfp4_available",
     "make_graphed_callables",
     "offload",
     "ops",

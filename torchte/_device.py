@@ -4,7 +4,17 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["default_device", "fp8_support", "graph_capturing", "is_fp8_available"]
+__all__ = [
+    "default_device",
+    "fp8_support",
+    "get_device_compute_capability",
+    "graph_capturing",
+    "is_bf16_available",
+    "is_fp8_available",
+    "is_fp8_block_scaling_available",
+    "is_mxfp8_available",
+    "is_nvfp4_available",
+]
 
 
 def default_device(device: torch.device | str | int | None) -> torch.device:
@@ -56,9 +66,59 @@ def _fp8_support(device: torch.device) -> tuple[bool, str]:
     return True, ""
 
 
-def is_fp8_available() -> tuple[bool, str]:
-    """(available, reason) for FP8 on the device modules are built on by default."""
-    return fp8_support(default_device(None))
+def _answer(available: bool, reason: str, return_reason: bool) -> bool | tuple[bool, str]:
+    """Transformer Engine's convention: a bool, or (bool, reason) with return_reason."""
+    return (available, reason) if return_reason else available
+
+
+def is_fp8_available(return_reason: bool = False) -> bool | tuple[bool, str]:
+    """Whether FP8 (delayed and current scaling) runs on the device modules are built on by
+    default: natively on compute capability >= 8.9, emulated on the CPU; with return_reason,
+    (available, why)."""
+    return _answer(*fp8_support(default_device(None)), return_reason)
+
+
+def _not_implemented(recipe: str, return_reason: bool) -> bool | tuple[bool, str]:
+    reason = f"{recipe} recipes are not implemented in torchte yet (on any device)"
+    return _answer(False, reason, return_reason)
+
+
+def is_mxfp8_available(return_reason: bool = False) -> bool | tuple[bool, str]:
+    """False: MXFP8BlockScaling does not run in torchte yet (with return_reason, why)."""
+    return _not_implemented("MXFP8BlockScaling", return_reason)
+
+
+def is_fp8_block_scaling_available(return_reason: bool = False) -> bool | tuple[bool, str]:
+    """False: Float8BlockScaling does not run in torchte yet (with return_reason, why)."""
+    return _not_implemented("Float8BlockScaling", return_reason)
+
+
+def is_nvfp4_available(return_reason: bool = False) -> bool | tuple[bool, str]:
+    """False: NVFP4BlockScaling does not run in torchte yet (with return_reason, why)."""
+    return _not_implemented("NVFP4BlockScaling", return_reason)
+
+
+def is_bf16_available(return_reason: bool = False) -> bool | tuple[bool, str]:
+    """Whether bf16 runs on the default device: the CPU, or a GPU of compute capability >= 8.0
+    (with return_reason, why not)."""
+    device = default_device(None)
+    if device.type != "cuda":
+        return _answer(True, "", return_reason)
+    major, minor = torch.cuda.get_device_capability(device)
+    if major < 8:
+        reason = (
+            f"bf16 needs a GPU of compute capability 8.0 or higher; {device} has {major}.{minor}"
+        )
+        return _answer(False, reason, return_reason)
+    return _answer(True, "", return_reason)
+
+
+def get_device_compute_capability() -> tuple[int, int]:
+    """(major, minor) of the current CUDA device; (0, 0) on a machine without one (the CPU,
+    where torchte emulates FP8)."""
+    if not torch.cuda.is_available():
+        return (0, 0)
+    return torch.cuda.get_device_capability()
 
 
 def graph_capturing(tensor: torch.Tensor) -> bool:

@@ -38,24 +38,80 @@ from .module.base import TransformerEngineBaseModule
 __all__ = ["make_graphed_callables"]
 
 
+# Transformer Engine 2.x's capture options torchte does not implement, and their "off" value.
+_OFF_OPTIONS = {
+    "clone_param_grads_on_return": False,
+    "_clone_param_grads_on_return": False,
+    "capture_time_hooks": None,
+    "_reuse_graph_input_output_buffers": False,
+    "_num_layers_per_chunk": None,
+    "pre_warmup_hook": None,
+    "post_warmup_hook": None,
+    "capture_stream": None,
+}
+
+
+def _one_of(new_name: str, new, old_name: str, old, default):
+    """The value of an argument Transformer Engine 2.x renamed: the new name's, the old
+    name's (None: not given), the default, or (both given, differently) a ValueError."""
+    if new is None:
+        return default if old is None else old
+    if old is not None and old != new:
+        raise ValueError(
+            f"make_graphed_callables: {new_name}={new!r} and {old_name}={old!r} disagree "
+            f"(the same argument); give {new_name}"
+        )
+    return new
+
+
+def _check_off(options: dict) -> None:
+    """TypeError for an unknown argument, NotImplementedError for a 2.x option set."""
+    unknown = sorted(set(options) - set(_OFF_OPTIONS))
+    if unknown:
+        raise TypeError(f"make_graphed_callables got unexpected arguments: {', '.join(unknown)}")
+    on = sorted(k for k, v in options.items() if v is not None and v != _OFF_OPTIONS[k])
+    if on:
+        raise NotImplementedError(
+            f"make_graphed_callables: {', '.join(on)} is not implemented in torchte yet"
+        )
+
+
 def make_graphed_callables(
     modules,
     sample_args,
     num_warmup_iters: int = 3,
     allow_unused_input: bool = False,
     sample_kwargs=None,
-    fp8_enabled: bool = False,
-    fp8_calibrating: bool = False,
+    fp8_enabled: bool | None = None,
+    fp8_calibrating: bool | None = None,
     fp8_recipe=None,
     fp8_group=None,
-    fp8_weight_caching: bool = False,
+    fp8_weight_caching: bool | None = None,
     _order=None,
     pool=None,
     retain_graph_in_backward: bool = False,
+    *,
+    enabled: bool | None = None,
+    calibrating: bool | None = None,
+    recipe=None,
+    amax_reduction_group=None,
+    cache_quantized_params: bool | None = None,
+    **off_options,
 ):
     """Graphed versions of `modules` (one nn.Module or a tuple of them, in the order they run:
     forwards are captured in that order, backwards in reverse, all in one memory pool).
-    sample_args: a tuple of tensors (one module) or a tuple of such tuples."""
+    sample_args: a tuple of tensors (one module) or a tuple of such tuples. enabled,
+    calibrating, recipe, amax_reduction_group and cache_quantized_params are Transformer Engine
+    2.x's names of the fp8_* arguments (ValueError when both names are given, differently)."""
+    fp8_enabled = _one_of("enabled", enabled, "fp8_enabled", fp8_enabled, False)
+    fp8_calibrating = _one_of("calibrating", calibrating, "fp8_calibrating", fp8_calibrating, False)
+    fp8_recipe = _one_of("recipe", recipe, "fp8_recipe", fp8_recipe, None)
+    fp8_group = _one_of("amax_reduction_group", amax_reduction_group, "fp8_group", fp8_group, None)
+    fp8_weight_caching = _one_of(
+        "cache_quantized_params", cache_quantized_params, "fp8_weight_caching",
+        fp8_weight_caching, False,
+    )  # fmt: skip
+    _check_off(off_options)
     if sample_kwargs or _order is not None or fp8_weight_caching or retain_graph_in_backward:
         raise NotImplementedError(
             "make_graphed_callables: sample_kwargs, _order, fp8_weight_caching and "

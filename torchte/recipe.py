@@ -8,14 +8,16 @@ block-scaling recipes raise NotImplementedError naming the recipe.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import NamedTuple
 
 import torch
 
 __all__ = [
+    "CustomRecipe",
     "DelayedScaling",
     "Float8BlockScaling",
     "Float8CurrentScaling",
@@ -50,25 +52,65 @@ class Format(Enum):
 
 
 class Recipe:
-    """Base of all recipes; the predicates say which scaling family a recipe belongs to."""
+    """Base of all recipes; the predicates (class methods, as in Transformer Engine) say which
+    scaling family a recipe belongs to."""
 
-    def delayed(self) -> bool:
-        return isinstance(self, DelayedScaling)
+    @classmethod
+    def delayed(cls) -> bool:
+        return issubclass(cls, DelayedScaling)
 
-    def float8_current_scaling(self) -> bool:
-        return isinstance(self, Float8CurrentScaling)
+    @classmethod
+    def float8_current_scaling(cls) -> bool:
+        return issubclass(cls, Float8CurrentScaling)
 
-    def float8_per_tensor_scaling(self) -> bool:
-        return isinstance(self, (DelayedScaling, Float8CurrentScaling))
+    @classmethod
+    def float8_per_tensor_scaling(cls) -> bool:
+        return issubclass(cls, (DelayedScaling, Float8CurrentScaling))
 
-    def float8_block_scaling(self) -> bool:
-        return isinstance(self, Float8BlockScaling)
+    @classmethod
+    def float8_block_scaling(cls) -> bool:
+        return issubclass(cls, Float8BlockScaling)
 
-    def mxfp8(self) -> bool:
-        return isinstance(self, MXFP8BlockScaling)
+    @classmethod
+    def mxfp8(cls) -> bool:
+        return issubclass(cls, MXFP8BlockScaling)
 
-    def nvfp4(self) -> bool:
-        return isinstance(self, NVFP4BlockScaling)
+    @classmethod
+    def nvfp4(cls) -> bool:
+        return issubclass(cls, NVFP4BlockScaling)
+
+    @classmethod
+    def custom(cls) -> bool:
+        return issubclass(cls, CustomRecipe)
+
+
+BACKWARD_OVERRIDES = (None, "high_precision", "dequantized")
+
+
+def _check_backward_override(recipe) -> None:
+    """ValueError unless backward_override is one of Transformer Engine's values (None,
+    'high_precision', 'dequantized'); delayed scaling takes None only, as there."""
+    allowed = (None,) if isinstance(recipe, DelayedScaling) else BACKWARD_OVERRIDES
+    if recipe.backward_override not in allowed:
+        raise ValueError(
+            f"{type(recipe).__name__}.backward_override must be one of {allowed}, got "
+            f"{recipe.backward_override!r}"
+        )
+
+
+_NOTED: set[str] = set()
+
+
+def _note_ignored(recipe: str, names: list[str]) -> None:
+    """Say once per process that Transformer Engine fields without a meaning here are ignored."""
+    fresh = [n for n in names if f"{recipe}.{n}" not in _NOTED]
+    if fresh:
+        _NOTED.update(f"{recipe}.{n}" for n in fresh)
+        warnings.warn(
+            f"{recipe}: {', '.join(fresh)} has no effect in torchte (ignored)",
+            UserWarning,
+            stacklevel=4,
+        )
 
 
 def max_margin(fp8_format: Format) -> int:
@@ -111,9 +153,30 @@ class DelayedScaling(Recipe):
     reduce_amax: bool = True
     fp8_dpa: bool = False
     fp8_mha: bool = False
+    backward_override: str | None = None
+    # Older Transformer Engine fields, accepted as clients pass them: interval (ignored, a
+    # one-time note), override_linear_precision ((fprop, dgrad, wgrad) high-precision flags:
+    # all False runs; any True raises NotImplementedError at use), params_dtype and device
+    # (ignored, a one-time note).
+    interval: int = 1
+    override_linear_precision: tuple = (False, False, False)
+    params_dtype: object = field(default=None, compare=False, repr=False)
+    device: object = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         _check_format(self.fp8_format, (Format.E4M3, Format.HYBRID), "DelayedScaling")
+        _check_backward_override(self)
+        if not isinstance(self.interval, int) or self.interval < 1:
+            raise ValueError(f"DelayedScaling.interval must be an int >= 1, got {self.interval!r}")
+        precision = tuple(self.override_linear_precision)
+        if len(precision) != 3 or not all(isinstance(v, bool) for v in precision):
+            raise ValueError(
+                "DelayedScaling.override_linear_precision must be three bools (fprop, dgrad, "
+                f"wgrad), got {self.override_linear_precision!r}"
+            )
+        object.__setattr__(self, "override_linear_precision", precision)
+        ignored = [n for n in ("params_dtype", "device") if getattr(self, n) is not None]
+        _note_ignored("DelayedScaling", ignored + (["interval"] if self.interval != 1 else []))
         if isinstance(self.margin, bool) or not isinstance(self.margin, int) or self.margin < 0:
             raise ValueError(f"DelayedScaling.margin must be an int >= 0, got {self.margin!r}")
         limit = max_margin(self.fp8_format)
@@ -154,9 +217,11 @@ class Float8CurrentScaling(Recipe):
     amax_epsilon: float = 0.0
     fp8_dpa: bool = False
     fp8_mha: bool = False
+    backward_override: str | None = None
 
     def __post_init__(self) -> None:
         _check_format(self.fp8_format, (Format.E4M3, Format.HYBRID), "Float8CurrentScaling")
+        _check_backward_override(self)
         if self.amax_epsilon < 0:
             raise ValueError(
                 f"Float8CurrentScaling.amax_epsilon must be >= 0, got {self.amax_epsilon!r}"
@@ -173,6 +238,10 @@ class Float8BlockScaling(Recipe):
     grad_block_scaling_dim: int = 1
     fp8_dpa: bool = False
     fp8_mha: bool = False
+    backward_override: str | None = None
+
+    def __post_init__(self) -> None:
+        _check_backward_override(self)
 
 
 @dataclass(frozen=True)
@@ -183,6 +252,11 @@ class MXFP8BlockScaling(Recipe):
     fp8_format: Format = Format.E4M3
     fp8_dpa: bool = False
     fp8_mha: bool = False
+    enable_2d_quantization: bool = False
+    backward_override: str | None = None
+
+    def __post_init__(self) -> None:
+        _check_backward_override(self)
 
 
 @dataclass(frozen=True)
@@ -192,3 +266,26 @@ class NVFP4BlockScaling(Recipe):
     fp4_format: str = "E2M1"
     fp8_dpa: bool = False
     fp8_mha: bool = False
+    disable_rht: bool = False
+    disable_stochastic_rounding: bool = False
+    disable_2d_quantization: bool = False
+    backward_override: str | None = None
+
+    def __post_init__(self) -> None:
+        _check_backward_override(self)
+
+
+@dataclass(frozen=True)
+class CustomRecipe(Recipe):
+    """Transformer Engine's recipe of user-supplied quantizer factories (qfactory: a callable
+    (role) -> quantizer). Not yet runnable: modules raise NotImplementedError under it."""
+
+    qfactory: Callable | None = None
+    fp8_dpa: bool = False
+    fp8_mha: bool = False
+    backward_override: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.qfactory is not None and not callable(self.qfactory):
+            raise TypeError(f"CustomRecipe.qfactory must be callable, got {self.qfactory!r}")
+        _check_backward_override(self)

@@ -463,11 +463,47 @@ def cast_to(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
     return t if t is None or t.dtype == dtype else t.to(dtype)
 
 
+# Transformer Engine's options that torchte does not implement, with the value that means
+# "off": accepted at it (clients pass them on every construction), NotImplementedError when
+# on. ub_name only names a buffer for the userbuffers options: any value is accepted.
+_OFF_OPTIONS = {
+    **dict.fromkeys(
+        (
+            "ub_overlap_ag",
+            "ub_overlap_rs",
+            "ub_overlap_rs_dgrad",
+            "ub_overlap_ag_fprop",
+            "ub_overlap_rs_fprop",
+            "ub_overlap_ag_dgrad",
+            "ub_bulk_dgrad",
+            "ub_bulk_wgrad",
+            "delay_wgrad_compute",
+            "save_original_input",
+        ),
+        False,
+    ),
+    "symmetric_ar_type": None,
+}
+
+
 def check_unknown(module: str, unsupported) -> None:
-    """Unknown keyword arguments are an error (TypeError naming them)."""
-    if unsupported:
-        names = ", ".join(sorted(unsupported))
-        raise TypeError(f"{module} got unexpected keyword arguments: {names}")
+    """Keyword arguments beyond a module's own: Transformer Engine's options that torchte does
+    not implement are accepted while off (_OFF_OPTIONS) and NotImplementedError naming them
+    when on; anything else is a TypeError naming it."""
+    unknown = sorted(k for k in unsupported if k not in _OFF_OPTIONS and k != "ub_name")
+    if unknown:
+        raise TypeError(f"{module} got unexpected keyword arguments: {', '.join(unknown)}")
+    enabled = sorted(
+        f"{k}={unsupported[k]!r}"
+        for k, off in _OFF_OPTIONS.items()
+        if k in unsupported and unsupported[k] not in (off, None, False)
+    )
+    if enabled:
+        raise NotImplementedError(
+            f"{module}: {', '.join(enabled)} is not implemented in torchte (userbuffers "
+            "overlap, deferred weight gradients, the original input kept, symmetric "
+            "all-reduce); leave it off"
+        )
 
 
 def check_unsupported(

@@ -282,11 +282,6 @@ class GroupedLinear(TransformerEngineBaseModule):
         params_dtype: torch.dtype | None = None,
         parallel_mode: str | None = None,
         device: torch.device | str | None = None,
-        ub_overlap_rs: bool = False,
-        ub_overlap_ag: bool = False,
-        ub_name: str | None = None,
-        delay_wgrad_compute: bool = False,
-        save_original_input: bool = False,
         name: str | None = None,
         **unsupported,
     ) -> None:
@@ -303,10 +298,6 @@ class GroupedLinear(TransformerEngineBaseModule):
             )
         check_divides(module, tp, in_features, out_features)
         self._tp, self.parallel_mode, self.tp_size = tp, parallel_mode, tp.size
-        if ub_overlap_rs or ub_overlap_ag or delay_wgrad_compute:
-            raise NotImplementedError(
-                "userbuffers overlap and delay_wgrad_compute are not implemented in torchte yet"
-            )
         if in_features <= 0 or out_features <= 0:
             raise ValueError(
                 f"in_features and out_features must be positive, got {in_features}, {out_features}"

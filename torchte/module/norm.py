@@ -56,6 +56,18 @@ def _hidden_size(cls: str, hidden_size, normalized_shape) -> int:
     return size
 
 
+def _params_dtype(cls: str, params_dtype, dtype):
+    """params_dtype, or Transformer Engine's other name for it, dtype; ValueError if both are
+    given and differ."""
+    if dtype is None:
+        return params_dtype
+    if params_dtype is not None and params_dtype != dtype:
+        raise ValueError(
+            f"te.{cls}: params_dtype={params_dtype} and dtype={dtype} disagree; give one"
+        )
+    return dtype
+
+
 class _Norm(TransformerEngineBaseModule):
     """What LayerNorm and RMSNorm share: parameters, checks, the compute dtype."""
 
@@ -133,12 +145,14 @@ class LayerNorm(_Norm):
         normalization: str = "LayerNorm",
         *,
         normalized_shape: int | Sequence[int] | None = None,
+        dtype: torch.dtype | None = None,
     ) -> None:
         if normalization != "LayerNorm":
             raise ValueError(
                 f"te.LayerNorm: normalization must be 'LayerNorm', got {normalization!r}; "
                 "use te.RMSNorm for RMSNorm"
             )
+        params_dtype = _params_dtype("LayerNorm", params_dtype, dtype)
         super().__init__(
             "LayerNorm", hidden_size, normalized_shape, eps, sequence_parallel, params_dtype,
             zero_centered_gamma, device, has_bias=True,
@@ -174,7 +188,9 @@ class RMSNorm(_Norm):
         device: torch.device | str | None = None,
         *,
         normalized_shape: int | Sequence[int] | None = None,
+        dtype: torch.dtype | None = None,
     ) -> None:
+        params_dtype = _params_dtype("RMSNorm", params_dtype, dtype)
         super().__init__(
             "RMSNorm", hidden_size, normalized_shape, eps, sequence_parallel, params_dtype,
             zero_centered_gamma, device, has_bias=False,

@@ -38,9 +38,20 @@ def check_recipe(recipe: Recipe, device: torch.device) -> None:
             f"recipe {type(recipe).__name__} is not implemented in torchte yet; "
             "use recipe.DelayedScaling or recipe.Float8CurrentScaling"
         )
+    name = type(recipe).__name__
+    if recipe.backward_override is not None:
+        raise NotImplementedError(
+            f"{name}(backward_override={recipe.backward_override!r}) is not implemented in "
+            "torchte yet: leave backward_override None"
+        )
+    if any(getattr(recipe, "override_linear_precision", ())):
+        raise NotImplementedError(
+            f"{name}(override_linear_precision={recipe.override_linear_precision}): GEMMs kept "
+            "in high precision under an FP8 recipe are not implemented in torchte yet"
+        )
     supported, reason = fp8_support(device)
     if not supported:
-        raise RuntimeError(f"FP8 recipe {type(recipe).__name__} cannot run: {reason}")
+        raise RuntimeError(f"FP8 recipe {name} cannot run: {reason}")
 
 
 def needs_delayed_state(recipe: Recipe) -> int | None:
