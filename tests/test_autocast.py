@@ -102,7 +102,7 @@ def test_fp8_autocast_alias_arguments():
     state = autocast_state()
     with te.fp8_autocast(enabled=True, fp8_recipe=r, fp8_group=None):
         assert state.enabled is True
-        assert state.recipe is r
+        assert state.recipe is r._frozen() and state.recipe == r  # its snapshot
         assert state.group is None
     with te.fp8_autocast(False, True, Float8CurrentScaling()):
         assert (state.enabled, state.calibrating) == (False, True)

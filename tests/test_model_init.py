@@ -42,7 +42,7 @@ def test_settings_carry_the_arguments_and_are_frozen():
     recipe = Float8CurrentScaling(fp8_format=Format.E4M3)
     with quantized_model_init(recipe=recipe, preserve_high_precision_init_val=True):
         settings = model_init_settings()
-        assert settings.recipe is recipe
+        assert settings.recipe is recipe._frozen()
         assert settings.preserve_high_precision_init_val is True
         with pytest.raises(AttributeError):
             settings.recipe = DelayedScaling()
@@ -53,12 +53,12 @@ def test_nesting_restores_the_outer_settings():
     with quantized_model_init(recipe=outer_recipe):
         outer = model_init_settings()
         with quantized_model_init(recipe=inner_recipe, preserve_high_precision_init_val=True):
-            assert model_init_settings().recipe is inner_recipe
+            assert model_init_settings().recipe is inner_recipe._frozen()
             with quantized_model_init(enabled=False):
                 assert model_init_settings() is None
-            assert model_init_settings().recipe is inner_recipe
+            assert model_init_settings().recipe is inner_recipe._frozen()
         assert model_init_settings() is outer
-        assert outer.recipe is outer_recipe
+        assert outer.recipe is outer_recipe._frozen()
     assert model_init_settings() is None
 
 
@@ -76,7 +76,7 @@ def test_fp8_model_init_is_the_same_context_manager():
     recipe = Float8CurrentScaling()
     with fp8_model_init(recipe=recipe, preserve_high_precision_init_val=True):
         settings = model_init_settings()
-        assert settings.recipe is recipe and settings.preserve_high_precision_init_val
+        assert settings.recipe is recipe._frozen() and settings.preserve_high_precision_init_val
         with fp8_model_init(enabled=False):
             assert model_init_settings() is None
     assert model_init_settings() is None

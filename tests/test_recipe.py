@@ -255,11 +255,33 @@ def test_predicates(cls):
 
 
 @pytest.mark.parametrize("cls", ALL_RECIPES)
-def test_recipes_are_frozen(cls):
+def test_recipes_are_mutable_with_validation(cls):
+    """As in Transformer Engine, fields are set after construction; an invalid value is
+    refused and the old one kept; unknown names are refused."""
     r = cls()
-    field = dataclasses.fields(cls)[0].name
+    r.backward_override = None
+    with pytest.raises(ValueError, match="backward_override"):
+        r.backward_override = "fp32"
+    assert r.backward_override is None
+    with pytest.raises(AttributeError, match="no field 'marginn'"):
+        r.marginn = 1
+
+
+def test_a_changed_recipe_takes_effect_at_the_next_region():
+    """te.autocast works from a frozen snapshot: the same object while the recipe is unchanged
+    (no new module state per region), a new one after a change, which a module then uses."""
+    r = DelayedScaling(amax_history_len=4)
+    snapshot = r._frozen()
+    assert r._frozen() is snapshot and snapshot == r
     with pytest.raises(dataclasses.FrozenInstanceError):
-        setattr(r, field, getattr(r, field))
+        snapshot.margin = 1
+    r.margin = 1
+    assert r._frozen() is not snapshot and r._frozen().margin == 1 and snapshot.margin == 0
+    r.amax_history_len = 8
+    layer = te.Linear(16, 16, device="cpu")
+    with te.autocast(recipe=r):
+        layer(torch.randn(16, 16))
+    assert 8 in layer._delayed_states and 4 not in layer._delayed_states
 
 
 @pytest.mark.parametrize("cls", ALL_RECIPES)

@@ -166,6 +166,7 @@ def autocast(
         recipe = _DEFAULT_RECIPE
     if not isinstance(recipe, Recipe):
         raise TypeError(f"autocast recipe must be a torchte.recipe.Recipe, got {recipe!r}")
+    recipe = recipe._frozen()  # modules key their state by it: later field changes are new
     state = _STATE
     saved = (state.enabled, state.calibrating, state.recipe, state.group)
     state.enabled, state.calibrating = bool(enabled), bool(calibrating)

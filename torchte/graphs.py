@@ -34,6 +34,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .autocast import autocast, default_recipe
 from .module.base import TransformerEngineBaseModule
+from .recipe import Recipe
 
 __all__ = ["make_graphed_callables"]
 
@@ -129,6 +130,8 @@ def make_graphed_callables(
     if num_warmup_iters < 1:
         raise ValueError("num_warmup_iters must be at least 1 (lazy setup must not be captured)")
     recipe = fp8_recipe if fp8_recipe is not None else default_recipe()
+    if isinstance(recipe, Recipe):  # the snapshot te.autocast takes (recipe.py)
+        recipe = recipe._frozen()
     region = functools.partial(
         autocast,
         enabled=fp8_enabled,

@@ -1,12 +1,19 @@
-"""FP8 scaling recipes: frozen dataclasses with Transformer Engine's names and defaults.
+"""FP8 scaling recipes: dataclasses with Transformer Engine's names and defaults.
 
 A recipe says how tensors are scaled into FP8; `te.autocast(recipe=...)` makes one active.
+Recipes are mutable, as in Transformer Engine: a field set after construction is validated
+(an invalid value is refused and the old one kept). Modules work from a frozen snapshot that
+te.autocast (and quantized_model_init, make_graphed_callables) takes of the recipe it is given
+(`_frozen()`, one per recipe and change), so a change takes effect at the next region and never
+alters state built under the old values. Recipes compare and hash by their values.
 Only `DelayedScaling` and `Float8CurrentScaling` run in this release; modules used under the
 block-scaling recipes raise NotImplementedError naming the recipe.
 """
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import math
 import warnings
 from collections.abc import Callable
@@ -52,8 +59,68 @@ class Format(Enum):
 
 
 class Recipe:
-    """Base of all recipes; the predicates (class methods, as in Transformer Engine) say which
+    """Base of all recipes: validation on assignment, value equality, frozen snapshots (see the
+    module docstring); the predicates (class methods, as in Transformer Engine) say which
     scaling family a recipe belongs to."""
+
+    # Per class, set at its first construction: the field names, and those compared.
+    _FIELDS: frozenset[str] = frozenset()
+    _COMPARED: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        cls = type(self)
+        if "_COMPARED" not in cls.__dict__:
+            cls._FIELDS = frozenset(f.name for f in dataclasses.fields(cls))
+            cls._COMPARED = tuple(f.name for f in dataclasses.fields(cls) if f.compare)
+        self._validate()
+        object.__setattr__(self, "_ready", True)
+
+    def _validate(self) -> None:
+        """ValueError / TypeError for a field value the recipe cannot take."""
+
+    def __setattr__(self, name: str, value) -> None:
+        if getattr(self, "_is_snapshot", False):
+            raise dataclasses.FrozenInstanceError(
+                f"cannot assign to field {name!r}: this {type(self).__name__} is the snapshot "
+                "that te.autocast took; set it on the recipe you built (the next region uses it)"
+            )
+        if not getattr(self, "_ready", False):  # the dataclass's __init__
+            object.__setattr__(self, name, value)
+            return
+        if name not in self._FIELDS:
+            raise AttributeError(f"{type(self).__name__} has no field {name!r}")
+        old = getattr(self, name)
+        object.__setattr__(self, name, value)
+        try:
+            self._validate()
+        except Exception:
+            object.__setattr__(self, name, old)
+            raise
+        object.__setattr__(self, "_generation", getattr(self, "_generation", 0) + 1)
+
+    def _values(self) -> tuple:
+        return tuple(getattr(self, n) for n in self._COMPARED)
+
+    def __eq__(self, other) -> bool:
+        return type(other) is type(self) and other._values() == self._values()
+
+    def __hash__(self) -> int:
+        return hash((type(self), self._values()))
+
+    def _frozen(self) -> Recipe:
+        """The frozen snapshot of the recipe's current values (the same object until a field
+        changes)."""
+        if getattr(self, "_is_snapshot", False):
+            return self
+        generation = getattr(self, "_generation", 0)
+        cached = getattr(self, "_snapshot", None)
+        if cached is not None and cached[0] == generation:
+            return cached[1]
+        snapshot = copy.copy(self)
+        snapshot.__dict__.pop("_snapshot", None)
+        object.__setattr__(snapshot, "_is_snapshot", True)
+        object.__setattr__(self, "_snapshot", (generation, snapshot))
+        return snapshot
 
     @classmethod
     def delayed(cls) -> bool:
@@ -133,7 +200,7 @@ def _check_format(fp8_format: Format, allowed: tuple[Format, ...], recipe: str) 
         raise ValueError(f"{recipe}.fp8_format={fp8_format.name} is not supported; use {names}")
 
 
-@dataclass(frozen=True)
+@dataclass(eq=False)
 class DelayedScaling(Recipe):
     """Per-tensor scaling from a history of amax values recorded in earlier iterations.
 
@@ -163,7 +230,7 @@ class DelayedScaling(Recipe):
     params_dtype: object = field(default=None, compare=False, repr=False)
     device: object = field(default=None, compare=False, repr=False)
 
-    def __post_init__(self) -> None:
+    def _validate(self) -> None:
         _check_format(self.fp8_format, (Format.E4M3, Format.HYBRID), "DelayedScaling")
         _check_backward_override(self)
         if not isinstance(self.interval, int) or self.interval < 1:
@@ -204,7 +271,7 @@ class DelayedScaling(Recipe):
             raise ValueError("DelayedScaling.scaling_factor_compute_algo must be None or callable")
 
 
-@dataclass(frozen=True)
+@dataclass(eq=False)
 class Float8CurrentScaling(Recipe):
     """Per-tensor scaling from the amax of the tensor being quantized, computed on the device.
 
@@ -219,7 +286,7 @@ class Float8CurrentScaling(Recipe):
     fp8_mha: bool = False
     backward_override: str | None = None
 
-    def __post_init__(self) -> None:
+    def _validate(self) -> None:
         _check_format(self.fp8_format, (Format.E4M3, Format.HYBRID), "Float8CurrentScaling")
         _check_backward_override(self)
         if self.amax_epsilon < 0:
@@ -228,7 +295,7 @@ class Float8CurrentScaling(Recipe):
             )
 
 
-@dataclass(frozen=True)
+@dataclass(eq=False)
 class Float8BlockScaling(Recipe):
     """1x128 (activations, gradients) and 128x128 (weights) block scaling. Not yet runnable."""
 
@@ -240,11 +307,11 @@ class Float8BlockScaling(Recipe):
     fp8_mha: bool = False
     backward_override: str | None = None
 
-    def __post_init__(self) -> None:
+    def _validate(self) -> None:
         _check_backward_override(self)
 
 
-@dataclass(frozen=True)
+@dataclass(eq=False)
 class MXFP8BlockScaling(Recipe):
     """MXFP8: E8M0 scales over blocks of 32 values. Not yet runnable."""
 
@@ -255,11 +322,11 @@ class MXFP8BlockScaling(Recipe):
     enable_2d_quantization: bool = False
     backward_override: str | None = None
 
-    def __post_init__(self) -> None:
+    def _validate(self) -> None:
         _check_backward_override(self)
 
 
-@dataclass(frozen=True)
+@dataclass(eq=False)
 class NVFP4BlockScaling(Recipe):
     """NVFP4: FP4 E2M1 values with FP8 scales over blocks of 16. Not yet runnable."""
 
@@ -271,11 +338,11 @@ class NVFP4BlockScaling(Recipe):
     disable_2d_quantization: bool = False
     backward_override: str | None = None
 
-    def __post_init__(self) -> None:
+    def _validate(self) -> None:
         _check_backward_override(self)
 
 
-@dataclass(frozen=True)
+@dataclass(eq=False)
 class CustomRecipe(Recipe):
     """Transformer Engine's recipe of user-supplied quantizer factories (qfactory: a callable
     (role) -> quantizer). Not yet runnable: modules raise NotImplementedError under it."""
@@ -285,7 +352,7 @@ class CustomRecipe(Recipe):
     fp8_mha: bool = False
     backward_override: str | None = None
 
-    def __post_init__(self) -> None:
+    def _validate(self) -> None:
         if self.qfactory is not None and not callable(self.qfactory):
             raise TypeError(f"CustomRecipe.qfactory must be callable, got {self.qfactory!r}")
         _check_backward_override(self)

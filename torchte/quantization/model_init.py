@@ -85,6 +85,8 @@ def quantized_model_init(
     """
     if recipe is None:
         recipe = DelayedScaling()
+    if isinstance(recipe, Recipe):  # a frozen snapshot: the modules keep it (recipe.py)
+        recipe = recipe._frozen()
     settings = ModelInitSettings(recipe, preserve_high_precision_init_val)
     token = _SETTINGS.set(settings if enabled else None)
     try:
