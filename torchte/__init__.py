@@ -3,7 +3,7 @@
 Use it as Transformer Engine's `transformer_engine.pytorch`: `import torchte as te`.
 """
 
-from . import distributed, fsdp, offload, ops, recipe
+from . import distributed, fp8, fsdp, offload, ops, recipe
 from ._device import (
     get_device_compute_capability,
     is_bf16_available,
@@ -35,6 +35,7 @@ __all__ = [
     "autocast",
     "checkpoint",
     "distributed",
+    "fp8",
     "fp8_autocast",
     "fp8_model_init",
     "fsdp",

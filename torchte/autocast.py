@@ -54,6 +54,9 @@ class AutocastState(threading.local):
         self.recipe: Recipe = _DEFAULT_RECIPE
         self.group = None
         self.depth = 0
+        # Whether no module asked FP8GlobalStateManager.is_first_fp8_module() yet in the
+        # outermost region (Transformer Engine's convention).
+        self.first_module = False
         # state -> (state, recipe, group): each state is updated once however often used.
         self.pending_forward: dict[DelayedScalingState, tuple] = {}
         # te.checkpoint: the states a checkpointed forward records into (None outside one),
@@ -171,6 +174,8 @@ def autocast(
     saved = (state.enabled, state.calibrating, state.recipe, state.group)
     state.enabled, state.calibrating = bool(enabled), bool(calibrating)
     state.recipe, state.group = recipe, amax_reduction_group
+    if state.depth == 0:
+        state.first_module = True
     state.depth += 1
     completed = False
     try:
