@@ -604,3 +604,11 @@ def test_compiled_function_returns_float8_tensor(caplog):
     out = torch.compile(lambda t: t.detach(), fullgraph=True, backend="aot_eager")(tensor)
     assert type(out) is Float8Tensor and out.fp8_dtype == torch.float8_e5m2
     _assert_same_bytes(out._storage, tensor._storage)
+
+
+def test_data_is_transformer_engines_name_for_the_bytes():
+    tensor, _ = _f8((6, 10), torch.float8_e4m3fn)
+    data = tensor._data
+    assert data.dtype == torch.uint8 and data.shape == (6, 10)
+    assert torch.equal(data, tensor._storage.rowwise_data.view(torch.uint8))
+    assert data.data_ptr() == tensor._storage.rowwise_data.data_ptr()  # a view, no copy

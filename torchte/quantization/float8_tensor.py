@@ -206,6 +206,13 @@ class Float8Tensor(torch.Tensor):
             f"values={_repr_values(storage)})"
         )
 
+    @property
+    def _data(self) -> torch.Tensor | None:
+        """Transformer Engine's name for the FP8 bytes clients read: the rowwise data as uint8
+        (a view; None without rowwise data)."""
+        row = self._storage.rowwise_data
+        return None if row is None else row.view(torch.uint8)
+
     # -- pickling and the traceable-subclass protocol -------------------------------------------
 
     @property
