@@ -185,6 +185,7 @@ def autocast(
         state.enabled, state.calibrating, state.recipe, state.group = saved
         state.depth -= 1
         if state.depth == 0:
+            state.first_module = False  # asked outside any region: False
             if not torch.compiler.is_compiling():  # a compiled graph keeps no weight cache
                 _STEPS.count += 1  # (and a traced count would recompile it every step)
             # Emptied in place (not replaced): torch.compile replays in-place changes of the
