@@ -21,7 +21,6 @@ high precision.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map_only
 
@@ -29,7 +28,7 @@ from torchte.kernels import cast_transpose as ct
 from torchte.kernels.cast_spec import CastSpec
 from torchte.quantization import float8_fsdp
 from torchte.quantization.float8 import Float8CurrentScalingQuantizer
-from torchte.quantization.float8_fsdp import pad_rows
+from torchte.quantization.float8_fsdp import max_over, pad_rows
 from torchte.quantization.float8_tensor import Float8Tensor
 
 __all__ = ["FP8GatheredWeight", "enable_fp8_all_gather", "precompute_fp8_scales"]
@@ -129,11 +128,7 @@ class FP8GatheredWeight(torch.Tensor):
             spec = CastSpec(FP8_DTYPE, True, False, agreed.scale, torch.empty_like(agreed.scale))
             data = ct.quantize(shard, spec)[0] if shard.numel() else None
         else:
-            group = mesh.get_group()
-
-            def reduce_max(amax: torch.Tensor) -> None:
-                dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
-
+            reduce_max = max_over(mesh.get_group())
             data, _, scale_inv = _QUANTIZER._cast_agreed(shard, reduce_max, True, False)
         meta = (scale_inv, tuple(outer_size), FP8_DTYPE, _GATHERED_QUANTIZER)
         return (pad_rows(data, outer_size, mesh.size(), self.device),), meta
@@ -204,7 +199,7 @@ def precompute_fp8_scales(model: nn.Module) -> None:
             for s in shards
         ]
     )
-    dist.all_reduce(amaxes, op=dist.ReduceOp.MAX, group=groups.pop())
+    max_over(groups.pop())(amaxes)
     scales = ct.compute_scale_reference(amaxes, ct.FP8_MAX[FP8_DTYPE], 0.0, False)
     # One row of 4 fp32 a weight: each scale (1,) starts 16-byte aligned, as cuBLAS's FP8
     # GEMM needs its scale pointers.

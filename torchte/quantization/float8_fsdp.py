@@ -15,7 +15,9 @@ reduced over the group (te.autocast's amax_reduction_group).
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -25,6 +27,7 @@ from .float8 import Float8CurrentScalingQuantizer, Float8Storage
 __all__ = [
     "fsdp_post_all_gather",
     "fsdp_pre_all_gather",
+    "max_over",
     "new_zeros",
     "pad_rows",
     "row_view",
@@ -74,18 +77,21 @@ def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy)
     makes them a Float8Tensor again."""
     quantizer = self._quantizer
     if isinstance(quantizer, Float8CurrentScalingQuantizer) and quantizer.amax_reduction is None:
-        group = mesh.get_group()
-
-        def reduce_max(amax: torch.Tensor) -> None:
-            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
-
-        quantizer.amax_reduction = reduce_max
+        quantizer.amax_reduction = max_over(mesh.get_group())
     storage = self._storage
     if storage.rowwise_data is None:
         storage.update_usage(rowwise_usage=True)
     data = pad_rows(storage.rowwise_data, outer_size, mesh.size(), self.device)
     meta = (storage.scale_inv.clone(), tuple(outer_size), storage.fp8_dtype, quantizer)
     return (data,), meta
+
+
+def max_over(group) -> Callable[[torch.Tensor], object]:
+    """A function all-reducing a tensor in place with MAX over `group`, through
+    te.distributed (the amaxes of a tensor whose rows the ranks hold)."""
+    from torchte.distributed import allreduce  # imported late: it imports the modules
+
+    return functools.partial(allreduce, tp_group=group, op=dist.ReduceOp.MAX)
 
 
 def pad_rows(shard: torch.Tensor | None, outer_size, ranks: int, device) -> torch.Tensor:
