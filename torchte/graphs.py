@@ -32,6 +32,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from ._options import check_options
 from .autocast import autocast, default_recipe
 from .module.base import TransformerEngineBaseModule
 from .recipe import Recipe
@@ -39,7 +40,8 @@ from .recipe import Recipe
 __all__ = ["make_graphed_callables"]
 
 
-# Transformer Engine 2.x's capture options torchte does not implement, and their "off" value.
+# Transformer Engine 2.x's capture options torchte does not implement, and their "off" value
+# (_options.check_options).
 _OFF_OPTIONS = {
     "clone_param_grads_on_return": False,
     "_clone_param_grads_on_return": False,
@@ -63,18 +65,6 @@ def _one_of(new_name: str, new, old_name: str, old, default):
             f"(the same argument); give {new_name}"
         )
     return new
-
-
-def _check_off(options: dict) -> None:
-    """TypeError for an unknown argument, NotImplementedError for a 2.x option set."""
-    unknown = sorted(set(options) - set(_OFF_OPTIONS))
-    if unknown:
-        raise TypeError(f"make_graphed_callables got unexpected arguments: {', '.join(unknown)}")
-    on = sorted(k for k, v in options.items() if v is not None and v != _OFF_OPTIONS[k])
-    if on:
-        raise NotImplementedError(
-            f"make_graphed_callables: {', '.join(on)} is not implemented in torchte yet"
-        )
 
 
 def make_graphed_callables(
@@ -112,7 +102,7 @@ def make_graphed_callables(
         "cache_quantized_params", cache_quantized_params, "fp8_weight_caching",
         fp8_weight_caching, False,
     )  # fmt: skip
-    _check_off(off_options)
+    check_options("make_graphed_callables", off_options, _OFF_OPTIONS)
     if sample_kwargs or _order is not None or fp8_weight_caching or retain_graph_in_backward:
         raise NotImplementedError(
             "make_graphed_callables: sample_kwargs, _order, fp8_weight_caching and "

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from torchte._options import check_options
 from torchte.gemm import fp8_gemm, hp_linear, hp_mm
 from torchte.quantization.float8 import Float8Storage
 from torchte.quantization.float8_tensor import Float8Tensor
@@ -464,8 +465,8 @@ def cast_to(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
 
 
 # Transformer Engine's options that torchte does not implement, with the value that means
-# "off": accepted at it (clients pass them on every construction), NotImplementedError when
-# on. ub_name only names a buffer for the userbuffers options: any value is accepted.
+# "off" (_options.check_options). ub_name only names a buffer for the userbuffers options: any
+# value is accepted.
 _OFF_OPTIONS = {
     **dict.fromkeys(
         (
@@ -488,22 +489,10 @@ _OFF_OPTIONS = {
 
 def check_unknown(module: str, unsupported) -> None:
     """Keyword arguments beyond a module's own: Transformer Engine's options that torchte does
-    not implement are accepted while off (_OFF_OPTIONS) and NotImplementedError naming them
-    when on; anything else is a TypeError naming it."""
-    unknown = sorted(k for k in unsupported if k not in _OFF_OPTIONS and k != "ub_name")
-    if unknown:
-        raise TypeError(f"{module} got unexpected keyword arguments: {', '.join(unknown)}")
-    enabled = sorted(
-        f"{k}={unsupported[k]!r}"
-        for k, off in _OFF_OPTIONS.items()
-        if k in unsupported and unsupported[k] not in (off, None, False)
-    )
-    if enabled:
-        raise NotImplementedError(
-            f"{module}: {', '.join(enabled)} is not implemented in torchte (userbuffers "
-            "overlap, deferred weight gradients, the original input kept, symmetric "
-            "all-reduce); leave it off"
-        )
+    not implement are accepted while off and NotImplementedError naming them when on (userbuffers
+    overlap, deferred weight gradients, the original input kept, symmetric all-reduce);
+    anything else is a TypeError naming it."""
+    check_options(module, unsupported, _OFF_OPTIONS, inert=("ub_name",))
 
 
 def check_unsupported(
