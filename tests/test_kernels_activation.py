@@ -22,11 +22,12 @@ from torchte.kernels import activation as act
 from torchte.kernels._triton import triton_available
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-GATED = {"geglu", "qgeglu", "reglu", "sreglu", "swiglu", "clamped_swiglu"}
+GATED = {"geglu", "glu", "qgeglu", "reglu", "sreglu", "swiglu", "clamped_swiglu"}
 # Each activation's function of x (non-gated) or of x1 (gated), for the model.
 BASE = {
     "gelu": "gelu",
     "geglu": "gelu",
+    "glu": "sigmoid",
     "qgelu": "qgelu",
     "qgeglu": "qgelu",
     "relu": "relu",
@@ -64,6 +65,8 @@ def model_base(a: torch.Tensor, base: str) -> torch.Tensor:
         return torch.relu(a)
     if base == "srelu":
         return torch.relu(a) ** 2
+    if base == "sigmoid":
+        return torch.sigmoid(a)
     assert base == "silu"
     return a * torch.sigmoid(a)
 
@@ -161,7 +164,7 @@ def test_clamped_swiglu_near_and_beyond_the_limit(limit, alpha, dtype):
     assert torch.equal(y[past], at_limit[past])
 
 
-@pytest.mark.parametrize("name", ["gelu", "geglu", "qgelu", "qgeglu", "silu", "swiglu"])
+@pytest.mark.parametrize("name", ["gelu", "geglu", "glu", "qgelu", "qgeglu", "silu", "swiglu"])
 def test_reference_huge_inputs_stay_finite(name):
     # |x1|^3 overflows fp32: sigmoid saturates to 0 or 1 and the gradient is 0 or 1, not NaN.
     values = torch.tensor([1e30, -1e30, 1e20, -1e20, 1e10, -1e10, 100.0, -100.0])
@@ -172,6 +175,23 @@ def test_reference_huge_inputs_stay_finite(name):
     assert torch.isfinite(y).all() and torch.isfinite(dx).all()
     assert_close(y, model_forward(x, name), torch.float32)
     assert_close(dx, model_backward(dy, x, name), torch.float32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_glu_gates_with_the_first_half(dtype):
+    # Transformer Engine's glu is sigmoid(x1) * x2; torch's F.glu is x1 * sigmoid(x2): the same
+    # function once the halves are swapped, and a different one on the halves as given.
+    x, dy = draw("glu", (9, 24), dtype)
+    x1, x2 = x.double().chunk(2, dim=-1)
+    swapped = torch.cat([x2, x1], dim=-1).requires_grad_()
+    y_torch = torch.nn.functional.glu(swapped, dim=-1)
+    (d_swapped,) = torch.autograd.grad(y_torch, swapped, dy.double())
+    y = act.activation_forward(x, "glu")
+    dx = act.activation_backward(dy, x, "glu")
+    assert_close(y, y_torch, dtype)
+    assert_close(dx, torch.cat(d_swapped.chunk(2, dim=-1)[::-1], dim=-1), dtype)
+    unswapped = torch.nn.functional.glu(x.double(), dim=-1)
+    assert (y.double() - unswapped).abs().max() > 1.0
 
 
 def test_relu_family_gradient_at_zero_is_zero():
@@ -188,8 +208,8 @@ def test_relu_family_gradient_at_zero_is_zero():
 
 def test_activation_names_and_gating():
     assert act.ACTIVATIONS == (
-        "gelu", "geglu", "qgelu", "qgeglu", "relu", "reglu", "srelu", "sreglu", "silu", "swiglu",
-        "clamped_swiglu",
+        "gelu", "geglu", "glu", "qgelu", "qgeglu", "relu", "reglu", "srelu", "sreglu", "silu",
+        "swiglu", "clamped_swiglu",
     )  # fmt: skip
     assert {name for name in act.ACTIVATIONS if act.is_gated(name)} == GATED
 
@@ -280,7 +300,7 @@ def test_triton_clamped_swiglu_params_and_huge_inputs(dtype):
         dx = act.activation_backward(dy, x, **params)
         assert_close(dx, act.activation_backward_reference(dy, x, **params), dtype)
     values = torch.tensor([1e30, -1e30, 1e20, -1e20, 100.0, -100.0], device="cuda")
-    for name in ["gelu", "qgelu", "silu", "geglu", "swiglu"]:
+    for name in ["gelu", "qgelu", "silu", "geglu", "glu", "swiglu"]:
         x = values[:, None] if name not in GATED else torch.stack([values, values.sign()], 1)
         dy = torch.ones((6, 1), device="cuda")
         y, dx = act.activation_forward(x, name), act.activation_backward(dy, x, name)
@@ -373,7 +393,7 @@ for limit, alpha in [(3.5, 1.0), (0.5, 2.0)]:
     dy = torch.ones((x.shape[0], 1))
     check(x, dy, "clamped_swiglu", (64, 2), limit=limit, alpha=alpha)
 huge = torch.tensor([1e30, -1e30, 1e20, -1e20, 100.0, -100.0, 0.0, 1.0])
-for name in ["gelu", "qgelu", "silu", "geglu", "swiglu", "relu", "srelu"]:
+for name in ["gelu", "qgelu", "silu", "geglu", "glu", "swiglu", "relu", "srelu"]:
     x = huge[:, None] if not act.is_gated(name) else torch.stack([huge, huge.sign()], 1)
     check(x, torch.ones((8, 1)), name, (32, 1))
 # Leading dims and a dy in another dtype than x.

@@ -220,7 +220,7 @@ def test_spec_without_scale_or_rowwise_raises():
 # ----------------------------------------------------------------------------------------------
 
 GPU_SHAPES = [(1, 1), (1, 64), (16, 1024), (17, 1001), (257, 4096)]  # (M, N)
-GPU_NAMES = ["gelu", "swiglu", "srelu", "clamped_swiglu", "reglu", "qgelu"]
+GPU_NAMES = ["gelu", "swiglu", "srelu", "clamped_swiglu", "reglu", "qgelu", "glu"]
 
 
 @pytest.mark.gpu
@@ -445,7 +445,7 @@ for usage in [(True, False), (False, True), (False, False)]:
     check(h, dy, "swiglu", torch.float8_e5m2, ((16, 16, 4), (16, 16, 4)), usage)
 # Huge inputs (saturating FP8, x^3 overflowing fp32) and clamped_swiglu around its limit.
 huge = torch.tensor([1e30, -1e30, 1e20, -1e20, 100.0, -100.0, 0.0, 1.0, 7.0, 7.5, -7.5, -7.0])
-for name in ["gelu", "qgelu", "silu", "srelu", "geglu", "swiglu", "clamped_swiglu"]:
+for name in ["gelu", "qgelu", "silu", "srelu", "geglu", "glu", "swiglu", "clamped_swiglu"]:
     h = huge[:, None] if not act.is_gated(name) else torch.stack([huge, huge.flip(0)], 1)
     check(h, torch.ones((12, 1)), name, torch.float8_e4m3fn, ((16, 16, 4), (16, 16, 4)))
 print("ok")

@@ -30,7 +30,10 @@ SPLITS = [16, 0, 48, 32]  # an expert without tokens among them
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("scaling", ["delayed", "current"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_scaled_activation_grouped_fp8_equals_activation_then_grouped_cast(device, scaling, dtype):
+@pytest.mark.parametrize("name", ["swiglu", "glu"])
+def test_scaled_activation_grouped_fp8_equals_activation_then_grouped_cast(
+    device, scaling, dtype, name
+):
     """The fused kernel writes the bytes, amaxes and scale_invs of the activation, the scaling
     and the grouped cast done one after the other."""
     gen = torch.Generator().manual_seed(3)
@@ -43,11 +46,9 @@ def test_scaled_activation_grouped_fp8_equals_activation_then_grouped_cast(devic
     for fused in (True, False):
         spec = _grouped_spec(scaling, device, torch.float8_e4m3fn, (True, True))
         if fused:
-            out = scaled_activation_grouped_fp8(
-                h, s, "swiglu", 7.0, 1.702, splits, rows, cols, spec
-            )
+            out = scaled_activation_grouped_fp8(h, s, name, 7.0, 1.702, splits, rows, cols, spec)
         else:
-            a = scaled_activation_forward(h, s, "swiglu")
+            a = scaled_activation_forward(h, s, name)
             out = quantize_grouped(a, splits, rows, cols, spec)
         outputs.append((*out, spec.amax))
     _assert_same_bytes(*outputs)
@@ -56,7 +57,8 @@ def test_scaled_activation_grouped_fp8_equals_activation_then_grouped_cast(devic
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("scaling", ["delayed", "current"])
 @pytest.mark.parametrize(("name", "usage"), [("swiglu", (True, True)), ("gelu", (False, True)),
-                                             ("clamped_swiglu", (True, False))])  # fmt: skip
+                                             ("clamped_swiglu", (True, False)),
+                                             ("glu", (True, True))])  # fmt: skip
 def test_scaled_activation_backward_grouped_fp8_equals_backward_then_grouped_cast(
     device, scaling, name, usage
 ):

@@ -52,6 +52,7 @@ def _silu(t):
 BASE = {
     "gelu": _gelu,
     "geglu": _gelu,
+    "glu": torch.sigmoid,  # of the first half, as in Transformer Engine (F.glu: the second)
     "qgelu": _qgelu,
     "qgeglu": _qgelu,
     "relu": torch.relu,
@@ -159,7 +160,7 @@ def test_odd_sizes(activation, dtype):
     check(mlp, x, dy, dtype)
 
 
-@pytest.mark.parametrize("activation", ["gelu", "swiglu", "qgeglu"])
+@pytest.mark.parametrize("activation", ["gelu", "swiglu", "qgeglu", "glu"])
 @pytest.mark.parametrize("name", list(RECIPES))
 def test_fp8(activation, name):
     mlp = make_mlp(32, 48, activation, torch.bfloat16)

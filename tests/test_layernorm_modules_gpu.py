@@ -69,7 +69,7 @@ def test_layernorm_linear_gpu_matches_cpu(name, normalization):
 
 
 @pytest.mark.parametrize("name", list(RECIPES))
-@pytest.mark.parametrize("activation", ["gelu", "swiglu"])
+@pytest.mark.parametrize("activation", ["gelu", "swiglu", "glu"])
 @pytest.mark.parametrize("checkpoint", [False, True])
 def test_layernorm_mlp_gpu_matches_cpu(name, activation, checkpoint):
     def make(device):

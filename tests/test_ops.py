@@ -105,12 +105,15 @@ def test_norm_linear_ops_equal_layernorm_linear(device, recipe_name, normalizati
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("producer", ["RMSNorm", "SwiGLU"])
+@pytest.mark.parametrize("producer", ["RMSNorm", "SwiGLU", "GLU"])
 def test_delayed_producer_linear_is_fused_and_equals_unfused(monkeypatch, producer, device):
     """Under delayed scaling the norm or activation writes the GEMM's FP8 input itself: the
     same bytes as the op followed by the GEMM's own quantization."""
     kw = {"dtype": torch.bfloat16, "device": device}
-    first = te.ops.RMSNorm(64, **kw) if producer == "RMSNorm" else te.ops.SwiGLU(device=device)
+    if producer == "RMSNorm":
+        first = te.ops.RMSNorm(64, **kw)
+    else:
+        first = getattr(te.ops, producer)(device=device)
     features = 64 if producer == "RMSNorm" else 32
     ops = te.ops.Sequential(first, te.ops.BasicLinear(features, 32, **kw))
     twin = copy.deepcopy(ops)  # the same weights and fresh scaling state
@@ -129,13 +132,15 @@ def test_delayed_producer_linear_is_fused_and_equals_unfused(monkeypatch, produc
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("recipe_name", ["delayed", "current"])
-def test_backward_activation_bias_quantize_fusion(monkeypatch, device, recipe_name):
-    """Under delayed scaling the backward of Linear -> SwiGLU computes dh, the bias gradient
-    and the FP8 dh in one kernel: the same input and weight gradients as the ops unfused, the
-    bias gradient summed in fp32 (within an ulp of bf16). Current scaling: not fused."""
+@pytest.mark.parametrize("activation", ["SwiGLU", "GLU"])
+def test_backward_activation_bias_quantize_fusion(monkeypatch, device, recipe_name, activation):
+    """Under delayed scaling the backward of Linear -> SwiGLU (or GLU) computes dh, the bias
+    gradient and the FP8 dh in one kernel: the same input and weight gradients as the ops
+    unfused, the bias gradient summed in fp32 (within an ulp of bf16). Current scaling: not
+    fused."""
     kw = {"dtype": torch.bfloat16, "device": device}
     first, last = te.ops.Linear(64, 64, **kw), te.ops.Linear(32, 16, **kw)
-    ops = te.ops.Sequential(first, te.ops.SwiGLU(), last)
+    ops = te.ops.Sequential(first, getattr(te.ops, activation)(), last)
     with torch.no_grad():
         ops[0].bias.copy_(representable(64, torch.bfloat16))
     twin = copy.deepcopy(ops)
@@ -153,6 +158,27 @@ def test_backward_activation_bias_quantize_fusion(monkeypatch, device, recipe_na
             assert_close(grad, unfused[2][name], torch.bfloat16)
         else:
             assert _equal(grad, unfused[2][name]), name
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_glu_op_is_sigmoid_of_the_first_half_times_the_second(device, dtype):
+    """te.ops.GLU: sigmoid(a) * b for x = [a, b], Transformer Engine's convention; the same as
+    torch's F.glu (a * sigmoid(b)) on the halves swapped, in fp64, with its gradient."""
+    op = te.ops.GLU(device=device)
+    x = representable((3, 5, 24), dtype, scale=8.0, device=device).to(dtype).requires_grad_()
+    y = op(x)
+    dy = representable(y.shape, dtype, device=device).to(dtype)
+    y.backward(dy)
+    a, b = x.detach().double().chunk(2, dim=-1)
+    swapped = torch.cat([b, a], dim=-1).requires_grad_()
+    y64 = F.glu(swapped, dim=-1)
+    y64.backward(dy.double())
+    assert y.shape == (3, 5, 12) and y.dtype == dtype
+    assert_close(y, y64, dtype)
+    assert_close(x.grad, torch.cat(swapped.grad.chunk(2, dim=-1)[::-1], dim=-1), dtype)
+    with pytest.raises(ValueError, match=r"te\.ops\.GLU is gated"):
+        te.ops.Sequential(te.ops.Linear(16, 63, device=device), te.ops.GLU(device=device))
 
 
 def _block_reference(block, x, residual):

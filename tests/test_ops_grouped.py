@@ -212,7 +212,7 @@ def test_grouped_mlp_only_probabilities_want_gradients(recipe_name):
     assert grads[0].any() and _equal(grads[0], grads[1])
 
 
-SCALED = ["ScaledSwiGLU", "ScaledGEGLU", "ScaledReGLU", "ScaledSReGLU", "ScaledGELU"]
+SCALED = ["ScaledSwiGLU", "ScaledGEGLU", "ScaledGLU", "ScaledReGLU", "ScaledSReGLU", "ScaledGELU"]
 
 
 def _act_fp64(name, h):
@@ -220,6 +220,7 @@ def _act_fp64(name, h):
     acts = {
         "ScaledSwiGLU": (F.silu, True),
         "ScaledGEGLU": (gelu, True),
+        "ScaledGLU": (torch.sigmoid, True),  # the sigmoid of the first half, as in TE
         "ScaledReGLU": (F.relu, True),
         "ScaledSReGLU": (lambda v: F.relu(v) ** 2, True),
         "ScaledGELU": (gelu, False),
@@ -306,6 +307,7 @@ def _forward_ops(mlp, direction="forward") -> list[str]:
         ("ScaledSwiGLU", False, torch.bfloat16),
         ("SwiGLU", False, torch.bfloat16),
         ("ScaledGELU", True, torch.bfloat16),
+        ("ScaledGLU", False, torch.bfloat16),
         ("ScaledSwiGLU", True, torch.float32),
     ],
 )

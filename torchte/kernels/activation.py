@@ -10,6 +10,8 @@ Definitions follow Transformer Engine, so that checkpoints carry over:
   qgelu(x) = x sigmoid(1.702 x)       relu(x) = max(x, 0)       srelu(x) = relu(x)^2
   silu(x)  = x sigmoid(x)
   geglu, qgeglu, reglu, sreglu, swiglu: gelu, qgelu, relu, srelu, silu of x1, times x2.
+  glu: sigmoid(x1) x2. The sigmoid is of the first half, as in Transformer Engine; note that
+  torch.nn.functional.glu gates the other way round (x1 sigmoid(x2)).
   clamped_swiglu (GPT-OSS): x1c = min(x1, limit), x2c = clamp(x2, -limit, limit),
   y = x1c sigmoid(alpha x1c) (x2c + 1); no gradient flows where a clamp is active (x1 > limit,
   |x2| > limit). `limit` and `alpha` are used by clamped_swiglu only (qgelu's 1.702 is fixed).
@@ -35,6 +37,7 @@ from ._triton import FastLaunch, triton_available
 _SPECS: dict[str, tuple[str, bool]] = {
     "gelu": ("gelu", False),
     "geglu": ("gelu", True),
+    "glu": ("sigmoid", True),
     "qgelu": ("qgelu", False),
     "qgeglu": ("qgelu", True),
     "relu": ("relu", False),
@@ -83,8 +86,9 @@ if triton is not None:
 
     @triton.jit
     def _act_and_grad(a, limit, alpha, ACT: tl.constexpr):
-        """(act(a), act'(a)) of fp32 a for ACT in gelu, qgelu, relu, srelu, silu, clamped_silu
-        (x1c sigmoid(alpha x1c), x1c = min(a, limit)); the unused one is compiled away."""
+        """(act(a), act'(a)) of fp32 a for ACT in gelu, qgelu, relu, srelu, silu, sigmoid,
+        clamped_silu (x1c sigmoid(alpha x1c), x1c = min(a, limit)); the unused one is compiled
+        away."""
         if ACT == "gelu":
             s, sc = _sigmoid(2.0 * 0.7978845608028654 * (a + 0.044715 * a * a * a))
             t = 2.0 * s * sc
@@ -107,6 +111,9 @@ if triton is not None:
             s, sc = _sigmoid(a)
             act = a * s
             dact = s + a * s * sc
+        elif ACT == "sigmoid":
+            act, sc = _sigmoid(a)
+            dact = act * sc
         else:  # clamped_silu
             ac = tl.where(a > limit, limit, a)
             s, sc = _sigmoid(alpha * ac)
@@ -157,7 +164,7 @@ if triton is not None:
         cols,  # N when GATED, else M * N
         limit,  # fp32; clamped_silu only
         alpha,  # fp32; clamped_silu only
-        ACT: tl.constexpr,  # gelu, qgelu, relu, srelu, silu, clamped_silu
+        ACT: tl.constexpr,  # gelu, qgelu, relu, srelu, silu, sigmoid, clamped_silu
         GATED: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
@@ -179,7 +186,7 @@ if triton is not None:
         cols,  # N when GATED, else M * N
         limit,  # fp32; clamped_silu only
         alpha,  # fp32; clamped_silu only
-        ACT: tl.constexpr,  # gelu, qgelu, relu, srelu, silu, clamped_silu
+        ACT: tl.constexpr,  # gelu, qgelu, relu, srelu, silu, sigmoid, clamped_silu
         GATED: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
@@ -210,7 +217,7 @@ if triton is not None:
 
 
 def is_gated(name: str) -> bool:
-    """True for the activations that split x in two (geglu, qgeglu, reglu, sreglu, swiglu,
+    """True for the activations that split x in two (geglu, glu, qgeglu, reglu, sreglu, swiglu,
     clamped_swiglu); ValueError for an unknown name."""
     return _spec(name)[1]
 
@@ -384,6 +391,9 @@ def _act_and_grad_reference(
         r = torch.where(a < 0.0, 0.0, a)
         y = r * r
         dact = 2.0 * r if want_grad else None
+    elif act == "sigmoid":
+        y = torch.sigmoid(a)
+        dact = y * torch.sigmoid(-a) if want_grad else None  # 1 - s as sigmoid(-a): no cancelling
     else:  # clamped_silu
         ac = torch.where(a > limit, limit, a)
         y = ac * torch.sigmoid(alpha * ac)

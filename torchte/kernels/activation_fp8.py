@@ -132,7 +132,7 @@ if triton is not None:
         limit,  # fp32; clamped_silu only
         alpha,  # fp32; clamped_silu only
         FP8_MAX: tl.constexpr,  # 448.0 (e4m3) or 57344.0 (e5m2)
-        ACT: tl.constexpr,  # gelu, qgelu, relu, srelu, silu, clamped_silu
+        ACT: tl.constexpr,  # gelu, qgelu, relu, srelu, silu, sigmoid, clamped_silu
         GATED: tl.constexpr,
         COLUMNWISE: tl.constexpr,
         BLOCK_M: tl.constexpr,
@@ -178,7 +178,7 @@ if triton is not None:
         limit,  # fp32; clamped_silu only
         alpha,  # fp32; clamped_silu only
         FP8_MAX: tl.constexpr,  # 448.0 (e4m3) or 57344.0 (e5m2)
-        ACT: tl.constexpr,  # gelu, qgelu, relu, srelu, silu, clamped_silu
+        ACT: tl.constexpr,  # gelu, qgelu, relu, srelu, silu, sigmoid, clamped_silu
         GATED: tl.constexpr,
         ROWWISE: tl.constexpr,
         COLUMNWISE: tl.constexpr,

@@ -5,6 +5,7 @@ See docs/architecture.md and the README's "Operation fuser" section."""
 from .basic import (
     GEGLU,
     GELU,
+    GLU,
     QGEGLU,
     QGELU,
     AddExtraInput,
@@ -26,6 +27,7 @@ from .basic import (
     ScaledClampedSwiGLU,
     ScaledGEGLU,
     ScaledGELU,
+    ScaledGLU,
     ScaledQGEGLU,
     ScaledQGELU,
     ScaledReGLU,
@@ -45,6 +47,7 @@ from .sequential import Sequential
 __all__ = [
     "GEGLU",
     "GELU",
+    "GLU",
     "QGEGLU",
     "QGELU",
     "AddExtraInput",
@@ -72,6 +75,7 @@ __all__ = [
     "ScaledClampedSwiGLU",
     "ScaledGEGLU",
     "ScaledGELU",
+    "ScaledGLU",
     "ScaledQGEGLU",
     "ScaledQGELU",
     "ScaledReGLU",

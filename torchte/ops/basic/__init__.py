@@ -3,6 +3,7 @@
 from .activation import (
     GEGLU,
     GELU,
+    GLU,
     QGEGLU,
     QGELU,
     ClampedSwiGLU,
@@ -29,6 +30,7 @@ from .scaled_activation import (
     ScaledClampedSwiGLU,
     ScaledGEGLU,
     ScaledGELU,
+    ScaledGLU,
     ScaledQGEGLU,
     ScaledQGELU,
     ScaledReGLU,
@@ -42,6 +44,7 @@ from .scaled_activation import (
 __all__ = [
     "GEGLU",
     "GELU",
+    "GLU",
     "QGEGLU",
     "QGELU",
     "AddExtraInput",
@@ -65,6 +68,7 @@ __all__ = [
     "ScaledClampedSwiGLU",
     "ScaledGEGLU",
     "ScaledGELU",
+    "ScaledGLU",
     "ScaledQGEGLU",
     "ScaledQGELU",
     "ScaledReGLU",

@@ -15,6 +15,7 @@ from ..op import BasicOperation
 __all__ = [
     "GEGLU",
     "GELU",
+    "GLU",
     "QGEGLU",
     "QGELU",
     "ClampedSwiGLU",
@@ -81,6 +82,13 @@ class GEGLU(_Activation):
     """GELU-gated linear unit."""
 
     name, gated = "geglu", True
+
+
+class GLU(_Activation):
+    """Sigmoid-gated linear unit: sigmoid(a) * b for x = [a, b]. The sigmoid is of the first
+    half, as in Transformer Engine (torch.nn.functional.glu gates the second half)."""
+
+    name, gated = "glu", True
 
 
 class QGELU(_Activation):

@@ -20,6 +20,7 @@ from ._row_scales import check_row_scales
 from .activation import (
     GEGLU,
     GELU,
+    GLU,
     QGEGLU,
     QGELU,
     ClampedSwiGLU,
@@ -35,6 +36,7 @@ __all__ = [
     "ScaledClampedSwiGLU",
     "ScaledGEGLU",
     "ScaledGELU",
+    "ScaledGLU",
     "ScaledQGEGLU",
     "ScaledQGELU",
     "ScaledReGLU",
@@ -105,6 +107,10 @@ class ScaledGELU(_Scaled, GELU):
 
 class ScaledGEGLU(_Scaled, GEGLU):
     """GEGLU times a per-row scale."""
+
+
+class ScaledGLU(_Scaled, GLU):
+    """Sigmoid-gated linear unit (sigmoid of the first half) times a per-row scale."""
 
 
 class ScaledQGELU(_Scaled, QGELU):
