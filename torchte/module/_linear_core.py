@@ -29,6 +29,7 @@ from ._common import (
     should_overwrite,
     split_parameter_names,
 )
+from ._deferred_wgrad import WgradStore
 from ._functorch import apply
 from ._lifecycle import ParameterInit, fill
 from .base import PlanKey, TransformerEngineBaseModule, check_fp8_dims
@@ -78,11 +79,16 @@ class LinearPlan:
     """Called once the backward quantized its gradients (delayed scaling's update; None: none)."""
     tp: Any = None
     """The module's TensorParallel setting (_tensor_parallel.py); NO_TP where it has none."""
+    wgrad_store: WgradStore | None = None
+    """Where backward defers the weight-gradient GEMM (delay_wgrad_compute; None: runs it)."""
+    save_original_input: bool = False
+    """Backward keeps the GEMM's input as given and casts it again (not its FP8 copy)."""
     fast: bool = field(init=False)
     """Plain high precision: nn.Linear's own kernels and autograd do everything."""
 
     def __post_init__(self) -> None:
-        fast = not (self.fp8 or self.calibrating or self.main_grad is not None)
+        special = self.main_grad is not None or self.wgrad_store is not None
+        fast = not (self.fp8 or self.calibrating or special or self.save_original_input)
         object.__setattr__(self, "fast", fast)
 
     def input_quantizer(self):
@@ -136,11 +142,18 @@ def linear_forward(
             x_fp8 = inp._storage
             x_fp8.update_usage(rowwise_usage=True, columnwise_usage=need_wgrad or None)
         else:
-            x_fp8 = setup.input[plan.gemm].quantize(x2d, rowwise=True, columnwise=need_wgrad)
+            columnwise = need_wgrad and not plan.save_original_input
+            x_fp8 = setup.input[plan.gemm].quantize(x2d, rowwise=True, columnwise=columnwise)
         y = fprop(x_fp8, w_fp8, bias, plan)
         x_saved = x_fp8 if need_wgrad else None
+        if need_wgrad and plan.save_original_input and x2d is not None:
+            x_saved = x2d  # kept as given: backward casts it again (_columnwise_input)
         w_saved = w_fp8 if need_dgrad else None
-        if x_saved is not None and not keep_rowwise and not isinstance(inp, Float8Tensor):
+        if (
+            isinstance(x_saved, Float8Storage)
+            and not keep_rowwise
+            and not isinstance(inp, Float8Tensor)
+        ):
             x_fp8.update_usage(rowwise_usage=False)  # only the transpose is used in wgrad
     else:
         x_hp = x2d if x2d.dtype == dtype else x2d.to(dtype)
@@ -149,7 +162,7 @@ def linear_forward(
             plan.setup.input[plan.gemm].record_amax(x2d)
             plan.setup.weight[plan.gemm].record_amax(weight)
         y = fprop(x_hp, w_hp, bias, plan, residual)
-        x_saved = x_hp if need_wgrad else None
+        x_saved = (x2d if plan.save_original_input else x_hp) if need_wgrad else None
         w_saved = w_hp if need_dgrad else None
     y = as_output(y, (*inp.shape[:-1], y.shape[-1]))
     if plan.fp8_output:
@@ -230,8 +243,9 @@ def linear_backward(
     return dgrad, wgrad, dbias
 
 
-def _backward_fp8(ctx, plan, dy2d, dy_fp8, x_fp8, w_fp8, start_reduction):
+def _backward_fp8(ctx, plan, dy2d, dy_fp8, x_saved, w_fp8, start_reduction):
     setup: FP8Setup = plan.setup
+    x_fp8 = _columnwise_input(x_saved, plan) if ctx.need_wgrad else None
     if dy_fp8 is None:
         dy_fp8 = setup.grad_output[plan.gemm].quantize(
             dy2d, rowwise=ctx.need_dgrad, columnwise=ctx.need_wgrad
@@ -266,8 +280,9 @@ def _backward_fp8(ctx, plan, dy2d, dy_fp8, x_fp8, w_fp8, start_reduction):
     return _overlapped(dgrad, start_reduction, lambda: _wgrad(ctx, plan, wgrad_gemm))
 
 
-def _backward_hp(ctx, plan, dy2d, x_hp, w_hp, start_reduction):
+def _backward_hp(ctx, plan, dy2d, x_saved, w_hp, start_reduction):
     dy_hp = dy2d if dy2d.dtype == plan.dtype else dy2d.to(plan.dtype)
+    x_hp = cast_to(x_saved, plan.dtype)  # the input as given with save_original_input
     dgrad = hp_mm(dy_hp, w_hp) if ctx.need_dgrad else None
 
     def wgrad_gemm(rows: slice, out: torch.Tensor | None, accumulate: bool):
@@ -275,6 +290,15 @@ def _backward_hp(ctx, plan, dy2d, x_hp, w_hp, start_reduction):
         return result if out is not None else result.to(ctx.weight_dtype)
 
     return _overlapped(dgrad, start_reduction, lambda: _wgrad(ctx, plan, wgrad_gemm))
+
+
+def _columnwise_input(x_saved, plan: LinearPlan):
+    """The wgrad GEMM's input operand: the saved FP8 value, or (save_original_input) the
+    input kept as given, cast now with the forward's quantizer (current scaling makes the
+    forward's bytes again from the same values)."""
+    if isinstance(x_saved, torch.Tensor):
+        return plan.setup.input[plan.gemm].quantize(x_saved, rowwise=False, columnwise=True)
+    return x_saved
 
 
 def _overlapped(dgrad, start_reduction, wgrad_step):
@@ -287,18 +311,34 @@ def _overlapped(dgrad, start_reduction, wgrad_step):
 
 
 def _wgrad(ctx, plan: LinearPlan, wgrad_gemm: Callable) -> torch.Tensor | None:
-    """The weight gradient: returned, or accumulated into main_grad through weakrefs."""
+    """The weight gradient for autograd: made now, or deferred to backward_dw (None then);
+    with main_grad, accumulated into it through weakrefs (the dummy grad is returned)."""
     if not ctx.need_wgrad:
         return None
+    target: MainGradTarget | None = plan.main_grad
+    store = plan.wgrad_store
+    if store is not None:
+        store.put(plan.gemm, lambda: _weight_gradient(plan, wgrad_gemm))
+        if target is None:
+            return None
+    else:
+        wgrad = _weight_gradient(plan, wgrad_gemm)
+        if target is None:
+            return wgrad
+    if not ctx.weight_requires_grad:
+        return None
+    return target.finish(ctx.weight_shape, ctx.weight_dtype, ctx.weight_device)
+
+
+def _weight_gradient(plan: LinearPlan, wgrad_gemm: Callable) -> torch.Tensor | None:
+    """The wgrad GEMM: its result, or None once accumulated into main_grad."""
     target: MainGradTarget | None = plan.main_grad
     if target is None:
         return wgrad_gemm(slice(None), None, False)
     for param, start, end in target.params():
         overwrite = should_overwrite(param, plan.is_first_microbatch)
         wgrad_gemm(slice(start, end), param.main_grad, not overwrite)
-    if not ctx.weight_requires_grad:
-        return None
-    return target.finish(ctx.weight_shape, ctx.weight_dtype, ctx.weight_device)
+    return None
 
 
 class LinearCore(TransformerEngineBaseModule):
@@ -430,12 +470,18 @@ def gemm_plan(module, key: PlanKey, weights: list, gemm: int = 0) -> LinearPlan:
     weight parameters `weights` when the module fuses wgrad accumulation."""
     recipe = key.recipe
     setup = module._fp8_setup(recipe) if recipe is not None else None
-    if module.fuse_wgrad_accumulation and module.__dict__.get("_is_fsdp_managed_module"):
-        raise NotImplementedError(
-            f"te.{type(module).__name__}: fuse_wgrad_accumulation under FSDP2 is not "
-            "supported: FSDP2 reduce-scatters each parameter's .grad and keeps no main_grad; "
-            "build the module with fuse_wgrad_accumulation=False"
-        )
+    store = module._wgrad_store
+    if module.__dict__.get("_is_fsdp_managed_module"):
+        for option, on in (
+            ("fuse_wgrad_accumulation", module.fuse_wgrad_accumulation),
+            ("delay_wgrad_compute", store is not None),
+        ):
+            if on:
+                raise NotImplementedError(
+                    f"te.{type(module).__name__}: {option} under FSDP2 is not supported: "
+                    "FSDP2 reduce-scatters each parameter's .grad when its backward ends and "
+                    f"keeps no main_grad; build the module with {option}=False"
+                )
     return LinearPlan(
         gemm=gemm,
         dtype=key.dtype,
@@ -450,6 +496,8 @@ def gemm_plan(module, key: PlanKey, weights: list, gemm: int = 0) -> LinearPlan:
         main_grad=MainGradTarget(weights) if module.fuse_wgrad_accumulation else None,
         backward_hook=setup.backward_hook(key.group) if key.fp8 else None,
         tp=getattr(module, "_tp", None) or _no_tp(),
+        wgrad_store=store,
+        save_original_input=module._save_original_input,
     )
 
 

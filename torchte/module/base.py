@@ -31,6 +31,7 @@ from torchte.quantization.model_init import model_init_settings
 from torchte.quantization.setup import FP8Setup, check_recipe, new_setup
 from torchte.recipe import Recipe
 
+from ._deferred_wgrad import WgradStore, run_deferred
 from ._functorch import Deferred, plain, transforms_active
 from ._lifecycle import (
     ExtraStateError,
@@ -101,6 +102,44 @@ class TransformerEngineBaseModule(nn.Module):
         # The recipe of the FP8 weights built under quantized_model_init (None: none are).
         settings = model_init_settings()
         self._model_init_recipe: Recipe | None = None if settings is None else settings.recipe
+        # delay_wgrad_compute (_deferred_wgrad.py): the deferred wgrad GEMMs, or None.
+        self.delay_wgrad_compute = False
+        self._wgrad_store: WgradStore | None = None
+        self._wgrad_hooks: list[Callable[[], None]] = []
+        self._save_original_input = False
+
+    def _defer_wgrad(self, delay_wgrad_compute: bool, weight_names: list[str]) -> None:
+        """In __init__: with delay_wgrad_compute, backward leaves the weight-gradient GEMMs to
+        backward_dw. The weights are marked `skip_backward_post_hook` (as Transformer Engine
+        marks them: their gradient is not ready when autograd's backward reaches them)."""
+        if not isinstance(delay_wgrad_compute, bool):
+            raise TypeError(f"delay_wgrad_compute must be a bool, got {delay_wgrad_compute!r}")
+        self.delay_wgrad_compute = delay_wgrad_compute
+        if delay_wgrad_compute:
+            self._wgrad_store = WgradStore()
+            for name in weight_names:
+                self._parameters[name].skip_backward_post_hook = True
+
+    def need_backward_dw(self) -> bool:
+        """Whether backward_dw must run to finish the weight gradients (delay_wgrad_compute)."""
+        return self._wgrad_store is not None
+
+    def backward_dw(self) -> None:
+        """Run the weight-gradient GEMMs the oldest backward deferred (delay_wgrad_compute=True)
+        into main_grad (fuse_wgrad_accumulation) or the weights' .grad, then the hooks given to
+        register_wgrad_accumulation_and_reduce_hooks. Nothing when none is waiting."""
+        run_deferred(self._wgrad_store, self._wgrad_parameters, self._wgrad_hooks)
+
+    def register_wgrad_accumulation_and_reduce_hooks(self, hook: Callable[[], None]) -> None:
+        """Call hook() at the end of each backward_dw (a data-parallel gradient reduction, as
+        Megatron-Core registers one)."""
+        if not callable(hook):
+            raise TypeError(f"hook must be callable, got {type(hook).__name__}")
+        self._wgrad_hooks.append(hook)
+
+    def _wgrad_parameters(self, gemm: int) -> list[nn.Parameter]:
+        """The weight parameters of GEMM number `gemm` (rows stacked: its weight gradient)."""
+        raise NotImplementedError
 
     def _finish_init(self) -> None:
         """Call at the end of a subclass __init__: from here on, setattr warns."""

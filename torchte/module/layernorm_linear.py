@@ -130,6 +130,7 @@ class LayerNormLinear(LinearCore):
         zero_centered_gamma: bool = False,
         device: torch.device | str | None = None,
         name: str | None = None,
+        delay_wgrad_compute: bool = False,
         **unsupported,
     ) -> None:
         super().__init__(device, params_dtype)
@@ -185,7 +186,11 @@ class LayerNormLinear(LinearCore):
         for param in (self.layer_norm_weight, self.layer_norm_bias):
             if param is not None:
                 param.sequence_parallel = tp.sequence_parallel
+        self._defer_wgrad(delay_wgrad_compute, self.weight_names)
         self._finish_init()
+
+    def _wgrad_parameters(self, gemm: int) -> list[nn.Parameter]:
+        return self._weight_params()
 
     def _parameter_inits(self) -> list[ParameterInit]:
         norm = norm_inits("layer_norm_weight", "layer_norm_bias", self.zero_centered_gamma)

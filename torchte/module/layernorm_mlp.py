@@ -157,41 +157,50 @@ class _LayerNormMLPFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_y, grad_z):
-        ln_w, fc1_b, x2d, mean, rstd, z_saved, w1_saved, h2d, a_saved, w2_saved = restore_saved(ctx)
-        spec: MLPSpec = ctx.spec
-        tp = ctx.plans.fc1.tp
-        if grad_y is None:  # only the norm output was used
-            rows = ctx.gemm2.inp_shape[0] // (tp.size if tp.sequence_parallel else 1)
-            shape = (rows, *ctx.gemm2.inp_shape[1:-1], ctx.gemm2.weight_shape[0])
-            grad_y = torch.zeros(shape, dtype=ctx.plans.fc2.dtype, device=x2d.device)
-        db2 = None
-        if ctx.split_bias_grad:  # this rank's rows (a partial sum under sequence parallelism)
-            db2 = grad_y.reshape(-1, grad_y.shape[-1]).sum(0).to(ctx.plans.fc2.dtype)
-        if tp.split and tp.sequence_parallel:
-            grad_y = tp.gather_sequence(grad_y)
-        da, dw2, db2_gemm = linear_backward(ctx.gemm2, grad_y, a_saved, w2_saved)
-        db2 = db2_gemm if db2 is None else db2
-        dx = d_ln_w = d_ln_b = dw1 = db1 = None
-        if da is not None:
-            if h2d is None:
-                h2d = fprop(z_saved, w1_saved, cast_to(fc1_b, ctx.plans.fc1.dtype), ctx.plans.fc1)
-            da2d = da.reshape(-1, da.shape[-1])
-            quantizer = ctx.plans.fc1.grad_output_quantizer()
-            dh, dh_bias = spec.activation_grad(da2d, h2d, ctx.gemm1, quantizer)
-            gathered_grad = grad_z if tp.gathers_sequence else None  # the gathered z handed out
-            reduction = tp.input_grad_reduction(gathered_grad)  # overlaps fc1's wgrad GEMM
-            fp8_dh = (None, None) if dh_bias is None else (dh, dh_bias)
-            dz, dw1, db1 = linear_backward(
-                ctx.gemm1, dh if dh_bias is None else None, z_saved, w1_saved, *fp8_dh,
-                start_reduction=reduction,
-            )  # fmt: skip
-            if dz is not None:
-                if gathered_grad is not None:
-                    grad_z = None  # added before the reduction
-                dx, d_ln_w, d_ln_b = spec.norm.backward_after_gemm(
-                    dz, grad_z, x2d, ln_w, mean, rstd, ctx.inp_shape, ctx.needs_input_grad[2]
-                )
-        return dx, d_ln_w, d_ln_b, dw1, db1, dw2, db2, None, None, None, None
+        store = ctx.plans.fc1.wgrad_store
+        if store is None:
+            return _mlp_backward(ctx, grad_y, grad_z)
+        with store.one_backward():  # both GEMMs' deferred wgrads: one backward_dw
+            return _mlp_backward(ctx, grad_y, grad_z)
+
+
+def _mlp_backward(ctx, grad_y, grad_z):
+    """_LayerNormMLPFunction.backward: the gradients of its forward's inputs."""
+    ln_w, fc1_b, x2d, mean, rstd, z_saved, w1_saved, h2d, a_saved, w2_saved = restore_saved(ctx)
+    spec: MLPSpec = ctx.spec
+    tp = ctx.plans.fc1.tp
+    if grad_y is None:  # only the norm output was used
+        rows = ctx.gemm2.inp_shape[0] // (tp.size if tp.sequence_parallel else 1)
+        shape = (rows, *ctx.gemm2.inp_shape[1:-1], ctx.gemm2.weight_shape[0])
+        grad_y = torch.zeros(shape, dtype=ctx.plans.fc2.dtype, device=x2d.device)
+    db2 = None
+    if ctx.split_bias_grad:  # this rank's rows (a partial sum under sequence parallelism)
+        db2 = grad_y.reshape(-1, grad_y.shape[-1]).sum(0).to(ctx.plans.fc2.dtype)
+    if tp.split and tp.sequence_parallel:
+        grad_y = tp.gather_sequence(grad_y)
+    da, dw2, db2_gemm = linear_backward(ctx.gemm2, grad_y, a_saved, w2_saved)
+    db2 = db2_gemm if db2 is None else db2
+    dx = d_ln_w = d_ln_b = dw1 = db1 = None
+    if da is not None:
+        if h2d is None:
+            h2d = fprop(z_saved, w1_saved, cast_to(fc1_b, ctx.plans.fc1.dtype), ctx.plans.fc1)
+        da2d = da.reshape(-1, da.shape[-1])
+        quantizer = ctx.plans.fc1.grad_output_quantizer()
+        dh, dh_bias = spec.activation_grad(da2d, h2d, ctx.gemm1, quantizer)
+        gathered_grad = grad_z if tp.gathers_sequence else None  # the gathered z handed out
+        reduction = tp.input_grad_reduction(gathered_grad)  # overlaps fc1's wgrad GEMM
+        fp8_dh = (None, None) if dh_bias is None else (dh, dh_bias)
+        dz, dw1, db1 = linear_backward(
+            ctx.gemm1, dh if dh_bias is None else None, z_saved, w1_saved, *fp8_dh,
+            start_reduction=reduction,
+        )  # fmt: skip
+        if dz is not None:
+            if gathered_grad is not None:
+                grad_z = None  # added before the reduction
+            dx, d_ln_w, d_ln_b = spec.norm.backward_after_gemm(
+                dz, grad_z, x2d, ln_w, mean, rstd, ctx.inp_shape, ctx.needs_input_grad[2]
+            )
+    return dx, d_ln_w, d_ln_b, dw1, db1, dw2, db2, None, None, None, None
 
 
 class LayerNormMLP(TransformerEngineBaseModule):
@@ -233,6 +242,7 @@ class LayerNormMLP(TransformerEngineBaseModule):
         device: torch.device | str | None = None,
         checkpoint: bool = False,
         name: str | None = None,
+        delay_wgrad_compute: bool = False,
         **unsupported,
     ) -> None:
         super().__init__(device, params_dtype, num_gemms=2)
@@ -294,7 +304,11 @@ class LayerNormMLP(TransformerEngineBaseModule):
         for param in (p["layer_norm_weight"], p["layer_norm_bias"]):
             if param is not None:
                 param.sequence_parallel = tp.sequence_parallel
+        self._defer_wgrad(delay_wgrad_compute, ["fc1_weight", "fc2_weight"])
         self._finish_init()
+
+    def _wgrad_parameters(self, gemm: int) -> list[nn.Parameter]:
+        return [self._parameters["fc2_weight" if gemm else "fc1_weight"]]
 
     def set_tensor_parallel_group(self, tp_group) -> None:
         """Set the tensor-parallel process group (when the module was built before it), as in

@@ -137,6 +137,25 @@ class _LinearFunction(torch.autograd.Function):
         return gemm_dgrad if dgrad is None else dgrad, wgrad, dbias, None, None
 
 
+def _check_save_original_input(key, tp) -> None:
+    """save_original_input casts the input again in backward: that needs the scale made from
+    the tensor itself (not delayed scaling's, moved on by then) and the input at hand (not
+    gathered from the other ranks)."""
+    recipe = key.recipe
+    if key.fp8 and recipe is not None and recipe.delayed():
+        raise NotImplementedError(
+            "te.Linear: save_original_input=True does not work with DelayedScaling: the "
+            "input's forward scale is updated before backward casts it again; use "
+            "Float8CurrentScaling, or save_original_input=False"
+        )
+    if tp.gathers_sequence:
+        raise NotImplementedError(
+            "te.Linear: save_original_input=True is not implemented with sequence parallelism "
+            "in column mode (the gathered input would be gathered again in backward); use "
+            "save_original_input=False"
+        )
+
+
 class Linear(LinearCore):
     """y = x W^T + b with Transformer Engine's arguments; FP8 under `te.autocast`.
 
@@ -163,6 +182,8 @@ class Linear(LinearCore):
         parallel_mode: str | None = None,
         get_rng_state_tracker=None,
         rng_tracker_name: str | None = None,
+        delay_wgrad_compute: bool = False,
+        save_original_input: bool = False,
         **unsupported,
     ) -> None:
         super().__init__(device, params_dtype)
@@ -188,16 +209,28 @@ class Linear(LinearCore):
             [getattr(self, n) for n in self.weight_names],
             [getattr(self, n) for n in self.bias_names],
         )
-        # One plain weight, fused bias, high-precision parameters, no collective: nn.Linear's
-        # path applies.
+        self._defer_wgrad(delay_wgrad_compute, self.weight_names)
+        self._save_original_input = bool(save_original_input)
+        # One plain weight, fused bias, high-precision parameters, no collective, the weight
+        # gradient made in backward: nn.Linear's path applies.
         self._plain = (
             len(self._splits) == 1
             and not return_bias
             and not fuse_wgrad_accumulation
             and not isinstance(self.weight, Float8Tensor)
             and not tp.split
+            and not delay_wgrad_compute
+            and not save_original_input
         )
         self._finish_init()
+
+    def _build_plan(self, key):
+        if self._save_original_input:
+            _check_save_original_input(key, self._tp)
+        return super()._build_plan(key)
+
+    def _wgrad_parameters(self, gemm: int) -> list[torch.nn.Parameter]:
+        return self._weight_params()
 
     def forward(
         self,
