@@ -7,6 +7,9 @@ te.Linear, te.LayerNormMLP and te.GroupedLinear under bf16 and both FP8 recipes.
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 
@@ -141,11 +144,13 @@ def test_disabled_context_inside_an_enabled_one_offloads_nothing():
     assert moved_inside == 0 and len(copies.moved) > 0
 
 
-def test_exception_mid_forward_leaves_nothing_pending():
+@pytest.mark.parametrize("retain", [False, True])
+def test_exception_mid_forward_leaves_nothing_pending(retain):
     copies = Counting()
     context, sync = te.get_cpu_offload_context(
-        enabled=True, num_layers=2, model_layers=2, min_offload_bytes=0, copies=copies
-    )
+        enabled=True, num_layers=2, model_layers=2, retain_pinned_cpu_buffers=retain,
+        min_offload_bytes=0, copies=copies,
+    )  # fmt: skip
     layer = te.Linear(H, H, params_dtype=torch.bfloat16)
     leaf = torch.randn(16, H, dtype=torch.bfloat16, requires_grad=True)
     x = leaf * 1  # an activation (a leaf that requires grad is its owner's: never offloaded)
@@ -153,60 +158,119 @@ def test_exception_mid_forward_leaves_nothing_pending():
         layer(x)
         raise RuntimeError("boom")
     assert copies.moved and not context.handler.saved[context.handler.layer]
-    assert context.handler.pooled_buffers() == len(copies.moved)  # all back in the pool
-    # The next step starts clean and reuses the buffers.
+    # Retained: all back in the pool; otherwise let go.
+    assert context.handler.pooled_buffers() == (len(copies.moved) if retain else 0)
+    # The next step starts clean (and reuses the retained buffers).
     h = sync(layer(x))
     h.float().sum().backward()
     assert leaf.grad is not None
 
 
-def test_host_buffers_are_reused_across_steps():
-    layers = make_layers("linear", 3)
+class Tracking(SynchronousCopies):
+    """SynchronousCopies that counts the host buffers it makes and keeps a weak reference to
+    each host buffer it copied into."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.made = 0
+        self.hosts: list[weakref.ref] = []
+
+    def host_buffer(self, tensor):
+        self.made += 1
+        return super().host_buffer(tensor)
+
+    def to_host(self, tensor, host):
+        self.hosts.append(weakref.ref(host))
+        return super().to_host(tensor, host)
+
+
+def test_retained_host_buffers_are_reused_across_steps():
+    layers = make_layers("mlp", 3)
+    copies = Tracking()
     context, sync = te.get_cpu_offload_context(
-        enabled=True, num_layers=2, model_layers=3, min_offload_bytes=0, copies=Counting()
+        enabled=True, num_layers=2, model_layers=3, retain_pinned_cpu_buffers=True,
+        min_offload_bytes=0, copies=copies,
+    )  # fmt: skip
+    x = torch.randn(16, H, dtype=torch.bfloat16)
+    want = train_step(make_layers("mlp", 3), x, None)
+    pointers, pooled, made, held = [], [], [], []
+    for _ in range(3):
+        copies.hosts.clear()
+        got = train_step(layers, x, None, context, sync)
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+        pointers.append(sorted(ref().data_ptr() for ref in copies.hosts))
+        pooled.append(context.handler.pooled_buffers())
+        made.append(copies.made)
+        held.append(context.handler.get_offloaded_total_size_mb())
+    assert pointers[0] and pointers[1] == pointers[0] and pointers[2] == pointers[0]
+    assert pooled[0] == len(pointers[0]) and pooled == [pooled[0]] * 3
+    assert made == [len(pointers[0])] * 3  # no buffer made after the first step
+    bytes_moved = sum(ref().numel() * ref().element_size() for ref in copies.hosts)
+    assert held == [bytes_moved / 2**20] * 3
+
+
+def test_host_buffers_are_let_go_when_not_retained():
+    layers = make_layers("linear", 3)
+    copies = Tracking()
+    context, sync = te.get_cpu_offload_context(
+        enabled=True, num_layers=2, model_layers=3, min_offload_bytes=0, copies=copies
     )
     x = torch.randn(16, H, dtype=torch.bfloat16)
-    train_step(layers, x, None, context, sync)
-    pooled = context.handler.pooled_buffers()
-    for _ in range(3):
+    for step in range(2):
+        copies.hosts.clear()
         train_step(layers, x, None, context, sync)
-    assert pooled > 0 and context.handler.pooled_buffers() == pooled
+        gc.collect()
+        assert copies.hosts and all(ref() is None for ref in copies.hosts), step
+        assert context.handler.pooled_buffers() == 0
+        assert context.handler.get_offloaded_total_size_mb() == 0
+    assert copies.made == 2 * len(copies.hosts)  # a new buffer for every tensor, every step
 
 
-@pytest.mark.parametrize("manual", [False, True])
-def test_manual_mode_reloads_only_when_asked(manual):
-    context, sync, handler = te.get_cpu_offload_context(
-        enabled=True, num_layers=2, model_layers=2, min_offload_bytes=0,
-        copies=SynchronousCopies(), manual_synchronization=True,
-    )  # fmt: skip
-    handler.manual = manual  # False: what sync does without manual_synchronization
-    layers = make_layers("linear", 2)
-    leaf = torch.randn(16, H, dtype=torch.bfloat16, requires_grad=True)
-    first = sync(_in_context(context, layers[0], leaf * 1))
-    last = _in_context(context, layers[1], first)
-    seen = []  # layer 0's entries reloaded, as seen right after the last sync's backward
-    last.register_hook(lambda grad: seen.append([e.reloaded is not None for e in handler.saved[0]]))
-    handler.start_reload(1)  # what a scheduler does before backward reaches layer 1
-    assert all(e.reloaded is not None for e in handler.saved[1])
-    sync(last).float().sum().backward()
-    assert seen and seen[0] and all(seen[0]) != manual  # automatic mode prefetched layer 0
-    assert not any(handler.saved.values()) and leaf.grad is not None
+def test_the_context_is_also_a_decorator():
+    layers, twins = make_layers("linear", 2), make_layers("linear", 2)
+    copies = Counting()
+    context, sync = te.get_cpu_offload_context(
+        enabled=True, num_layers=2, model_layers=2, min_offload_bytes=0, copies=copies
+    )
 
+    @context
+    def run(layer, h):
+        return layer(h)
 
-def _in_context(context, layer, x):
-    with context:
-        return layer(x)
+    x = torch.randn(16, H, dtype=torch.bfloat16)
+    h = x.clone().requires_grad_()
+    out = sync(run(layers[1], sync(run(layers[0], h))))
+    out.float().square().mean().backward()
+    got = [h.grad] + [p.grad for layer in layers for p in layer.parameters()]
+    want = train_step(twins, x, None)
+    assert copies.moved and all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
 
 
 def test_bad_arguments():
-    with pytest.raises(NotImplementedError, match="offload_weights"):
-        te.get_cpu_offload_context(enabled=True, offload_weights=True)
     with pytest.raises(ValueError, match="num_layers"):
         te.get_cpu_offload_context(enabled=True, num_layers=3, model_layers=2)
-    context, _sync, handler = te.get_cpu_offload_context(
-        enabled=True, num_layers=1, model_layers=2, manual_synchronization=True
-    )
-    assert handler is context.handler and isinstance(handler, OffloadHandler)
+    with pytest.raises(ValueError, match="num_layers=None"):
+        te.get_cpu_offload_context(enabled=True, num_layers=None, model_layers=2)
+    with pytest.raises(ValueError, match="model_layers"):
+        te.get_cpu_offload_context(enabled=True, num_layers=0, model_layers=0)
+    with pytest.raises(ValueError, match="prefetch_layers"):
+        te.get_cpu_offload_context(enabled=True, prefetch_layers=-1)
+    with pytest.raises(TypeError):  # torchte's own arguments are keyword-only
+        te.get_cpu_offload_context(True, 1, 1, True, False, False, False, False, None, 0)
+
+
+def test_offload_weights_is_deprecated_and_changes_nothing():
+    """As in Transformer Engine: a DeprecationWarning, and activations offload as before."""
+    copies = Counting()
+    with pytest.warns(DeprecationWarning, match="offload_weights"):
+        context, sync = te.get_cpu_offload_context(
+            True, 2, 2, True, True, min_offload_bytes=0, copies=copies
+        )
+    x = torch.randn(16, H, dtype=torch.bfloat16)
+    layers = make_layers("linear", 2)
+    got = train_step(layers, x, None, context, sync)
+    want = train_step(make_layers("linear", 2), x, None)
+    assert copies.moved and all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
 
 
 @pytest.mark.parametrize("recipe_name", ["delayed", "current"])

@@ -14,21 +14,87 @@ import torchte as te
 pytestmark = pytest.mark.gpu
 
 
+@pytest.mark.parametrize("retain", [False, True])
 @pytest.mark.parametrize("recipe_name", list(RECIPES))
 @pytest.mark.parametrize("kind", ["linear", "mlp", "grouped"])
-def test_offloaded_gradients_are_bit_identical(kind, recipe_name):
+def test_offloaded_gradients_are_bit_identical(kind, recipe_name, retain):
     with torch.device("cuda"):
         layers, twins = make_layers(kind, 3), make_layers(kind, 3)
     context, sync = te.get_cpu_offload_context(
-        enabled=True, num_layers=2, model_layers=3, min_offload_bytes=0
-    )
+        enabled=True, num_layers=2, model_layers=3, retain_pinned_cpu_buffers=retain,
+        min_offload_bytes=0,
+    )  # fmt: skip
     for step in range(3):
         x = torch.randn(64, 32, device="cuda", dtype=torch.bfloat16)
         want = train_step(twins, x, RECIPES[recipe_name])
         got = train_step(layers, x, RECIPES[recipe_name], context, sync)
         for a, b in zip(got, want, strict=True):
             assert (a is None) == (b is None) and (a is None or torch.equal(a, b)), step
-    assert context.handler.pooled_buffers() > 0
+    assert (context.handler.pooled_buffers() > 0) == retain
+
+
+def test_retained_pinned_buffers_are_reused():
+    with torch.device("cuda"):
+        layers = make_layers("mlp", 3)
+    context, sync = te.get_cpu_offload_context(
+        enabled=True, num_layers=2, model_layers=3, retain_pinned_cpu_buffers=True,
+        min_offload_bytes=0,
+    )  # fmt: skip
+    x = torch.randn(64, 32, device="cuda", dtype=torch.bfloat16)
+    pools = []
+    for _ in range(3):
+        train_step(layers, x, None, context, sync)
+        torch.cuda.synchronize()
+        pool = context.handler._pool.values()
+        pools.append(sorted(host.data_ptr() for free in pool for host, _ in free))
+        assert all(host.is_pinned() for free in pool for host, _ in free)
+    assert pools[0] and pools[1] == pools[0] and pools[2] == pools[0]
+
+
+@pytest.mark.parametrize("recipe_name", list(RECIPES))
+def test_manual_synchronization_with_an_offload_stream(recipe_name):
+    """Transformer Engine's manual pattern on one given stream: offload each layer after its
+    forward, synchronize the stream, let go of the device copies, reload all, synchronize,
+    backward. Gradients bit-identical; the device memory falls after the release."""
+    with torch.device("cuda"):
+        layers, twins = make_layers("mlp", 3), make_layers("mlp", 3)
+    stream = torch.cuda.Stream()
+    context, sync, handler = te.get_cpu_offload_context(
+        enabled=True, model_layers=3, manual_synchronization=True, offload_stream=stream,
+        min_offload_bytes=0,
+    )  # fmt: skip
+    fp8 = RECIPES[recipe_name]
+    x = torch.randn(4096, 32, device="cuda", dtype=torch.bfloat16)
+    want = train_step(twins, x, fp8)
+    h = x.clone().requires_grad_()
+    out = h
+    with te.autocast(enabled=fp8 is not None, recipe=fp8):
+        for i, layer in enumerate(layers):
+            with context:
+                out = layer(out)
+            out = sync(out)
+            handler.start_offload_layer(i)
+    stream.synchronize()
+    before = torch.cuda.memory_allocated()
+    for i in range(3):
+        handler.release_activation_forward_gpu_memory(i)
+    freed = before - torch.cuda.memory_allocated()
+    entries = [e for i in range(3) for e in handler.saved[i]]
+    assert all(e.host.device.type == "cpu" and e.host.is_pinned() for e in entries)
+    assert freed > 0
+    for i in reversed(range(3)):
+        handler.start_reload_layer(i)
+    stream.synchronize()
+    assert all(e.reloaded.is_cuda and torch.equal(e.reloaded, e.host.cuda()) for e in entries)
+    out.float().square().mean().backward()
+    got = [h.grad] + [p.grad for layer in layers for p in layer.parameters()]
+    for a, b in zip(got, want, strict=True):
+        assert (a is None) == (b is None) and (a is None or torch.equal(a, b))
+    with pytest.raises(ValueError, match="offload_stream or copies"):
+        te.get_cpu_offload_context(
+            enabled=True, manual_synchronization=True, offload_stream=stream,
+            copies=te.offload.SynchronousCopies(),
+        )  # fmt: skip
 
 
 def test_offloaded_activations_leave_the_gpu():

@@ -15,11 +15,19 @@ leaf that requires grad, or a view of one), marked with mark_not_offload, smalle
 backward it starts bringing that layer's tensors back and prefetches the `prefetch_layers`
 layers before it, so their copies overlap the backward of this one.
 
-Streams and memory: copies run on two side streams (device-to-host and host-to-device), ordered
-against the compute stream by events. A tensor being copied out is recorded on the copy
-stream (Tensor.record_stream), so the caching allocator does not hand its memory to anyone
-before the copy has read it; a reloaded tensor is recorded on the compute stream that uses it.
-Pinned host buffers are kept in a pool by (shape, dtype) and reused across steps.
+Manual synchronization (Transformer Engine's manual controller): every layer's saved tensors
+stay on the device until the caller moves them, per layer, with the handler's
+start_offload_layer(i) (copies out begin; the device tensors are still held),
+release_activation_forward_gpu_memory(i) (the compute stream waits for those copies; the device
+tensors are let go) and start_reload_layer(i) (copies back begin). A layer never offloaded
+is used in place; one offloaded but not reloaded is copied back when backward needs it.
+
+Streams and memory: copies run on side streams (torchte.offload_copies), ordered against the
+compute stream by events; a tensor being copied out is recorded on the copy stream, so the
+caching allocator does not hand its memory to anyone before the copy has read it. Host
+buffers are let go once their tensor is back (torch's pinned-memory cache keeps them safe
+from reuse until their copies ran), or, with retain_pinned_cpu_buffers=True, kept in a pool
+by (shape, dtype) and reused by the next steps.
 
 On a machine without a GPU nothing is offloaded (tensors on the CPU are kept as they are), so
 code using the context runs unchanged.
@@ -28,9 +36,13 @@ code using the context runs unchanged.
 from __future__ import annotations
 
 import contextlib
+import operator
+import warnings
 from collections import defaultdict
 
 import torch
+
+from .offload_copies import CudaCopies, SynchronousCopies
 
 __all__ = [
     "CudaCopies",
@@ -42,6 +54,16 @@ __all__ = [
 
 MIN_OFFLOAD_BYTES = 1 << 20  # smaller saved tensors stay where they are
 _NO_OFFLOAD = "_torchte_no_offload"
+
+# Where a layer's saved tensors are, in manual synchronization (one step of the model).
+_ON_DEVICE = "on the device"  # nothing asked yet
+_OFFLOADING = "being offloaded"  # start_offload_layer: copies out begun, device tensors held
+_OFFLOADED = "offloaded"  # release_activation_forward_gpu_memory: device tensors let go
+_RELOADING = "being reloaded"  # start_reload_layer: copies back begun
+_MANUAL_ORDER = (
+    "per layer and step: start_offload_layer, release_activation_forward_gpu_memory, "
+    "start_reload_layer"
+)
 
 
 def mark_not_offload(*values) -> None:
@@ -56,92 +78,24 @@ def mark_not_offload(*values) -> None:
             mark_not_offload(*value.get_data_tensors())
 
 
-class CudaCopies:
-    """How offloaded tensors move: side streams, events, pinned host buffers (the default)."""
-
-    def __init__(self) -> None:
-        self._streams: dict[torch.device, tuple[torch.cuda.Stream, torch.cuda.Stream]] = {}
-
-    def handles(self, tensor: torch.Tensor) -> bool:
-        return tensor.is_cuda
-
-    def host_buffer(self, tensor: torch.Tensor) -> torch.Tensor:
-        return torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-
-    def to_host(self, tensor: torch.Tensor, host: torch.Tensor):
-        """Copy tensor into host on the offload stream; the event marking the copy's end."""
-        out_stream, _ = self._streams_of(tensor.device)
-        out_stream.wait_stream(torch.cuda.current_stream(tensor.device))
-        with torch.cuda.stream(out_stream):
-            host.copy_(tensor, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record(out_stream)
-        tensor.record_stream(out_stream)  # its memory is not reused before the copy read it
-        return done
-
-    def to_device(self, host: torch.Tensor, device: torch.device, after):
-        """(tensor, event): host copied back to `device` on the reload stream, after `after`."""
-        _, in_stream = self._streams_of(device)
-        with torch.cuda.stream(in_stream):
-            in_stream.wait_event(after)
-            tensor = torch.empty(host.shape, dtype=host.dtype, device=device)
-            tensor.copy_(host, non_blocking=True)
-            ready = torch.cuda.Event()
-            ready.record(in_stream)
-        return tensor, ready
-
-    def use(self, tensor: torch.Tensor, ready) -> None:
-        """Make the compute stream wait for `ready` and own the reloaded tensor."""
-        compute = torch.cuda.current_stream(tensor.device)
-        compute.wait_event(ready)
-        tensor.record_stream(compute)  # allocated on the reload stream, used here
-
-    @staticmethod
-    def finished(event) -> bool:
-        return event is None or event.query()
-
-    def _streams_of(self, device: torch.device):
-        streams = self._streams.get(device)
-        if streams is None:
-            streams = (torch.cuda.Stream(device), torch.cuda.Stream(device))
-            self._streams[device] = streams
-        return streams
-
-
-class SynchronousCopies(CudaCopies):
-    """Plain copies in program order, for any device: the bookkeeping of offloading without
-    streams (tests exercise it on the CPU; host buffers are ordinary CPU tensors)."""
-
-    def handles(self, tensor: torch.Tensor) -> bool:
-        return True
-
-    def host_buffer(self, tensor: torch.Tensor) -> torch.Tensor:
-        return torch.empty(tensor.shape, dtype=tensor.dtype)
-
-    def to_host(self, tensor, host):
-        host.copy_(tensor)
-        return None
-
-    def to_device(self, host, device, after):
-        return host.to(device, copy=True), None
-
-    def use(self, tensor, ready) -> None:
-        pass
-
-
 class _Offloaded:
-    """A saved tensor that went to host memory: where it is and how to bring it back."""
+    """A saved tensor the handler took: where it is (device tensor, host copy, reloaded copy)
+    and the events ending its copies."""
 
-    __slots__ = ("device", "done", "host", "layer", "ready", "reloaded")
+    __slots__ = ("device", "done", "host", "layer", "ready", "reloaded", "tensor")
 
-    def __init__(self, host: torch.Tensor, device: torch.device, layer: int, done) -> None:
-        self.host, self.device, self.layer, self.done = host, device, layer, done
+    def __init__(self, tensor: torch.Tensor, layer: int) -> None:
+        self.tensor: torch.Tensor | None = tensor  # the device tensor, while held
+        self.device, self.layer = tensor.device, layer
+        self.host: torch.Tensor | None = None  # the host copy, once copying out began
+        self.done = None  # the event ending the copy out
         self.reloaded: torch.Tensor | None = None
         self.ready = None  # the event ending the copy back
 
 
 class OffloadHandler:
-    """The state of offloading over one model's layers (also the manual-mode controller).
+    """The state of offloading over one model's layers; with manual synchronization, also the
+    controller Transformer Engine returns (start_offload_layer, ...).
 
     Forward: begin_layer() before each layer (the context calls it); pack/unpack are the
     saved_tensors_hooks. Backward: start_reload(layer) starts bringing a layer's tensors back
@@ -157,15 +111,21 @@ class OffloadHandler:
         min_offload_bytes: int = MIN_OFFLOAD_BYTES,
         copies: CudaCopies | None = None,
         prefetch_layers: int = 1,
+        manual: bool = False,
+        retain_pinned_cpu_buffers: bool = False,
     ) -> None:
-        self.num_layers, self.model_layers = num_layers, model_layers
+        # Manual synchronization: any layer may be offloaded; the caller says which.
+        self.num_layers = model_layers if manual else num_layers
+        self.model_layers = model_layers
         self.prefetch_layers = prefetch_layers
-        self.manual = False  # True: only start_reload calls (and unpack on demand) reload
+        self.manual = manual  # True: the caller moves each layer (start_offload_layer, ...)
+        self.retain_pinned_cpu_buffers = retain_pinned_cpu_buffers
         self.min_offload_bytes = min_offload_bytes
         self.copies = CudaCopies() if copies is None else copies
         self.layer = -1  # the layer running forward (-1: none yet)
         self.saved: dict[int, list[_Offloaded]] = defaultdict(list)
-        # Host buffers by (shape, dtype), each with the event after which it is free again.
+        self._phase = [_ON_DEVICE] * model_layers  # manual synchronization's per-layer state
+        # Retained host buffers by (shape, dtype), each with the event after which it is free.
         self._pool: dict[tuple, list[tuple[torch.Tensor, object]]] = defaultdict(list)
 
     # -- forward ----------------------------------------------------------------------------
@@ -179,10 +139,11 @@ class OffloadHandler:
                 for entry in entries:
                     self._release(entry)
             self.saved.clear()
+            self._phase = [_ON_DEVICE] * self.model_layers
 
     def abort_layer(self) -> None:
-        """Forget what the running layer offloaded (its forward failed): buffers back to the
-        pool, nothing left pending."""
+        """Forget what the running layer saved (its forward failed): host buffers let go or
+        back to the pool, nothing left pending."""
         for entry in self.saved.pop(self.layer, []):
             self._release(entry)
 
@@ -203,18 +164,28 @@ class OffloadHandler:
     def pack(self, tensor: torch.Tensor):
         if not self.offloads(tensor):
             return tensor
-        host = self._host_buffer(tensor)
-        entry = _Offloaded(host, tensor.device, self.layer, self.copies.to_host(tensor, host))
+        entry = _Offloaded(tensor, self.layer)
+        if not self.manual:
+            self._copy_out(entry)
+            entry.tensor = None  # recorded on the copy stream: its memory waits for the copy
+        elif self._phase[self.layer] in (_OFFLOADED, _RELOADING):
+            return tensor  # saved after its layer was let go: it stays where it is
+        elif self._phase[self.layer] == _OFFLOADING:
+            self._copy_out(entry)
         self.saved[self.layer].append(entry)
         return entry
+
+    def _copy_out(self, entry: _Offloaded) -> None:
+        entry.host = self._host_buffer(entry.tensor)
+        entry.done = self.copies.to_host(entry.tensor, entry.host)
 
     # -- backward -------------------------------------------------------------------------
 
     def start_reload(self, layer: int) -> None:
-        """Begin copying `layer`'s offloaded tensors back (those not already on their way);
-        the compute stream is not blocked."""
+        """Begin copying `layer`'s offloaded tensors back (those not already on their way,
+        nor still on the device); the compute stream is not blocked."""
         for entry in self.saved.get(layer, ()):
-            if entry.reloaded is None and entry.host is not None:
+            if entry.reloaded is None and entry.host is not None and entry.tensor is None:
                 entry.reloaded, entry.ready = self.copies.to_device(
                     entry.host, entry.device, entry.done
                 )
@@ -222,25 +193,69 @@ class OffloadHandler:
     def unpack(self, packed):
         if not isinstance(packed, _Offloaded):
             return packed
-        if packed.host is None and packed.reloaded is None:
-            raise RuntimeError(
-                "an offloaded activation was released before its backward ran: run each "
-                "forward's backward before the next forward of the model"
-            )
-        if packed.reloaded is None:
-            self.start_reload(packed.layer)
-        tensor, packed.reloaded = packed.reloaded, None
-        self.copies.use(tensor, packed.ready)
+        tensor = packed.tensor  # still on the device (manual synchronization)
+        if tensor is None:
+            if packed.host is None and packed.reloaded is None:
+                raise RuntimeError(
+                    "an offloaded activation was released before its backward ran: run each "
+                    "forward's backward before the next forward of the model"
+                )
+            if packed.reloaded is None:
+                self.start_reload(packed.layer)
+            tensor, packed.reloaded = packed.reloaded, None
+            self.copies.use(tensor, packed.ready)
         self._release(packed)
         entries = self.saved.get(packed.layer)
         if entries is not None and packed in entries:
             entries.remove(packed)
         return tensor
 
+    # -- manual synchronization (Transformer Engine's ManualOffloadSynchronizer) -------------
+
+    def start_offload_layer(self, layer_id: int) -> None:
+        """Begin copying layer `layer_id`'s saved tensors to host memory (asynchronously, on
+        the offload stream); tensors it saves later are copied as they come. The device
+        tensors stay held until release_activation_forward_gpu_memory(layer_id)."""
+        layer = self._advance(layer_id, "start_offload_layer", _ON_DEVICE, _OFFLOADING)
+        for entry in self.saved.get(layer, ()):
+            self._copy_out(entry)
+
+    def release_activation_forward_gpu_memory(self, layer_id: int) -> None:
+        """Let go of layer `layer_id`'s device tensors: the compute stream waits for their
+        copies out to finish (the host is not blocked), then their memory is free."""
+        layer = self._advance(
+            layer_id, "release_activation_forward_gpu_memory", _OFFLOADING, _OFFLOADED
+        )
+        for entry in self.saved.get(layer, ()):
+            self.copies.wait(entry.device, entry.done)
+            entry.tensor = None
+
+    def start_reload_layer(self, layer_id: int) -> None:
+        """Begin copying layer `layer_id`'s tensors back to their device (asynchronously);
+        backward's use of each waits for its copy."""
+        layer = self._advance(layer_id, "start_reload_layer", _OFFLOADED, _RELOADING)
+        self.start_reload(layer)
+
+    def _advance(self, layer_id, method: str, expected: str, then: str) -> int:
+        """Check a manual call (mode, layer id, order) and move its layer on; the layer."""
+        if not self.manual:
+            raise RuntimeError(
+                f"{method} needs get_cpu_offload_context(manual_synchronization=True); this "
+                "handler offloads and reloads on its own"
+            )
+        layer = _layer_index(layer_id, self.model_layers)
+        if self._phase[layer] != expected:
+            raise RuntimeError(
+                f"{method}({layer}): layer {layer} is {self._phase[layer]}, it must be "
+                f"{expected}; the order is {_MANUAL_ORDER}"
+            )
+        self._phase[layer] = then
+        return layer
+
     # -- host buffers -------------------------------------------------------------------------
 
     def _host_buffer(self, tensor: torch.Tensor) -> torch.Tensor:
-        free = self._pool[(tuple(tensor.shape), tensor.dtype)]
+        free = self._pool.get((tuple(tensor.shape), tensor.dtype), [])
         for i, (host, busy_until) in enumerate(free):
             if self.copies.finished(busy_until):
                 del free[i]
@@ -248,19 +263,41 @@ class OffloadHandler:
         return self.copies.host_buffer(tensor)
 
     def _release(self, entry: _Offloaded) -> None:
-        """Give the entry's host buffer back to the pool: free once its last copy has run."""
+        """Let go of everything the entry holds. Its host buffer goes back to the pool (free
+        once its last copy ran) when buffers are retained; otherwise it is dropped."""
         host, entry.host = entry.host, None
-        if host is not None:
+        entry.tensor = entry.reloaded = None
+        if host is not None and self.retain_pinned_cpu_buffers:
             last = entry.ready if entry.ready is not None else entry.done
             self._pool[(tuple(host.shape), host.dtype)].append((host, last))
 
     def pooled_buffers(self) -> int:
-        """How many host buffers the pool holds (for tests and reports)."""
+        """How many retained host buffers the pool holds (for tests and reports)."""
         return sum(len(free) for free in self._pool.values())
 
+    def get_offloaded_total_size_mb(self) -> float:
+        """MiB of host memory held now: offloaded tensors' copies and retained buffers."""
+        held = [e.host for entries in self.saved.values() for e in entries if e.host is not None]
+        held += [host for free in self._pool.values() for host, _ in free]
+        return sum(host.numel() * host.element_size() for host in held) / 2**20
 
-class _LayerContext:
-    """`with ctx:` around one layer's forward: the hooks on, the layer counted."""
+
+def _layer_index(layer_id, model_layers: int) -> int:
+    """`layer_id` as a layer index in [0, model_layers), or a TypeError / ValueError."""
+    try:
+        layer = None if isinstance(layer_id, bool) else operator.index(layer_id)
+    except TypeError:
+        layer = None
+    if layer is None:
+        raise TypeError(f"layer_id must be an int, got {layer_id!r}")
+    if not 0 <= layer < model_layers:
+        raise ValueError(f"layer_id must be in [0, model_layers={model_layers}), got {layer}")
+    return layer
+
+
+class _LayerContext(contextlib.ContextDecorator):
+    """`with ctx:` around one layer's forward (or `@ctx` on a layer's function): the hooks on,
+    the layer counted."""
 
     def __init__(self, handler: OffloadHandler | None) -> None:
         self.handler = handler
@@ -308,37 +345,55 @@ class _LayerSync(torch.autograd.Function):
 
 def get_cpu_offload_context(
     enabled: bool = False,
-    num_layers: int = 1,
+    num_layers: int | None = 1,
     model_layers: int = 1,
     offload_activations: bool = True,
     offload_weights: bool = False,
     double_buffering: bool = False,
     manual_synchronization: bool = False,
+    retain_pinned_cpu_buffers: bool = False,
+    offload_stream: torch.cuda.Stream | None = None,
+    *,
     min_offload_bytes: int = MIN_OFFLOAD_BYTES,
     copies: CudaCopies | None = None,
     prefetch_layers: int = 1,
 ):
-    """(context, sync) as in Transformer Engine. With manual_synchronization, also the
-    OffloadHandler, and sync's backward prefetches nothing: a scheduler calls
-    handler.start_reload(layer) when it wants a layer's tensors on their way back (a tensor
-    not yet reloaded when backward needs it is copied back then).
+    """(context, sync) as in Transformer Engine; with manual_synchronization, also the
+    OffloadHandler (None when not enabled) whose start_offload_layer,
+    release_activation_forward_gpu_memory and start_reload_layer move each layer (num_layers
+    is then ignored, and sync's backward prefetches nothing).
 
     num_layers: how many of the model_layers layers (the first ones of each step) offload;
-    min_offload_bytes: smaller saved tensors stay; copies: how tensors move (CudaCopies, or
-    SynchronousCopies to run the bookkeeping on any device); prefetch_layers: how many layers
-    before the one starting backward are brought back already (more overlap, more memory).
+    offload_weights: deprecated, no effect (parameters are never offloaded: their owner holds
+    them); double_buffering: no effect; retain_pinned_cpu_buffers: keep host buffers for the
+    next steps (same shapes reuse the same buffers) instead of letting them go;
+    offload_stream: the one CUDA stream all copies run on (manual synchronization only).
+    torchte's own: min_offload_bytes: smaller saved tensors stay; copies: how tensors move
+    (CudaCopies, or SynchronousCopies to run the bookkeeping on any device); prefetch_layers:
+    how many layers before the one starting backward are brought back already.
     """
+    _check_arguments(
+        num_layers, model_layers, manual_synchronization, offload_stream, copies, prefetch_layers
+    )
     if offload_weights:
-        raise NotImplementedError("offload_weights is not implemented: parameters stay put")
-    if not 0 <= num_layers <= model_layers or model_layers < 1:
-        raise ValueError(
-            f"need 0 <= num_layers <= model_layers and model_layers >= 1, got num_layers="
-            f"{num_layers}, model_layers={model_layers}"
+        warnings.warn(
+            "get_cpu_offload_context(offload_weights=True) has no effect: weights are never "
+            "offloaded (their module holds them anyway)",
+            DeprecationWarning,
+            stacklevel=2,
         )
     handler = None
     if enabled and offload_activations:
+        if offload_stream is not None:
+            copies = CudaCopies(offload_stream)
         handler = OffloadHandler(
-            num_layers, model_layers, min_offload_bytes, copies, prefetch_layers
+            num_layers,
+            model_layers,
+            min_offload_bytes,
+            copies,
+            prefetch_layers,
+            manual=manual_synchronization,
+            retain_pinned_cpu_buffers=retain_pinned_cpu_buffers,
         )
 
     def sync(x: torch.Tensor) -> torch.Tensor:
@@ -348,7 +403,28 @@ def get_cpu_offload_context(
 
     context = _LayerContext(handler)
     if manual_synchronization:
-        if handler is not None:
-            handler.manual = True
         return context, sync, handler
     return context, sync
+
+
+def _check_arguments(num_layers, model_layers, manual, offload_stream, copies, prefetch) -> None:
+    """Bad arguments of get_cpu_offload_context, refused by name."""
+    if isinstance(model_layers, bool) or not isinstance(model_layers, int) or model_layers < 1:
+        raise ValueError(f"model_layers must be an int >= 1, got {model_layers!r}")
+    if num_layers is None and not manual:
+        raise ValueError("num_layers=None needs manual_synchronization=True")
+    if not manual and not 0 <= num_layers <= model_layers:
+        raise ValueError(
+            f"need 0 <= num_layers <= model_layers, got num_layers={num_layers}, "
+            f"model_layers={model_layers}"
+        )
+    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+        raise ValueError(f"prefetch_layers must be an int >= 0, got {prefetch!r}")
+    if offload_stream is None:
+        return
+    if not manual:
+        raise ValueError("offload_stream can be given only with manual_synchronization=True")
+    if not isinstance(offload_stream, torch.cuda.Stream):
+        raise TypeError(f"offload_stream must be a torch.cuda.Stream, got {offload_stream!r}")
+    if copies is not None:
+        raise ValueError("give offload_stream or copies, not both: the stream is for CudaCopies")
