@@ -13,7 +13,8 @@ room for the worst case; fprop is torch._scaled_grouped_mm where it takes the op
 like dgrad (whose e5m2 gradients sm90's torch._scaled_grouped_mm refuses) and wgrad, one Triton
 grouped GEMM (gemm.device_grouped_rows / device_grouped_wgrad) that finds each group's rows on
 the device; bias gradients are one GEMM with a one-hot matrix. Results then differ from the
-per-group cuBLAS GEMMs by the accumulation order.
+per-group cuBLAS GEMMs by the accumulation order. When determinism is asked for (ctx.exact,
+grouped_linear.exact_requested) the sizes are read back and every GEMM runs per group.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from ._common import (
     should_overwrite,
     stack_parameters,
 )
+from ._deferred_wgrad import group_wgrads
 from ._linear_core import cast_to
 from .base import cached_quantization
 
@@ -69,15 +71,19 @@ def fp8_forward(ctx, x, splits: GroupSplits, plan, biases, w_fp8: GroupedStorage
     need_dgrad, need_wgrad = needs
     first = plan.gemms[0]
     dtype, sizes = first.dtype, splits.host_sizes()  # sizes None: on the device only
+    # save_original_input: x kept as given, cast again in backward (_wgrad_input)
+    keep = need_wgrad and first.save_original_input and not isinstance(x, GroupedStorage)
+    x_saved = x if keep else None
     if isinstance(x, GroupedStorage):
         x_fp8 = x
     else:
         x = cast_to(x, dtype).contiguous()
-        x_fp8 = first.setup.grouped_input.quantize(x, splits, True, need_wgrad)
+        x_fp8 = first.setup.grouped_input.quantize(x, splits, True, need_wgrad and not keep)
     num_groups, n = splits.num_groups, w_fp8.m_splits[0]
     bias = [cast_to(b, dtype) for b in biases] if biases else [None] * num_groups
     device = x_fp8.rowwise_data.device
-    one_gemm = one_fprop_gemm(device, x_fp8.fp8_dtype, w_fp8.fp8_dtype, sizes, dtype)
+    exact = ctx.exact  # GEMMs per group, as te.Linear runs them (sizes on the host then)
+    one_gemm = not exact and one_fprop_gemm(device, x_fp8.fp8_dtype, w_fp8.fp8_dtype, sizes, dtype)
     if one_gemm or sizes is None:
         if one_gemm:
             y = scaled_grouped_fprop(x_fp8, w_fp8, splits, dtype)
@@ -96,10 +102,20 @@ def fp8_forward(ctx, x, splits: GroupSplits, plan, biases, w_fp8: GroupedStorage
                     x_rows[g], x_scales[g], w_rows[g], w_scales[g], dtype, bias=b, out=out,
                     use_fast_accum=True,
                 )  # fmt: skip
-    if need_wgrad:
+    if need_wgrad and x_saved is None:
         x_fp8.update_usage(rowwise_usage=False)  # wgrad reads the columnwise blocks only
-    save_for_backward(ctx, x_fp8 if need_wgrad else None, w_fp8 if need_dgrad else None)
+        x_saved = x_fp8
+    save_for_backward(ctx, x_saved, w_fp8 if need_dgrad else None)
     return y
+
+
+def _wgrad_input(x_saved, splits: GroupSplits, first) -> GroupedStorage:
+    """The wgrad GEMMs' input: the saved FP8 value, or (save_original_input) the input kept as
+    given, cast now with the forward's grouped quantizer (current scaling: the same bytes)."""
+    if isinstance(x_saved, GroupedStorage):
+        return x_saved
+    x = cast_to(x_saved, first.dtype).contiguous()
+    return first.setup.grouped_input.quantize(x, splits, False, True)
 
 
 def one_fprop_gemm(device, a_dtype, b_dtype, sizes: list[int] | None, out_dtype) -> bool:
@@ -120,9 +136,10 @@ def fp8_backward(ctx, dy: torch.Tensor | GroupedStorage, dbias: torch.Tensor | N
     writing its rows of one output buffer. dy (T, N) in high precision, or a GroupedStorage a
     fused producer wrote with this GEMM's grad_output quantizer, with dbias (G, N), the bias
     gradients it summed, when the biases want them."""
-    x_fp8, w_fp8 = restore_saved(ctx)
+    x_saved, w_fp8 = restore_saved(ctx)
     plan, splits = ctx.plan, ctx.splits
     first = plan.gemms[0]
+    x_fp8 = _wgrad_input(x_saved, splits, first) if ctx.need_wgrad else None
     dtype, sizes = first.dtype, splits.host_sizes()  # sizes None: on the device only
     if isinstance(dy, GroupedStorage):
         dy_fp8 = dy
@@ -138,19 +155,21 @@ def fp8_backward(ctx, dy: torch.Tensor | GroupedStorage, dbias: torch.Tensor | N
     dy_operands = None
     dx = None
     if ctx.need_dgrad:
-        dx, dy_operands = _dgrad(dy_fp8, w_fp8, splits, dtype)
+        dx, dy_operands = _dgrad(dy_fp8, w_fp8, splits, dtype, ctx.exact)
     dws = [None] * ctx.num_gemms
-    if ctx.need_wgrad and sizes is None:
-        dws = _device_wgrad(ctx, dy_fp8, x_fp8, first.main_grad is not None, device)
-    elif ctx.need_wgrad:
-        _, dy_cols, dy_scales = dy_operands or dy_fp8.gemm_operands()
-        _, x_cols, x_scales = x_fp8.gemm_operands()
-        k = x_fp8.shape[1]
-        operands = (dy_cols, dy_scales, x_cols, x_scales)
-        if first.main_grad is not None:
-            dws = _wgrad_into_main_grad(ctx, sizes, operands, device)
-        else:
-            dws = _wgrad_buffer(ctx, sizes, operands, (n, k), device)
+    if ctx.need_wgrad:
+
+        def compute() -> list:
+            if sizes is None:
+                return _device_wgrad(ctx, dy_fp8, x_fp8, first.main_grad is not None, device)
+            _, dy_cols, dy_scales = dy_operands or dy_fp8.gemm_operands()
+            _, x_cols, x_scales = x_fp8.gemm_operands()
+            operands = (dy_cols, dy_scales, x_cols, x_scales)
+            if first.main_grad is not None:
+                return _wgrad_into_main_grad(ctx, sizes, operands, device)
+            return _wgrad_buffer(ctx, sizes, operands, (n, x_fp8.shape[1]), device)
+
+        dws = group_wgrads(ctx, compute, device)  # delay_wgrad_compute: left to backward_dw
     dbs = [None] * ctx.num_bias
     if ctx.num_bias and ctx.bias_grad and dbias is not None:
         dbs = list(dbias.unbind(0))
@@ -231,13 +250,15 @@ def _wgrad_buffer(ctx, sizes: list[int], operands, shape, device) -> list:
     return list(grads.unbind(0))
 
 
-def _dgrad(dy_fp8: GroupedStorage, w_fp8: GroupedStorage, splits: GroupSplits, dtype):
+def _dgrad(dy_fp8: GroupedStorage, w_fp8: GroupedStorage, splits: GroupSplits, dtype, exact):
     """(dx (T, K), dy's gemm_operands or None): per group dy_g W_g, as one
     torch._scaled_grouped_mm where it takes these operands (the same probe as fprop's; on sm90
-    not for e5m2 gradients), else one GEMM per group into one buffer."""
+    not for e5m2 gradients) and exact (te.Linear's GEMMs asked for) is False, else one GEMM
+    per group into one buffer."""
     sizes = splits.host_sizes()
     device = w_fp8.scale_inv.device
-    if one_fprop_gemm(device, dy_fp8.fp8_dtype, w_fp8.fp8_dtype, sizes, dtype):
+    dtypes = (dy_fp8.fp8_dtype, w_fp8.fp8_dtype)
+    if not exact and one_fprop_gemm(device, *dtypes, sizes, dtype):
         return scaled_grouped_dgrad(dy_fp8, w_fp8, splits, dtype), None
     if sizes is None:
         num_groups, n = w_fp8.num_groups, w_fp8.m_splits[0]

@@ -19,11 +19,20 @@ Three paths, chosen per setting (the plan's mode):
 - "per_group": everything else (fp32/fp16, calibration, bf16 main_grad, bf16 off the GPU): group g
   goes through te.Linear's own forward and backward (module/_linear_core.py) with GEMM g's
   quantizers. The weight gradients are stacked into one buffer and handed out as views.
-Outside the grouped fprop GEMMs, results equal a stack of te.Linear layers bit for bit.
+Outside the grouped fprop GEMMs, results equal a stack of te.Linear layers bit for bit; when
+determinism is asked for (torch.use_deterministic_algorithms(True), or TORCHTE_DETERMINISTIC=1
+at import) everywhere: "grouped" runs "per_group", the FP8 GEMMs run per group, and split sizes
+given on the device are read back once (exact_requested).
+
+Parameters (_grouped_params.py): weight0.. and bias0.. per group, or with single_grouped_weight
+/ single_grouped_bias one `weight` (G, N, K) / `bias` (G, N); FP8 weights under
+quantized_model_init.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -39,7 +48,8 @@ from torchte.gemm import (
     grouped_mm_supported,
     grouped_wgrad,
 )
-from torchte.quantization.model_init import model_init_settings
+from torchte.quantization.float8_tensor import Float8Tensor
+from torchte.quantization.model_init import make_fp8_parameter, model_init_settings
 
 from ._common import (
     as_output,
@@ -49,12 +59,25 @@ from ._common import (
     save_for_backward,
     stack_parameters,
 )
+from ._deferred_wgrad import group_wgrads
 from ._functorch import apply, transforms_active
 from ._grouped_fp8 import fp8_backward, fp8_forward, grouped_fp8_weights
+from ._grouped_params import (
+    GroupMainGrad,
+    add_deferred_group_grads,
+    fp8_weight_group,
+    pack_fp8_weights,
+    packed_grads,
+    per_group_init,
+    regroup_fp8_weights,
+    remap_checkpoint,
+    unpack_parameters,
+)
 from ._lifecycle import ParameterInit, fill
 from ._linear_core import (
     LinearPlan,
     cast_to,
+    check_save_original_input,
     check_unknown,
     default_init_method,
     gemm_plan,
@@ -65,9 +88,17 @@ from ._linear_core import (
 from ._tensor_parallel import check_divides, forked_init, set_group, tensor_parallel
 from .base import PlanKey, TransformerEngineBaseModule, check_fp8_dims
 
-__all__ = ["GroupedLinear"]
+__all__ = ["GroupedLinear", "exact_requested"]
 
 _STATE = autocast_state()
+# TORCHTE_DETERMINISTIC=1: grouped layers run as a stack of te.Linear (read at import).
+DETERMINISTIC_ENV = os.environ.get("TORCHTE_DETERMINISTIC", "0") == "1"
+
+
+def exact_requested() -> bool:
+    """Whether grouped layers must give a stack of te.Linear's bits (every GEMM per group, in
+    te.Linear's order): torch.use_deterministic_algorithms(True) or TORCHTE_DETERMINISTIC=1."""
+    return DETERMINISTIC_ENV or torch.are_deterministic_algorithms_enabled()
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -79,14 +110,16 @@ class GroupedPlan:
     mode: str
 
 
-def _grouped_forward(ctx, x, splits: GroupSplits, dtype, weights, biases, needs):
+def _grouped_forward(ctx, x, splits: GroupSplits, plan: GroupedPlan, weights, biases, needs):
     need_dgrad, need_wgrad = needs
-    x = cast_to(x, dtype)
+    dtype = plan.gemms[0].dtype
+    x_in, x = x, cast_to(x, dtype)
     w = cast_to(stack_parameters(weights), dtype)
     y = grouped_fprop(x, w, splits.offsets())
     if biases:
         y.add_(group_bias_rows(biases, splits, dtype))
-    ctx.save_for_backward(x if need_wgrad else None, w if need_dgrad else None)
+    x_saved = x_in if plan.gemms[0].save_original_input else x  # cast again in backward
+    ctx.save_for_backward(x_saved if need_wgrad else None, w if need_dgrad else None)
     return y
 
 
@@ -94,13 +127,17 @@ def _grouped_backward(ctx, dy: torch.Tensor):
     x, w = ctx.saved_tensors
     splits: GroupSplits = ctx.splits
     dtype = ctx.plan.gemms[0].dtype
+    x = cast_to(x, dtype)
     dy = cast_to(dy, dtype).contiguous()
     offs = splits.offsets()
     dx = grouped_dgrad(dy, w, offs) if ctx.need_dgrad else None
     dws = [None] * ctx.num_gemms
     if ctx.need_wgrad:
-        dw = grouped_wgrad(dy, x, offs).to(ctx.weight_dtype)
-        dws = list(dw.unbind(0))
+
+        def compute() -> list:
+            return list(grouped_wgrad(dy, x, offs).to(ctx.weight_dtype).unbind(0))
+
+        dws = group_wgrads(ctx, compute, dy.device)
     dbs = [None] * ctx.num_bias
     if ctx.num_bias and ctx.bias_grad:
         dbs = list(group_sums(dy, splits).to(ctx.weight_dtype).unbind(0))
@@ -150,13 +187,18 @@ def _per_group_backward(ctx, dy: torch.Tensor):
 @dataclass(slots=True, eq=False)
 class GroupedCall:
     """The one non-tensor argument of the Function: the plan, this call's splits, the FP8
-    weights (a GroupedStorage, a list per GEMM, or None) and how many biases follow the
-    weights among the tensor arguments."""
+    weights (a GroupedStorage, a list per GEMM, or None), how many bias tensors follow the
+    weights among the tensor arguments, whether the weights (biases) come as one stacked
+    tensor (single_weight / single_bias) and whether every GEMM must run as te.Linear's
+    (exact: exact_requested())."""
 
     plan: GroupedPlan
     splits: GroupSplits
     w_fp8: Any
     num_bias: int
+    single_weight: bool = False
+    single_bias: bool = False
+    exact: bool = False
 
 
 def grouped_linear_forward(ctx, inp, call: GroupedCall, params, grads):
@@ -164,22 +206,30 @@ def grouped_linear_forward(ctx, inp, call: GroupedCall, params, grads):
     inputs (inp, call, *weights, *biases)."""
     plan, splits, w_fp8 = call.plan, call.splits, call.w_fp8
     num_gemms = len(plan.gemms)
-    weights, biases = params[:num_gemms], params[num_gemms:]
+    weights, biases, weight_grads, bias_grads = unpack_parameters(
+        call, num_gemms, params, grads[2:]
+    )
     first = plan.gemms[0]
+    mode = plan.mode
+    if call.exact:
+        splits.sizes()  # GEMMs per group need the sizes on the host: read back once
+        mode = "per_group" if mode == "grouped" else mode
     need_dgrad = grads[0]
-    need_wgrad = any(grads[2 : 2 + num_gemms]) or first.main_grad is not None
-    ctx.splits, ctx.plan, ctx.num_gemms, ctx.num_bias = splits, plan, num_gemms, call.num_bias
+    need_wgrad = any(weight_grads) or first.main_grad is not None
+    ctx.splits, ctx.plan, ctx.num_gemms, ctx.num_bias = splits, plan, num_gemms, len(biases)
+    ctx.mode, ctx.exact = mode, call.exact
+    ctx.single_weight, ctx.single_bias = call.single_weight, call.single_bias
     ctx.need_dgrad, ctx.need_wgrad = need_dgrad, need_wgrad
-    ctx.bias_grad = any(grads[2 + num_gemms :])
-    ctx.weight_grads = grads[2 : 2 + num_gemms]
+    ctx.bias_grad = any(bias_grads)
+    ctx.weight_grads = weight_grads
     ctx.weight_dtype = weights[0].dtype
     needs = (need_dgrad, need_wgrad)
-    if plan.mode == "grouped":
-        return _grouped_forward(ctx, inp, splits, first.dtype, weights, biases, needs)
-    if plan.mode == "fp8":
+    if mode == "grouped":
+        return _grouped_forward(ctx, inp, splits, plan, weights, biases, needs)
+    if mode == "fp8":
         return fp8_forward(ctx, inp, splits, plan, biases, w_fp8, needs)
-    bias_grads = grads[2 + num_gemms :] if biases else (False,) * num_gemms
-    param_grads = list(zip(grads[2 : 2 + num_gemms], bias_grads, strict=True))
+    bias_grads = bias_grads if biases else (False,) * num_gemms
+    param_grads = list(zip(weight_grads, bias_grads, strict=True))
     return _per_group_forward(ctx, inp, splits, plan, (weights, biases), w_fp8, needs, param_grads)
 
 
@@ -192,14 +242,23 @@ class NoGradContext:
 
 def grouped_plan(module, key: PlanKey, weight_names: list[str], who: str) -> GroupedPlan:
     """The GroupedPlan of `module` (a te module with in/out_features, num_gemms and
-    fuse_wgrad_accumulation) for the plan key: one LinearPlan per GEMM and the path to run."""
+    fuse_wgrad_accumulation) for the plan key: one LinearPlan per GEMM and the path to run.
+    weight_names: one per GEMM, or (single_grouped_weight) the one (G, N, K) weight."""
     fp8, dtype = key.fp8, key.dtype
     if fp8:
         check_fp8_dims(who, in_features=module.in_features, out_features=module.out_features)
+    if module._save_original_input:
+        check_save_original_input(who, key, module._tp)
     p = module._parameters
-    gemms = [gemm_plan(module, key, [p[name]], g) for g, name in enumerate(weight_names)]
+    if getattr(module, "single_grouped_weight", False):
+        gemms = _single_weight_gemms(module, key, p[weight_names[0]])
+    else:
+        gemms = [gemm_plan(module, key, [p[name]], g) for g, name in enumerate(weight_names)]
+    fp8_params = isinstance(p[weight_names[0]], Float8Tensor)  # read per group in high precision
     mode = "per_group"
-    if all(gemm.fast for gemm in gemms):
+    # Plain high precision (deferred wgrads included: the grouped path defers its own).
+    plain = all(not (g.fp8 or g.calibrating) and g.main_grad is None for g in gemms)
+    if plain and not fp8_params:
         if dtype == torch.bfloat16 and grouped_mm_supported(module.device, dtype, True):
             mode = "grouped"
     elif fp8:
@@ -207,9 +266,27 @@ def grouped_plan(module, key: PlanKey, weight_names: list[str], who: str) -> Gro
     return GroupedPlan(gemms, mode)
 
 
-def grouped_weights_fp8(module, plan: GroupedPlan, weights, is_first_microbatch, columnwise):
+def _single_weight_gemms(module, key: PlanKey, weight: nn.Parameter) -> list[LinearPlan]:
+    """The G LinearPlans of a single grouped weight (G, N, K): with fused wgrad accumulation
+    GEMM g accumulates into slice g of its main_grad (GroupMainGrad)."""
+    gemms = [gemm_plan(module, key, [weight], g) for g in range(module.num_gemms)]
+    if not module.fuse_wgrad_accumulation:
+        return gemms
+    shared = GroupMainGrad.shared_dummy()
+    return [
+        dataclasses.replace(gemm, main_grad=GroupMainGrad(weight, g, shared))
+        for g, gemm in enumerate(gemms)
+    ]
+
+
+def grouped_weights_fp8(
+    module, plan: GroupedPlan, weights, is_first_microbatch, columnwise, version_params=None
+):
     """The FP8 weights the plan's path reads: one GroupedStorage ("fp8"), a Float8Storage per
-    GEMM (FP8 "per_group"), or None (high precision)."""
+    GEMM (FP8 "per_group"), or None (high precision). weights: one (N, K) per GEMM, FP8
+    parameters (quantized_model_init: their bytes are read as they are) or not (quantized
+    once per change, cached by the version of version_params, the parameters they are views
+    of: default `weights`)."""
     first = plan.gemms[0]
     if not first.fp8:
         return None
@@ -219,9 +296,13 @@ def grouped_weights_fp8(module, plan: GroupedPlan, weights, is_first_microbatch,
             "path quantizes the experts' weights and splits outside its autograd Function; run "
             "it outside te.autocast there, or use te.Linear per expert"
         )
+    if plan.mode == "fp8" and isinstance(weights[0], Float8Tensor):
+        cache = module.__dict__.setdefault("_fp8_weight_group", [None])
+        return fp8_weight_group(cache, weights, columnwise)
     if plan.mode == "fp8":
         setup = first.setup
-        key = (module._weight_version(weights), (_STATE.step, setup.weight_generation()))
+        version = module._weight_version(weights if version_params is None else version_params)
+        key = (version, (_STATE.step, setup.weight_generation()))
         return grouped_fp8_weights(weights, setup, key, is_first_microbatch, columnwise)
     return [
         module._fp8_weight(w, gemm, is_first_microbatch, columnwise, (w,))
@@ -232,16 +313,16 @@ def grouped_weights_fp8(module, plan: GroupedPlan, weights, is_first_microbatch,
 def grouped_linear_backward(ctx, dy, dbias: torch.Tensor | None = None):
     """(dx, [dw_g], [db_g]) of the path grouped_linear_forward took. On the "fp8" path dy may
     be a GroupedStorage a fused producer wrote, with the bias gradients it summed (dbias)."""
-    if ctx.plan.mode == "fp8":
+    if ctx.mode == "fp8":
         return fp8_backward(ctx, dy, dbias)
-    if ctx.plan.mode == "grouped":
+    if ctx.mode == "grouped":
         return _grouped_backward(ctx, dy)
     return _per_group_backward(ctx, dy)
 
 
 class _GroupedLinearFunction(torch.autograd.Function):
-    """inp (T, K), the call's context, then the G weights and the G biases (if any)
-    -> y (T, N)."""
+    """inp (T, K), the call's context, then the G weights (or one (G, N, K)) and the G biases
+    (or one (G, N); or none) -> y (T, N)."""
 
     @staticmethod
     def forward(ctx, inp, call: GroupedCall, *params):
@@ -249,8 +330,13 @@ class _GroupedLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        dx, dws, dbs = grouped_linear_backward(ctx, dy)
-        return dx, None, *dws, *dbs
+        store = ctx.plan.gemms[0].wgrad_store
+        if store is None:
+            dx, dws, dbs = grouped_linear_backward(ctx, dy)
+        else:
+            with store.one_backward():  # the groups' deferred wgrads: one backward_dw
+                dx, dws, dbs = grouped_linear_backward(ctx, dy)
+        return dx, None, *packed_grads(ctx, dws, dbs)
 
 
 class GroupedLinear(TransformerEngineBaseModule):
@@ -259,8 +345,11 @@ class GroupedLinear(TransformerEngineBaseModule):
 
     forward(inp (T, in_features), m_splits, is_first_microbatch=None) -> (T, out_features).
     Parameters weight0..weight{G-1} (out_features, in_features) and bias0..bias{G-1}
-    (out_features,), as in Transformer Engine, so state_dicts carry over; with return_bias the
-    biases are not added but returned (a list, cast to the compute dtype) after the output.
+    (out_features,), as in Transformer Engine, so state_dicts carry over; with
+    single_grouped_weight one `weight` (G, out_features, in_features), with single_grouped_bias
+    one `bias` (G, out_features) instead (either layout loads the other's state_dict). With
+    return_bias the biases are not added but returned, cast to the compute dtype, after the
+    output: a list, or the (G, out_features) tensor of a single grouped bias.
     """
 
     _slot_major = True
@@ -283,6 +372,11 @@ class GroupedLinear(TransformerEngineBaseModule):
         parallel_mode: str | None = None,
         device: torch.device | str | None = None,
         name: str | None = None,
+        single_grouped_weight: bool = False,
+        single_grouped_bias: bool = False,
+        use_grouped_tensor: bool | None = None,
+        delay_wgrad_compute: bool = False,
+        save_original_input: bool = False,
         **unsupported,
     ) -> None:
         if not isinstance(num_gemms, int) or num_gemms <= 0:
@@ -290,6 +384,13 @@ class GroupedLinear(TransformerEngineBaseModule):
         super().__init__(device, params_dtype, num_gemms=num_gemms)
         module = "te.GroupedLinear"
         check_unknown(module, unsupported)
+        _check_layout_flags(single_grouped_weight, single_grouped_bias, use_grouped_tensor)
+        if single_grouped_weight and model_init_settings() is not None:
+            raise NotImplementedError(
+                f"{module}(single_grouped_weight=True) inside quantized_model_init is not "
+                "implemented: its (G, N, K) weight would need one FP8 scale per group; build it "
+                "with single_grouped_weight=False (G FP8 weights) or outside the context"
+            )
         tp = tensor_parallel(module, tp_group, tp_size, parallel_mode, sequence_parallel)
         if tp.sequence_parallel and tp.split:
             raise NotImplementedError(
@@ -302,35 +403,74 @@ class GroupedLinear(TransformerEngineBaseModule):
             raise ValueError(
                 f"in_features and out_features must be positive, got {in_features}, {out_features}"
             )
-        if model_init_settings() is not None:
-            raise NotImplementedError(
-                "quantized_model_init is not implemented for te.GroupedLinear yet: build it "
-                "outside the context (its weights are quantized per call under te.autocast)"
-            )
         in_features, out_features = tp.local_features(in_features, out_features)
         self.num_gemms, self.in_features, self.out_features = num_gemms, in_features, out_features
         self.use_bias, self.return_bias = bias, return_bias
         self.fuse_wgrad_accumulation, self.name = fuse_wgrad_accumulation, name
+        self.single_grouped_weight = single_grouped_weight
+        self.single_grouped_bias = single_grouped_bias
+        self.use_grouped_tensor = use_grouped_tensor
         self._nvtx_name = f"te.GroupedLinear.forward {name or ''}"
-        kw = {"dtype": self.params_dtype, "device": self.device}
-        # One buffer per kind: the parameters are its views, so the grouped GEMM reads them in
-        # place (a parameter later moved elsewhere is stacked per call instead).
-        weights = torch.empty(num_gemms, out_features, in_features, **kw)
-        biases = torch.zeros(num_gemms, out_features, **kw)
         self._init_method = forked_init(
             init_method or default_init_method, get_rng_state_tracker, rng_tracker_name
         )
-        for g in range(num_gemms):
-            self._init_method(weights[g])
-            self.register_parameter(f"weight{g}", nn.Parameter(weights[g]))
-            self.register_parameter(f"bias{g}", nn.Parameter(biases[g]) if bias else None)
-        self.weight_names = [f"weight{g}" for g in range(num_gemms)]
-        self.bias_names = [f"bias{g}" for g in range(num_gemms)] if bias else []
+        self._fp8_weight_group = [None]  # fp8_weight_group's cache (quantized_model_init)
+        self._make_parameters()
         tp.mark(
             [getattr(self, n) for n in self.weight_names],
             [getattr(self, n) for n in self.bias_names],
         )
+        self._defer_wgrad(delay_wgrad_compute, self.weight_names)
+        self._save_original_input = bool(save_original_input)
         self._finish_init()
+
+    def _take_deferred_wgrad(self, gemm: int, wgrad) -> None:
+        add_deferred_group_grads(self, gemm, wgrad)
+
+    def _make_parameters(self) -> None:
+        """The weights (G, N, K) and biases (G, N), one buffer each, initialized group by group
+        and registered as G views each (weight0, bias0, weight1, ...) or one parameter each
+        (under quantized_model_init each weight FP8, made by its GEMM's weight quantizer)."""
+        num_gemms, use_bias = self.num_gemms, self.use_bias
+        kw = {"dtype": self.params_dtype, "device": self.device}
+        weights = torch.empty(num_gemms, self.out_features, self.in_features, **kw)
+        per_group_init(self._init_method)(weights)
+        biases = torch.zeros(num_gemms, self.out_features, **kw)
+        settings = model_init_settings()
+        if self.single_grouped_weight:
+            self.register_parameter("weight", nn.Parameter(weights))
+        elif settings is not None:
+            weight_params = self._fp8_weights(weights, settings)
+        else:
+            weight_params = [nn.Parameter(w) for w in weights.unbind(0)]
+        single_bias = self.single_grouped_bias
+        for g in range(num_gemms):
+            if not self.single_grouped_weight:
+                self.register_parameter(f"weight{g}", weight_params[g])
+            if not single_bias:
+                self.register_parameter(f"bias{g}", nn.Parameter(biases[g]) if use_bias else None)
+        if single_bias:
+            self.register_parameter("bias", nn.Parameter(biases) if use_bias else None)
+        per_group = range(num_gemms)
+        self.weight_names = (
+            ["weight"] if self.single_grouped_weight else [f"weight{g}" for g in per_group]
+        )
+        self.bias_names = (
+            [] if not use_bias else ["bias"] if single_bias else [f"bias{g}" for g in per_group]
+        )
+
+    def _fp8_weights(self, weights: torch.Tensor, settings) -> list[nn.Parameter]:
+        """quantized_model_init: weight g (N, K) as a Float8Tensor parameter made by GEMM g's
+        weight quantizer (its delayed scale primed from it first, as te.Linear's), the G
+        parameters' bytes then moved into one grouped buffer (pack_fp8_weights)."""
+        setup = self._fp8_setup(settings.recipe)
+        preserve = settings.preserve_high_precision_init_val
+        params = []
+        for g, weight in enumerate(weights.unbind(0)):
+            setup.prime_weight(weight, g)
+            params.append(make_fp8_parameter(weight, setup.weight[g], preserve))
+        pack_fp8_weights(params)
+        return params
 
     def set_tensor_parallel_group(self, tp_group) -> None:
         """Set the tensor-parallel process group (when the module was built before it), as in
@@ -339,8 +479,35 @@ class GroupedLinear(TransformerEngineBaseModule):
         self.__dict__.update(_plans={}, _last_plan=None)  # the plans hold the old setting
 
     def _parameter_inits(self) -> list[ParameterInit]:
-        inits = [ParameterInit((f"weight{g}",), self._init_method) for g in range(self.num_gemms)]
+        if self.single_grouped_weight:
+            inits = [ParameterInit(("weight",), per_group_init(self._init_method))]
+        else:
+            inits = [
+                ParameterInit((f"weight{g}",), self._init_method, gemm=g)
+                for g in range(self.num_gemms)
+            ]
         return inits + [ParameterInit((name,), fill(0.0)) for name in self.bias_names]
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs) -> None:
+        # A checkpoint of the other parameter layout (per group / single) loads too.
+        remap_checkpoint(state_dict, prefix, "weight", self.num_gemms, self.single_grouped_weight)
+        if self.use_bias:
+            remap_checkpoint(state_dict, prefix, "bias", self.num_gemms, self.single_grouped_bias)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    def _apply(self, fn, recurse: bool = True):
+        result = super()._apply(fn, recurse)
+        regroup_fp8_weights([self._parameters[n] for n in self.weight_names])
+        return result
+
+    def __getstate__(self) -> dict:
+        state = super().__getstate__()
+        state["_fp8_weight_group"] = [None]
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        regroup_fp8_weights([self._parameters[n] for n in self.weight_names])
 
     def _build_plan(self, key: PlanKey) -> GroupedPlan:
         return grouped_plan(self, key, self.weight_names, "te.GroupedLinear")
@@ -363,10 +530,11 @@ class GroupedLinear(TransformerEngineBaseModule):
         if row_biases:
             biases = []
         first = plan.gemms[0]
+        single = self.single_grouped_weight, self.single_grouped_bias
 
         def run():
-            w_fp8 = grouped_weights_fp8(self, plan, weights, is_first_microbatch, inp.requires_grad)
-            call = GroupedCall(plan, splits, w_fp8, len(biases))
+            w_fp8 = self._weights_fp8(plan, weights, is_first_microbatch, inp.requires_grad)
+            call = GroupedCall(plan, splits, w_fp8, len(biases), *single, exact_requested())
             params = (*weights, *biases)
             if torch.is_grad_enabled():
                 return apply(_GroupedLinearFunction, x, call, *params)
@@ -378,16 +546,54 @@ class GroupedLinear(TransformerEngineBaseModule):
         if tp.split:
             y = tp.gemm_output(y)
         if row_biases:  # under autograd: stacked by torch.stack, not group_bias_rows' view
-            stacked = cast_to(torch.stack(row_biases), dtype)
-            y = y + stacked.index_select(0, splits.row_groups())
+            whole = row_biases[0] if self.single_grouped_bias else torch.stack(row_biases)
+            y = y + cast_to(whole, dtype).index_select(0, splits.row_groups())
         y = as_output(y, (*inp.shape[:-1], self.out_features))
         if self.return_bias:
-            return y, [cast_to(p[n], dtype) for n in self.bias_names]
+            return y, self._returned_bias(dtype)
         return y
 
+    def _weights_fp8(self, plan: GroupedPlan, weights, is_first_microbatch, columnwise):
+        """grouped_weights_fp8 of the weight parameters (a single one: its G groups)."""
+        if not self.single_grouped_weight:
+            return grouped_weights_fp8(self, plan, weights, is_first_microbatch, columnwise)
+        groups = list(weights[0].detach().unbind(0))
+        return grouped_weights_fp8(
+            self, plan, groups, is_first_microbatch, columnwise, version_params=weights
+        )
+
+    def _returned_bias(self, dtype: torch.dtype):
+        """return_bias: the biases in dtype, a list (per group) or one (G, N) tensor."""
+        p = self._parameters
+        if self.single_grouped_bias:
+            return cast_to(p["bias"], dtype) if self.use_bias else None
+        return [cast_to(p[n], dtype) for n in self.bias_names]
+
     def extra_repr(self) -> str:
+        single = ""
+        if self.single_grouped_weight or self.single_grouped_bias:
+            single = (
+                f", single_grouped_weight={self.single_grouped_weight}, "
+                f"single_grouped_bias={self.single_grouped_bias}"
+            )
         return (
             f"num_gemms={self.num_gemms}, in_features={self.in_features}, "
             f"out_features={self.out_features}, bias={self.use_bias}, "
-            f"params_dtype={self.params_dtype}, device={self.device}"
+            f"params_dtype={self.params_dtype}, device={self.device}{single}"
+        )
+
+
+def _check_layout_flags(single_weight, single_bias, use_grouped_tensor) -> None:
+    """TypeError naming a parameter-layout argument that is not a bool (use_grouped_tensor:
+    a bool or None)."""
+    for name, value in (
+        ("single_grouped_weight", single_weight),
+        ("single_grouped_bias", single_bias),
+    ):
+        if not isinstance(value, bool):
+            raise TypeError(f"te.GroupedLinear: {name} must be a bool, got {value!r}")
+    if use_grouped_tensor is not None and not isinstance(use_grouped_tensor, bool):
+        raise TypeError(
+            f"te.GroupedLinear: use_grouped_tensor must be a bool or None, got "
+            f"{use_grouped_tensor!r}"
         )

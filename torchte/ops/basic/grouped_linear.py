@@ -25,6 +25,7 @@ from torchte.module.grouped_linear import (
     GroupedCall,
     GroupedPlan,
     NoGradContext,
+    exact_requested,
     grouped_linear_backward,
     grouped_linear_forward,
     grouped_plan,
@@ -159,7 +160,8 @@ class GroupedLinear(BasicOperation):
         params = self.op_parameters()
         weights = params[: self.num_groups]
         w_fp8 = grouped_weights_fp8(self, plan, weights, None, need_dgrad)
-        return GroupedCall(plan, splits, w_fp8, len(self.bias_names)), params
+        exact = exact_requested()  # as te.GroupedLinear: te.Linear's GEMMs when deterministic
+        return GroupedCall(plan, splits, w_fp8, len(self.bias_names), exact=exact), params
 
     def gemm_forward(self, ctx: OperationContext, x, split_sizes, settings, scales=None):
         """y (T, N) from x (T, K) (a tensor, or a GroupedStorage a fused producer wrote under
