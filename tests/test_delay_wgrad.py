@@ -210,3 +210,126 @@ def test_save_original_input_refuses_delayed_scaling():
     mod = _build("linear", False, torch.float32, save_original_input=True)
     with pytest.raises(NotImplementedError, match="DelayedScaling"):
         _step(mod, _inputs(1, torch.float32)[0], DelayedScaling())
+
+
+# -- te.GroupedLinear ----------------------------------------------------------------------------
+
+G = 3
+SPLITS = [16, 0, 32]  # an empty group too
+
+
+def _grouped(delay: bool, dtype, single: bool, fuse: bool = False, device="cpu"):
+    torch.manual_seed(3)
+    return te.GroupedLinear(
+        G, H, F, params_dtype=dtype, single_grouped_weight=single, delay_wgrad_compute=delay,
+        fuse_wgrad_accumulation=fuse, device=device,
+    )  # fmt: skip
+
+
+def _grouped_step(module, x, recipe, splits):
+    x = x.clone().requires_grad_(True)
+    with te.autocast(enabled=recipe is not None, recipe=recipe):
+        out = module(x, splits)
+    gen = torch.Generator().manual_seed(5)
+    dy = representable(out.shape, torch.bfloat16, scale=0.25, generator=gen).to(out.dtype)
+    out.backward(dy.to(out.device))
+    return x.grad
+
+
+def _grouped_inputs(n: int, dtype, device="cpu"):
+    gen = torch.Generator().manual_seed(11)
+    rows = sum(SPLITS)
+    return [
+        representable((rows, H), torch.bfloat16, generator=gen).to(dtype).to(device)
+        for _ in range(n)
+    ]
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=RECIPE_IDS)
+@pytest.mark.parametrize("single", [False, True], ids=["per_group", "single"])
+@pytest.mark.parametrize("device_splits", [False, True], ids=["host", "device"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_grouped_backward_dw_equals_the_ordinary_backward(recipe, single, device_splits, dtype):
+    ref, mod = _grouped(False, dtype, single), _grouped(True, dtype, single)
+    splits = torch.tensor(SPLITS) if device_splits else SPLITS
+    x1, x2 = _grouped_inputs(2, dtype)
+    dx = _grouped_step(mod, x1, recipe, splits)
+    _grouped_step(mod, x2, recipe, splits)  # two backwards wait
+    assert len(mod._wgrad_store) == 2
+    assert all(p.grad is None for n, p in mod.named_parameters() if n.startswith("weight"))
+    assert torch.equal(dx, _grouped_step(ref, x1, recipe, splits))
+    mod.backward_dw()  # the first backward's only
+    for (name, p), q in zip(mod.named_parameters(), ref.parameters(), strict=True):
+        if name.startswith("weight"):
+            assert torch.equal(p.grad, q.grad), name
+    _grouped_step(ref, x2, recipe, splits)
+    mod.backward_dw()
+    for (name, p), q in zip(mod.named_parameters(), ref.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad), name
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=RECIPE_IDS)
+@pytest.mark.parametrize("single", [False, True], ids=["per_group", "single"])
+def test_grouped_backward_dw_accumulates_into_main_grad(recipe, single):
+    dtype = torch.bfloat16
+    ref, mod = _grouped(False, dtype, single, fuse=True), _grouped(True, dtype, single, fuse=True)
+    for module in (ref, mod):
+        for n, w in module.named_parameters():
+            if n.startswith("weight"):
+                w.main_grad = torch.full(w.shape, 0.5, dtype=torch.float32)
+                w.grad_added_to_main_grad = False
+    x = _grouped_inputs(1, dtype)[0]
+    _grouped_step(ref, x, recipe, SPLITS)
+    _grouped_step(mod, x, recipe, SPLITS)
+    weights = [(w, r) for (n, w), r in zip(mod.named_parameters(), ref.parameters(), strict=True)]
+    weights = [(w, r) for w, r in weights if hasattr(w, "main_grad")]
+    for w, _ in weights:
+        assert torch.equal(w.main_grad, torch.full_like(w.main_grad, 0.5))
+        assert w.grad_added_to_main_grad is True
+    mod.backward_dw()
+    for w, r in weights:
+        assert torch.equal(w.main_grad, r.main_grad)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("single", [False, True], ids=["per_group", "single"])
+def test_grouped_backward_dw_on_the_grouped_gemm_path(single):
+    """bf16 on the GPU: the one grouped wgrad GEMM is what backward_dw runs."""
+    dtype = torch.bfloat16
+    ref, mod = _grouped(False, dtype, single, device="cuda"), _grouped(True, dtype, single, "cuda")
+    splits = torch.tensor(SPLITS, device="cuda")
+    x = _grouped_inputs(1, dtype, "cuda")[0]
+    assert torch.equal(_grouped_step(mod, x, None, splits), _grouped_step(ref, x, None, splits))
+    assert mod._last_plan[1].mode == "grouped"
+    assert [g for g, _ in mod._wgrad_store._entries[0]] == [-1]  # one step for all groups
+    mod.backward_dw()
+    for p, q in zip(mod.parameters(), ref.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad)
+
+
+@pytest.mark.parametrize("recipe", [None, Float8CurrentScaling()], ids=["hp", "current"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("delay", [False, True], ids=["now", "deferred"])
+def test_grouped_save_original_input(recipe, dtype, delay):
+    ref = _grouped(False, dtype, False)
+    torch.manual_seed(3)
+    mod = te.GroupedLinear(
+        G, H, F, params_dtype=dtype, save_original_input=True, delay_wgrad_compute=delay,
+        device="cpu",
+    )  # fmt: skip
+    x = _grouped_inputs(1, torch.float32)[0].requires_grad_(True)  # fp32: no copy kept
+    saved = []
+    hooks = torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t)
+    with hooks, te.autocast(enabled=recipe is not None, recipe=recipe):
+        out = mod(x, SPLITS)
+    gen = torch.Generator().manual_seed(5)
+    out.backward(representable(out.shape, torch.bfloat16, scale=0.25, generator=gen).to(out.dtype))
+    assert torch.equal(x.grad, _grouped_step(ref, x.detach(), recipe, SPLITS))
+    mod.backward_dw()
+    for p, q in zip(mod.parameters(), ref.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad)
+    x_storage = x.untyped_storage().data_ptr()
+    kept = [t for t in saved if t.untyped_storage().data_ptr() == x_storage]
+    assert sum(t.numel() for t in kept) == x.numel()  # the input itself, all of its rows
+    with pytest.raises(NotImplementedError, match="DelayedScaling"):
+        _grouped_step(mod, x, DelayedScaling(), SPLITS)

@@ -45,6 +45,7 @@ IMPLEMENTED = {
     "Linear": {"delay_wgrad_compute", "save_original_input"},
     "LayerNormLinear": {"delay_wgrad_compute"},
     "LayerNormMLP": {"delay_wgrad_compute"},
+    "GroupedLinear": {"delay_wgrad_compute", "save_original_input"},
 }
 REFUSED = [
     (name, option, value)

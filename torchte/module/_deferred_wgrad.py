@@ -22,7 +22,11 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-__all__ = ["WgradStore", "add_to_grads", "run_deferred"]
+__all__ = ["ALL_GROUPS", "WgradStore", "add_to_grads", "group_wgrads", "run_deferred"]
+
+ALL_GROUPS = -1
+"""The GEMM number of a deferred step that makes every group's weight gradient at once (a
+grouped module's grouped wgrad GEMM): its result is the list of the G gradients."""
 
 WgradStep = Callable[[], "torch.Tensor | None"]
 """A deferred weight-gradient GEMM: returns the gradient, or None once added to main_grad."""
@@ -88,11 +92,12 @@ def add_to_grads(params: list[torch.nn.Parameter], wgrad: torch.Tensor) -> None:
 
 def run_deferred(
     store: WgradStore | None,
-    params_of: Callable[[int], list[torch.nn.Parameter]],
+    take: Callable[[int, torch.Tensor | list], None],
     hooks: list[Callable[[], None]],
 ) -> None:
-    """backward_dw: run the oldest deferred entry of `store` (nothing when none waits), add the
-    gradients to the parameters of each GEMM (params_of(gemm)), then call the hooks."""
+    """backward_dw: run the oldest deferred entry of `store` (nothing when none waits), hand
+    each GEMM's gradient to take(gemm, wgrad) (a step that filled main_grad hands none), then
+    call the hooks."""
     entry = None if store is None else store.pop()
     if entry is None:
         return
@@ -100,6 +105,28 @@ def run_deferred(
         for gemm, step in entry:
             wgrad = step()
             if wgrad is not None:
-                add_to_grads(params_of(gemm), wgrad)
+                take(gemm, wgrad)
     for hook in hooks:
         hook()
+
+
+def group_wgrads(ctx, compute: Callable[[], list], device: torch.device) -> list:
+    """The G weight gradients a grouped Function's backward gives autograd: compute()'s, or
+    with delay_wgrad_compute compute put into the store as one ALL_GROUPS step and, for now,
+    None per group (with fused wgrad accumulation the dummies that mark the weights, as the
+    GEMMs into main_grad would give). ctx: the grouped Function's (plan.gemms, weight_grads,
+    weight_dtype)."""
+    gemms = ctx.plan.gemms
+    store = gemms[0].wgrad_store
+    if store is None:
+        return compute()
+    if gemms[0].main_grad is None:
+        store.put(ALL_GROUPS, compute)
+        return [None] * len(gemms)
+    store.put(ALL_GROUPS, lambda: compute() and None)  # into main_grad: nothing to hand out
+    dws = []
+    for g, gemm in enumerate(gemms):
+        ((param, _, _),) = gemm.main_grad.params()
+        dummy = gemm.main_grad.finish(param.shape, ctx.weight_dtype, device)
+        dws.append(dummy if ctx.weight_grads[g] else None)
+    return dws

@@ -39,6 +39,7 @@ __all__ = [
     "LinearCore",
     "LinearPlan",
     "cast_to",
+    "check_save_original_input",
     "check_unknown",
     "check_unsupported",
     "fprop",
@@ -533,6 +534,25 @@ _OFF_OPTIONS = {
     ),
     "symmetric_ar_type": None,
 }
+
+
+def check_save_original_input(module: str, key: PlanKey, tp) -> None:
+    """save_original_input casts the input again in backward: that needs the scale made from
+    the tensor itself (not delayed scaling's, moved on by then) and the input at hand (not
+    gathered from the other ranks)."""
+    recipe = key.recipe
+    if key.fp8 and recipe is not None and recipe.delayed():
+        raise NotImplementedError(
+            f"{module}: save_original_input=True does not work with DelayedScaling: the "
+            "input's forward scale is updated before backward casts it again; use "
+            "Float8CurrentScaling, or save_original_input=False"
+        )
+    if tp.gathers_sequence:
+        raise NotImplementedError(
+            f"{module}: save_original_input=True is not implemented with sequence parallelism "
+            "in column mode (the gathered input would be gathered again in backward); use "
+            "save_original_input=False"
+        )
 
 
 def check_unknown(module: str, unsupported) -> None:

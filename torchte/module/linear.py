@@ -27,6 +27,7 @@ from ._linear_core import (
     LinearCore,
     LinearPlan,
     cast_to,
+    check_save_original_input,
     check_unknown,
     gemm_record,
     linear_backward,
@@ -137,25 +138,6 @@ class _LinearFunction(torch.autograd.Function):
         return gemm_dgrad if dgrad is None else dgrad, wgrad, dbias, None, None
 
 
-def _check_save_original_input(key, tp) -> None:
-    """save_original_input casts the input again in backward: that needs the scale made from
-    the tensor itself (not delayed scaling's, moved on by then) and the input at hand (not
-    gathered from the other ranks)."""
-    recipe = key.recipe
-    if key.fp8 and recipe is not None and recipe.delayed():
-        raise NotImplementedError(
-            "te.Linear: save_original_input=True does not work with DelayedScaling: the "
-            "input's forward scale is updated before backward casts it again; use "
-            "Float8CurrentScaling, or save_original_input=False"
-        )
-    if tp.gathers_sequence:
-        raise NotImplementedError(
-            "te.Linear: save_original_input=True is not implemented with sequence parallelism "
-            "in column mode (the gathered input would be gathered again in backward); use "
-            "save_original_input=False"
-        )
-
-
 class Linear(LinearCore):
     """y = x W^T + b with Transformer Engine's arguments; FP8 under `te.autocast`.
 
@@ -226,7 +208,7 @@ class Linear(LinearCore):
 
     def _build_plan(self, key):
         if self._save_original_input:
-            _check_save_original_input(key, self._tp)
+            check_save_original_input("te.Linear", key, self._tp)
         return super()._build_plan(key)
 
     def _wgrad_parameters(self, gemm: int) -> list[torch.nn.Parameter]:
