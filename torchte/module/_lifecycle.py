@@ -169,8 +169,8 @@ def read_extra_state(state: Any, module: str) -> dict | None:
             return None
         raise ExtraStateError(
             f"{module}: this extra state is a serialized tensor ({state.numel()} bytes, "
-            "Transformer Engine's format), which torchte cannot read yet; load with "
-            "strict=False without the '_extra_state' entries to start from fresh FP8 scales"
+            "Transformer Engine's format): read it with _te_extra_state.from_te_extra_state "
+            "(as set_extra_state does) first"
         )
     if not isinstance(state, dict):
         raise ExtraStateError(

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import io
 import warnings
 import weakref
 from collections.abc import Callable
@@ -31,7 +32,7 @@ from torchte.quantization.model_init import model_init_settings
 from torchte.quantization.setup import FP8Setup, check_recipe, new_setup
 from torchte.recipe import Recipe
 
-from ._deferred_wgrad import WgradStore, run_deferred
+from ._deferred_wgrad import WgradStore, add_to_grads, run_deferred
 from ._functorch import Deferred, plain, transforms_active
 from ._lifecycle import (
     ExtraStateError,
@@ -43,6 +44,7 @@ from ._lifecycle import (
     read_extra_state,
     reinitialize,
 )
+from ._te_extra_state import from_te_extra_state, is_te_extra_state
 
 __all__ = ["PlanKey", "TransformerEngineBaseModule"]
 
@@ -128,7 +130,7 @@ class TransformerEngineBaseModule(nn.Module):
         """Run the weight-gradient GEMMs the oldest backward deferred (delay_wgrad_compute=True)
         into main_grad (fuse_wgrad_accumulation) or the weights' .grad, then the hooks given to
         register_wgrad_accumulation_and_reduce_hooks. Nothing when none is waiting."""
-        run_deferred(self._wgrad_store, self._wgrad_parameters, self._wgrad_hooks)
+        run_deferred(self._wgrad_store, self._take_deferred_wgrad, self._wgrad_hooks)
 
     def register_wgrad_accumulation_and_reduce_hooks(self, hook: Callable[[], None]) -> None:
         """Call hook() at the end of each backward_dw (a data-parallel gradient reduction, as
@@ -140,6 +142,10 @@ class TransformerEngineBaseModule(nn.Module):
     def _wgrad_parameters(self, gemm: int) -> list[nn.Parameter]:
         """The weight parameters of GEMM number `gemm` (rows stacked: its weight gradient)."""
         raise NotImplementedError
+
+    def _take_deferred_wgrad(self, gemm: int, wgrad) -> None:
+        """backward_dw: add GEMM `gemm`'s deferred weight gradient to its parameters' .grad."""
+        add_to_grads(self._wgrad_parameters(gemm), wgrad)
 
     def _finish_init(self) -> None:
         """Call at the end of a subclass __init__: from here on, setattr warns."""
@@ -301,9 +307,13 @@ class TransformerEngineBaseModule(nn.Module):
             return {}
         return extra_state_of(length, *self._delayed_states[length])
 
-    def set_extra_state(self, state: dict[str, Any] | None) -> None:
-        """Load what get_extra_state made (ExtraStateError names anything missing or wrong)."""
+    def set_extra_state(self, state: dict[str, Any] | torch.Tensor | io.BytesIO | None) -> None:
+        """Load what get_extra_state made, or Transformer Engine's form of it (a uint8 tensor of
+        pickled bytes, 1.x's io.BytesIO: see _te_extra_state.py). ExtraStateError names
+        anything missing or wrong."""
         name = f"te.{type(self).__name__}"
+        if is_te_extra_state(state):
+            state = from_te_extra_state(state, name, self.num_gemms, self._slot_major)
         state = read_extra_state(state, name)
         if state is None:
             return

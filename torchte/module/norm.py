@@ -14,8 +14,9 @@ import torch
 from torch import nn
 
 from ._functorch import apply
-from ._lifecycle import ParameterInit, norm_inits
+from ._lifecycle import ExtraStateError, ParameterInit, norm_inits
 from ._norm_spec import NormSpec, rows_of
+from ._te_extra_state import check_te_norm_extra_state
 from .base import TransformerEngineBaseModule
 
 __all__ = ["LayerNorm", "RMSNorm"]
@@ -71,10 +72,19 @@ def _params_dtype(cls: str, params_dtype, dtype):
 class _Norm(TransformerEngineBaseModule):
     """What LayerNorm and RMSNorm share: parameters, checks, the compute dtype."""
 
-    # Transformer Engine's norm modules have no extra state: their state_dict is weight (and
-    # bias) only, so checkpoints load either way. Undo the base class's override.
+    # No FP8 state: the state_dict is weight (and bias) only. Undo the base class's override.
     get_extra_state = nn.Module.get_extra_state
     set_extra_state = nn.Module.set_extra_state
+
+    def _load_from_state_dict(self, state_dict, prefix, metadata, strict, missing, unexpected, *a):
+        super()._load_from_state_dict(state_dict, prefix, metadata, strict, missing, unexpected, *a)
+        key = prefix + "_extra_state"
+        if key in unexpected:  # Transformer Engine 2.x's norms (fuser ops) save one: dropped
+            try:
+                check_te_norm_extra_state(state_dict[key], f"te.{type(self).__name__}")
+            except ExtraStateError as err:
+                raise ExtraStateError(f"cannot load {key}: {err}") from None
+            unexpected.remove(key)
 
     def __init__(
         self,
