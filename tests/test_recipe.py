@@ -130,7 +130,8 @@ def test_block_recipe_defaults():
     assert Float8BlockScaling().grad_block_scaling_dim == 1
     assert MXFP8BlockScaling().fp8_format is Format.E4M3
     assert MXFP8BlockScaling().margin == 0
-    assert NVFP4BlockScaling().fp4_format == "E2M1"
+    assert NVFP4BlockScaling().fp4_format is Format.E2M1
+    assert NVFP4BlockScaling(fp4_format="E2M1").fp4_format is Format.E2M1  # older torchte's
 
 
 @pytest.mark.parametrize("margin", [-1, 1.5, "0", None, True])
@@ -226,7 +227,8 @@ def test_format_dtypes_and_maxima(fmt, fwd, bwd, max_fwd, max_bwd):
 
 
 def test_format_members():
-    assert {f.name for f in Format} == {"E4M3", "E5M2", "HYBRID"}
+    assert {f.name for f in Format} == {"E2M1", "E4M3", "E5M2", "HYBRID"}
+    assert Format.E2M1.value.max_fwd == 6.0 and Format.E2M1.fwd_dtype is torch.float4_e2m1fn_x2
 
 
 PREDICATES = (

@@ -1,57 +1,63 @@
 """te.make_graphed_callables: forward and backward of modules captured into CUDA graphs.
 
-Each module's forward becomes a replay of a captured forward graph inside one autograd
-Function whose backward replays a captured backward graph, with Transformer Engine's arguments:
-- each module runs under te.autocast(fp8_enabled, recipe, group, calibrating) while warming up
-  and capturing, so the graphs hold the FP8 work: the quantizations with their amax recording
-  and the delayed-scaling updates (the one at the autocast exit of the captured forward, the
-  one at the end of the captured backward). They work in place on the modules' scaling state,
-  so every replay records amaxes and moves the scales as an eager step would;
+Each forward pass becomes a replay of a captured forward graph inside one autograd Function
+whose backward replays a captured backward graph (graphs_capture.py), with Transformer Engine's
+arguments:
+- each module runs under te.autocast(enabled, recipe, amax_reduction_group, calibrating) while
+  warming up and capturing (`enabled` may be one bool per module), so the graphs hold the FP8
+  work: the quantizations with their amax recording and the delayed-scaling updates (the one
+  at the autocast exit of the captured forward, the one at the end of the captured backward).
+  They work in place on the modules' scaling state, so every replay records amaxes and moves
+  the scales as an eager step would;
 - FP8 weights are quantized inside the graph (the weight cache is bypassed while capturing),
   so each replay requantizes the live weights that optimizer steps write in place;
-- the warm-up iterations (eager, on the sample arguments) leave no trace: the delayed-scaling
-  states and main_grad buffers are put back as they were;
-- parameter gradients are handed to autograd as fresh tensors (one concatenation for all of a
-  module's parameters), never as the graph's static buffers: the next replay overwrites those,
-  which would corrupt a .grad that kept them (gradient accumulation). Parameters with a
-  `main_grad` (fuse_wgrad_accumulation) get the static buffer: Megatron ignores their .grad.
+- sample_kwargs are captured and replayed as the positional sample_args are;
+- the warm-up iterations (eager, on the sample arguments, between pre_warmup_hook and
+  post_warmup_hook) leave no trace: the delayed-scaling states, main_grad buffers and the CUDA
+  generator are put back as they were;
+- `_order` captures the passes of interleaved pipeline-parallel chunks in a schedule's order
+  (graphs_schedule.py) and returns one graphed function per forward pass.
 
 A replay needs inputs of the sample arguments' shapes and dtypes; its outputs are the graph's
-static buffers, valid until the next replay of the same module. The module's training flag at
+static buffers, valid until the next replay of the same pass. The module's training flag at
 capture is kept: a module switched to the other mode runs eagerly under the same autocast.
-On a machine without a GPU the modules are returned running eagerly under the autocast
-arguments, so code using this runs unchanged.
+`reset()` on a returned callable frees its graphs (a module gets its own forward back).
+On a machine without a GPU the modules run eagerly under the autocast arguments (nothing is
+captured, the warm-up and capture-time hooks are not called), so code using this runs
+unchanged.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ._options import check_options
 from .autocast import autocast, default_recipe
+from .graphs_capture import PassGraphs, capture, state_kept, warm_up
+from .graphs_hooks import capture_hooks
+from .graphs_schedule import Schedule, pipeline_schedule, plain_schedule, reused_samples
 from .module.base import TransformerEngineBaseModule
 from .recipe import Recipe
 
 __all__ = ["make_graphed_callables"]
 
 
-# Transformer Engine 2.x's capture options torchte does not implement, and their "off" value
-# (_options.check_options).
-_OFF_OPTIONS = {
-    "clone_param_grads_on_return": False,
-    "_clone_param_grads_on_return": False,
-    "capture_time_hooks": None,
-    "_reuse_graph_input_output_buffers": False,
-    "_num_layers_per_chunk": None,
-    "pre_warmup_hook": None,
-    "post_warmup_hook": None,
-    "capture_stream": None,
-}
+@dataclass(frozen=True)
+class _Capture:
+    """How the passes are warmed up and captured (the arguments that say it)."""
+
+    num_warmup_iters: int
+    allow_unused: bool
+    retain_graph: bool
+    clone_param_grads: bool
+    reuse_buffers: bool
+    warmup_hooks: tuple
+    stream: object
+    pool: object
 
 
 def _one_of(new_name: str, new, old_name: str, old, default):
@@ -73,27 +79,40 @@ def make_graphed_callables(
     num_warmup_iters: int = 3,
     allow_unused_input: bool = False,
     sample_kwargs=None,
-    fp8_enabled: bool | None = None,
+    fp8_enabled: bool | tuple[bool, ...] | None = None,
     fp8_calibrating: bool | None = None,
     fp8_recipe=None,
     fp8_group=None,
     fp8_weight_caching: bool | None = None,
-    _order=None,
+    _order: list[int] | None = None,
     pool=None,
     retain_graph_in_backward: bool = False,
     *,
-    enabled: bool | None = None,
+    enabled: bool | tuple[bool, ...] | None = None,
     calibrating: bool | None = None,
     recipe=None,
     amax_reduction_group=None,
     cache_quantized_params: bool | None = None,
-    **off_options,
+    _num_layers_per_chunk: int | list[int] | None = None,
+    _reuse_graph_input_output_buffers: bool = False,
+    clone_param_grads_on_return: bool | None = None,
+    _clone_param_grads_on_return: bool | None = None,
+    pre_warmup_hook: Callable[[], None] | None = None,
+    post_warmup_hook: Callable[[], None] | None = None,
+    capture_time_hooks: list[dict | None] | None = None,
+    capture_stream: torch.cuda.Stream | None = None,
 ):
     """Graphed versions of `modules` (one nn.Module or a tuple of them, in the order they run:
     forwards are captured in that order, backwards in reverse, all in one memory pool).
-    sample_args: a tuple of tensors (one module) or a tuple of such tuples. enabled,
-    calibrating, recipe, amax_reduction_group and cache_quantized_params are Transformer Engine
-    2.x's names of the fp8_* arguments (ValueError when both names are given, differently)."""
+
+    sample_args: a tuple of tensors (one module) or one tuple per module (with `_order`: one
+    per forward pass); sample_kwargs: a dict of tensors (or None values) per module likewise.
+    enabled, calibrating, recipe, amax_reduction_group and cache_quantized_params are
+    Transformer Engine 2.x's names of the fp8_* arguments (ValueError when both names are
+    given, differently); `enabled` may be a tuple with one bool per module. Returns `modules`
+    with their forward replaced, or with `_order` a tuple of one graphed function per forward
+    pass; each has `reset()` and `backward_dw()`.
+    """
     fp8_enabled = _one_of("enabled", enabled, "fp8_enabled", fp8_enabled, False)
     fp8_calibrating = _one_of("calibrating", calibrating, "fp8_calibrating", fp8_calibrating, False)
     fp8_recipe = _one_of("recipe", recipe, "fp8_recipe", fp8_recipe, None)
@@ -102,205 +121,235 @@ def make_graphed_callables(
         "cache_quantized_params", cache_quantized_params, "fp8_weight_caching",
         fp8_weight_caching, False,
     )  # fmt: skip
-    check_options("make_graphed_callables", off_options, _OFF_OPTIONS)
-    if sample_kwargs or _order is not None or fp8_weight_caching or retain_graph_in_backward:
+    clone = _one_of(
+        "_clone_param_grads_on_return", _clone_param_grads_on_return,
+        "clone_param_grads_on_return", clone_param_grads_on_return, True,
+    )  # fmt: skip
+    if fp8_weight_caching:
         raise NotImplementedError(
-            "make_graphed_callables: sample_kwargs, _order, fp8_weight_caching and "
-            "retain_graph_in_backward are not implemented in torchte yet"
+            "make_graphed_callables: fp8_weight_caching / cache_quantized_params=True is not "
+            "implemented in torchte yet; FP8 weights are requantized inside every replay"
         )
     single = not isinstance(modules, tuple)
     callables = (modules,) if single else modules
-    args = (sample_args,) if single else sample_args
-    if len(args) != len(callables) or not all(isinstance(a, tuple) for a in args):
-        raise ValueError("sample_args must give one tuple of tensors per callable")
     if not all(isinstance(c, nn.Module) for c in callables):
         raise TypeError("make_graphed_callables takes nn.Modules (their parameters get grads)")
-    if not all(isinstance(t, torch.Tensor) for a in args for t in a):
-        raise TypeError("sample_args may hold only tensors")
-    if num_warmup_iters < 1:
-        raise ValueError("num_warmup_iters must be at least 1 (lazy setup must not be captured)")
+    per_module = _per_module(fp8_enabled, len(callables))
+    schedule = _schedule(_order, _num_layers_per_chunk, callables, sample_args)
+    samples = _samples(sample_args, sample_kwargs, single and _order is None, schedule)
+    hooks = capture_hooks(capture_time_hooks, len(callables))
+    settings = _settings(
+        num_warmup_iters, allow_unused_input, retain_graph_in_backward, clone,
+        _reuse_graph_input_output_buffers, (pre_warmup_hook, post_warmup_hook),
+        capture_stream, pool,
+    )  # fmt: skip
+    if settings.reuse_buffers:
+        _check_reuse(_order, callables)
+        samples = reused_samples(schedule, samples)
     recipe = fp8_recipe if fp8_recipe is not None else default_recipe()
     if isinstance(recipe, Recipe):  # the snapshot te.autocast takes (recipe.py)
         recipe = recipe._frozen()
-    region = functools.partial(
-        autocast,
-        enabled=fp8_enabled,
-        calibrating=fp8_calibrating,
-        recipe=recipe,
-        amax_reduction_group=fp8_group,
-    )
-    eager = [_under(region, module.forward) for module in callables]
-    if not all(t.is_cuda for a in args for t in a) or not any(a for a in args):
-        for module, forward in zip(callables, eager, strict=True):
-            _set_attr(module, "forward", forward)  # no GPU: eager, under the autocast arguments
-        return modules
-    if fp8_enabled or fp8_calibrating:  # the scaling state exists before the warm-up
-        for root in callables:
-            for module in root.modules():
-                if isinstance(module, TransformerEngineBaseModule):
-                    module._fp8_setup(recipe)
-    graphs = [_Graphs(*entry) for entry in zip(callables, eager, args, strict=True)]
-    with _state_kept(callables):
-        _warm_up(graphs, num_warmup_iters, allow_unused_input)
-    pool = torch.cuda.graph_pool_handle() if pool is None else pool
-    for graph in graphs:
-        graph.capture_forward(pool)
-    for graph in reversed(graphs):
-        graph.capture_backward(pool, allow_unused_input)
-    for module, forward, graph in zip(callables, eager, graphs, strict=True):
-        _set_attr(module, "forward", graph.make_forward(module, forward))
-    return modules
+    eager = [
+        _under(functools.partial(autocast, on, fp8_calibrating, recipe, fp8_group), c.forward)
+        for c, on in zip(callables, per_module, strict=True)
+    ]
+    if not _on_gpu(samples):
+        return _eager_result(modules, callables, eager, schedule, _order is not None)
+    for root, on in zip(callables, per_module, strict=True):
+        _prepare(root, recipe if on or fp8_calibrating else None)
+    passes = [
+        PassGraphs(callables[c], eager[c], *samples[p], hooks[c], settings.clone_param_grads)
+        for p, c in enumerate(schedule.callable_of)
+    ]
+    _warm_up_and_capture(passes, callables, schedule, settings)
+    return _graphed_result(modules, passes, eager, schedule, _order is not None)
 
 
-class _Graphs:
-    """One module's captured forward and backward, and the static tensors they read and write."""
+def _per_module(enabled, count: int) -> tuple[bool, ...]:
+    """`enabled` as one bool per module (a bool for all, or a tuple of `count` bools)."""
+    if isinstance(enabled, bool):
+        return (enabled,) * count
+    if not isinstance(enabled, tuple) or not all(isinstance(e, bool) for e in enabled):
+        raise TypeError(f"enabled must be a bool or a tuple of bools, got {enabled!r}")
+    if len(enabled) != count:
+        raise ValueError(f"enabled has {len(enabled)} entries for {count} modules")
+    return enabled
 
-    def __init__(self, module: nn.Module, forward, sample_args: tuple) -> None:
-        self.forward = forward
-        self.training = module.training
-        self.inputs = tuple(sample_args)  # the static inputs a replay copies into
-        self.params = tuple(p for p in module.parameters() if p.requires_grad)
-        self.fwd_graph = torch.cuda.CUDAGraph()
-        self.bwd_graph = torch.cuda.CUDAGraph()
-        self.outputs: tuple = ()
-        self.spec = None
-        self.differentiable: tuple = ()
-        self.grad_outputs: tuple = ()
-        self.input_grads: tuple = ()
-        self.param_grads: tuple = ()
-        self.cloned: tuple = ()  # indices into params whose grads are cloned
-        self.numels: tuple = ()
 
-    def differentiable_inputs(self) -> list[torch.Tensor]:
-        return [t for t in (*self.inputs, *self.params) if t.requires_grad]
+def _schedule(order, layers_per_chunk, callables, sample_args) -> Schedule:
+    if order is None:
+        if layers_per_chunk is not None:
+            raise ValueError("_num_layers_per_chunk is given without _order")
+        return plain_schedule(len(callables))
+    if not isinstance(sample_args, Sequence):
+        raise ValueError("with _order, sample_args must give one tuple per forward pass")
+    return pipeline_schedule(order, layers_per_chunk, len(callables), len(sample_args))
 
-    def run_eager(self, allow_unused: bool) -> None:
-        outputs, _ = tree_flatten(self.forward(*self.inputs))
-        outputs = [o for o in outputs if isinstance(o, torch.Tensor) and o.requires_grad]
-        self._grads(outputs, [torch.empty_like(o) for o in outputs], allow_unused)
 
-    def _grads(self, outputs: list, grad_outputs: list, allow_unused: bool) -> list:
-        """Gradients of every input and parameter requiring grad, in order (None where none
-        came). A parameter may get none (fuse_wgrad_accumulation writes main_grad instead);
-        an input may only where allow_unused."""
-        inputs = self.differentiable_inputs()
-        if not (outputs and inputs):
-            return [None] * len(inputs)
-        grads = torch.autograd.grad(outputs, inputs, grad_outputs, allow_unused=True)
-        user_inputs = sum(t.requires_grad for t in self.inputs)  # first in `inputs`
-        if not allow_unused and any(g is None for g in grads[:user_inputs]):
-            raise RuntimeError(
-                "an input of the graphed module got no gradient (it was not used); pass "
-                "allow_unused_input=True if this is intended"
+def _samples(sample_args, sample_kwargs, single: bool, schedule: Schedule) -> list:
+    """(args, kwargs) per forward pass, checked: tuples of tensors, dicts of tensors or None."""
+    count = len(schedule.callable_of)
+    if single:
+        sample_args, sample_kwargs = (sample_args,), (sample_kwargs,)
+    elif sample_kwargs is None:
+        sample_kwargs = (None,) * count
+    if not isinstance(sample_args, Sequence) or len(sample_args) != count:
+        raise ValueError(f"sample_args must give one tuple of tensors per callable ({count})")
+    if not isinstance(sample_kwargs, Sequence) or len(sample_kwargs) != count:
+        raise ValueError(f"sample_kwargs must give one dict (or None) per callable ({count})")
+    samples = []
+    for args, kwargs in zip(sample_args, sample_kwargs, strict=True):
+        if not isinstance(args, tuple | list):
+            raise ValueError("sample_args must give one tuple of tensors per callable")
+        if not all(isinstance(t, torch.Tensor) for t in args):
+            raise TypeError("sample_args may hold only tensors")
+        kwargs = {} if kwargs is None else kwargs
+        if not isinstance(kwargs, Mapping):
+            raise TypeError(f"sample_kwargs must be dicts, got {type(kwargs).__name__}")
+        for key, value in kwargs.items():
+            if not isinstance(key, str) or not (value is None or isinstance(value, torch.Tensor)):
+                raise TypeError(f"sample_kwargs may hold only tensors or None, got {key!r}")
+        samples.append((tuple(args), dict(kwargs)))
+    return samples
+
+
+def _settings(iters, allow_unused, retain, clone, reuse, warmup_hooks, stream, pool) -> _Capture:
+    if not isinstance(iters, int) or iters < 1:
+        raise ValueError("num_warmup_iters must be at least 1 (lazy setup must not be captured)")
+    for name, hook in zip(("pre_warmup_hook", "post_warmup_hook"), warmup_hooks, strict=True):
+        if hook is not None and not callable(hook):
+            raise TypeError(f"{name} must be callable, got {type(hook).__name__}")
+    if stream is not None and not isinstance(stream, torch.cuda.Stream):
+        raise TypeError(f"capture_stream must be a torch.cuda.Stream, got {stream!r}")
+    flags = {"allow_unused_input": allow_unused, "retain_graph_in_backward": retain}
+    flags |= {"_clone_param_grads_on_return": clone, "_reuse_graph_input_output_buffers": reuse}
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be a bool, got {value!r}")
+    return _Capture(iters, allow_unused, retain, clone, reuse, warmup_hooks, stream, pool)
+
+
+def _check_reuse(order, callables) -> None:
+    if order is None:
+        raise ValueError("_reuse_graph_input_output_buffers=True needs _order")
+    if not all(c.training for c in callables):
+        raise ValueError("_reuse_graph_input_output_buffers=True needs modules in training mode")
+
+
+def _on_gpu(samples) -> bool:
+    tensors = [t for args, kwargs in samples for t in (*args, *kwargs.values()) if t is not None]
+    return bool(tensors) and all(t.is_cuda for t in tensors)
+
+
+def _prepare(root: nn.Module, recipe) -> None:
+    """Refuse what cannot be captured; make the FP8 scaling state before the warm-up."""
+    for module in root.modules():
+        deferred = getattr(module, "need_backward_dw", None)
+        if callable(deferred) and deferred():
+            raise NotImplementedError(
+                f"make_graphed_callables: {type(module).__name__} defers its weight gradients "
+                "(delay_wgrad_compute=True); capturing a separate weight-gradient graph is not "
+                "implemented in torchte yet"
             )
-        return list(grads)
+        if recipe is not None and isinstance(module, TransformerEngineBaseModule):
+            module._fp8_setup(recipe)
 
-    def capture_forward(self, pool) -> None:
-        with torch.cuda.graph(self.fwd_graph, pool=pool):
-            outputs = self.forward(*self.inputs)
-        flat, self.spec = tree_flatten(outputs)
-        if not all(isinstance(o, torch.Tensor) for o in flat):
-            raise TypeError("a graphed module's outputs must be tensors (or tuples of them)")
-        self.outputs = tuple(flat)
-        self.differentiable = tuple(o.requires_grad for o in flat)
 
-    def capture_backward(self, pool, allow_unused: bool) -> None:
-        self.grad_outputs = tuple(
-            torch.empty_like(o) if d else None
-            for o, d in zip(self.outputs, self.differentiable, strict=True)
-        )
-        outputs = [o for o, d in zip(self.outputs, self.differentiable, strict=True) if d]
-        given = [g for g in self.grad_outputs if g is not None]
-        with torch.cuda.graph(self.bwd_graph, pool=pool):
-            grads = iter(self._grads(outputs, given, allow_unused))
-        self.input_grads = tuple(
-            next(grads, None) if t.requires_grad else None for t in self.inputs
-        )
-        self.param_grads = tuple(next(grads, None) for _ in self.params)
-        self.cloned = tuple(
-            i for i, (p, g) in enumerate(zip(self.params, self.param_grads, strict=True))
-            if g is not None and getattr(p, "main_grad", None) is None
+def _warm_up_and_capture(passes, callables, schedule: Schedule, settings: _Capture) -> None:
+    stream = settings.stream if settings.stream is not None else torch.cuda.Stream()
+    unique = list({id(c): c for c in callables}.values())
+    with state_kept(unique):
+        warm_up(
+            passes, schedule.steps, settings.num_warmup_iters, settings.allow_unused, stream,
+            settings.warmup_hooks,
         )  # fmt: skip
-        self.numels = tuple(self.param_grads[i].numel() for i in self.cloned)
-        self.outputs = tuple(o.detach() for o in self.outputs)  # the forward graph is kept
-
-    def make_forward(self, module: nn.Module, eager_forward):
-        graphs, n_inputs = self, len(self.inputs)
-        single = self.spec.is_leaf()
-
-        def forward(*args):
-            if module.training != graphs.training:
-                return eager_forward(*args)
-            if len(args) != n_inputs:
-                raise TypeError(f"the graphed module takes {n_inputs} tensors, got {len(args)}")
-            outputs = _Replay.apply(graphs, *args, *graphs.params)
-            return outputs[0] if single else tree_unflatten(list(outputs), graphs.spec)
-
-        return functools.wraps(eager_forward)(forward)
-
-    def replay_forward(self, args) -> tuple:
-        for static, given in zip(self.inputs, args, strict=False):
-            if static.data_ptr() != given.data_ptr():
-                if static.shape != given.shape or static.dtype != given.dtype:
-                    raise ValueError(
-                        f"a graphed module was captured with an input of shape "
-                        f"{tuple(static.shape)} and dtype {static.dtype}; got "
-                        f"{tuple(given.shape)} and {given.dtype}"
-                    )
-                static.copy_(given)
-        self.fwd_graph.replay()
-        return tuple(o.detach() for o in self.outputs)
-
-    def replay_backward(self, grads, leaves) -> tuple:
-        for static, grad in zip(self.grad_outputs, grads, strict=True):
-            if static is not None and grad is not None and static.data_ptr() != grad.data_ptr():
-                static.copy_(grad)
-        self.bwd_graph.replay()
-        inputs = tuple(
-            None if g is None else g.clone() if leaf else g.detach()
-            for g, leaf in zip(self.input_grads, leaves, strict=True)
-        )
-        params = list(self.param_grads)
-        if self.cloned:  # fresh tensors: autograd may keep them as .grad
-            flat = torch.cat([params[i].reshape(-1) for i in self.cloned])
-            for i, part in zip(self.cloned, flat.split(self.numels), strict=True):
-                params[i] = part.view(params[i].shape)
-        return inputs + tuple(params)
+    pool = torch.cuda.graph_pool_handle() if settings.pool is None else settings.pool
+    capture(
+        passes, schedule.steps, pool, stream, settings.allow_unused, settings.retain_graph,
+        settings.reuse_buffers,
+    )  # fmt: skip
 
 
-class _Replay(torch.autograd.Function):
-    """Forward: copy the inputs into the static ones, replay the forward graph. Backward: copy
-    the output gradients in, replay the backward graph, hand out the gradients."""
-
-    @staticmethod
-    def forward(ctx, graphs: _Graphs, *args):
-        ctx.graphs = graphs
-        inputs = args[: len(graphs.inputs)]
-        ctx.leaves = tuple(t.requires_grad and t.grad_fn is None for t in inputs)
-        outputs = graphs.replay_forward(args)
-        ctx.mark_non_differentiable(
-            *(o for o, d in zip(outputs, graphs.differentiable, strict=True) if not d)
-        )
-        return outputs
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, *grads):
-        return (None, *ctx.graphs.replay_backward(grads, ctx.leaves))
+def _graphed_result(modules, passes, eager, schedule: Schedule, ordered: bool):
+    """Modules with their forward replaced by the replay (or, with _order, one function per
+    pass), each with reset() and backward_dw()."""
+    made = []
+    for graphs, c in zip(passes, schedule.callable_of, strict=True):
+        forward = graphs.make_forward(eager[c])
+        if ordered:
+            made.append(_with_methods(forward, graphs.reset, _nothing_deferred))
+        else:
+            _install(graphs.module, forward, graphs.reset, _nothing_deferred)
+    return tuple(made) if ordered else modules
 
 
-def _warm_up(graphs: list[_Graphs], iterations: int, allow_unused: bool) -> None:
-    """Eager forwards and backwards on a side stream: kernels compiled, caches and workspaces
-    made before the capture."""
-    torch.cuda.synchronize()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(iterations):
-            for graph in graphs:
-                graph.run_eager(allow_unused)
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
+def _eager_result(modules, callables, eager, schedule: Schedule, ordered: bool):
+    """No GPU: the same result as on one, running eagerly under the autocast arguments."""
+    if not ordered:
+        for module, forward in zip(callables, eager, strict=True):
+            _install(module, forward, None, functools.partial(_run_deferred, module))
+        return modules
+    made = []
+    for c in schedule.callable_of:
+        state = {"reset": False}
+        reset = functools.partial(state.__setitem__, "reset", True)
+        backward_dw = functools.partial(_run_deferred, callables[c])
+        made.append(_with_methods(_checked_reset(eager[c], state), reset, backward_dw))
+    return tuple(made)
+
+
+def _checked_reset(forward, state: dict):
+    """forward, refused once state["reset"] is set (an eager pass function after reset())."""
+
+    @functools.wraps(forward)
+    def run(*args, **kwargs):
+        if state["reset"]:
+            raise RuntimeError("this graphed callable was reset(); call make_graphed_callables")
+        return forward(*args, **kwargs)
+
+    return run
+
+
+def _with_methods(function, reset: Callable[[], None], backward_dw: Callable[[], None]):
+    """function, given Transformer Engine's `reset` and `backward_dw` attributes."""
+    function.reset, function.backward_dw = reset, backward_dw
+    return function
+
+
+_MISSING = object()
+
+
+def _install(module: nn.Module, forward, reset_graphs, backward_dw) -> None:
+    """module.forward = forward, with module.reset() (reset_graphs() frees the graphs, if any;
+    the module's previous forward comes back) and module.backward_dw()."""
+    previous = module.__dict__.get("forward", _MISSING)
+
+    def reset() -> None:
+        if reset_graphs is not None:
+            reset_graphs()
+        if module.__dict__.get("forward") is forward:
+            if previous is _MISSING:
+                del module.__dict__["forward"]
+            else:
+                module.__dict__["forward"] = previous
+
+    _set_attr(module, "forward", forward)
+    _set_attr(module, "reset", reset)
+    _set_attr(module, "backward_dw", backward_dw)
+
+
+def _nothing_deferred() -> None:
+    """backward_dw of a captured pass: no weight-gradient graph exists (modules that defer
+    their weight gradients are refused), every backward replay made them all."""
+
+
+def _run_deferred(root: nn.Module) -> None:
+    """backward_dw of an eager (no GPU) callable: the deferred weight-gradient GEMMs of the
+    modules under root that defer them (delay_wgrad_compute), as a replay would run them."""
+    for module in root.modules():
+        deferred = getattr(module, "need_backward_dw", None)
+        if callable(deferred) and deferred():
+            type(module).backward_dw(module)  # the instance attribute may be this function
 
 
 def _under(region, forward):
@@ -319,28 +368,3 @@ def _set_attr(module: nn.Module, name: str, value) -> None:
         module._fast_setattr(name, value)
     else:
         setattr(module, name, value)
-
-
-@contextlib.contextmanager
-def _state_kept(modules):
-    """Undo what the warm-up iterations (eager forwards and backwards on the sample arguments)
-    wrote into the modules' delayed-scaling states and parameters' main_grad buffers: in
-    place, so the captured graphs keep pointing at the same memory."""
-    kept = []
-    for root in modules:
-        for module in root.modules():
-            if isinstance(module, TransformerEngineBaseModule):
-                for pair in module._delayed_states.values():
-                    for state in pair:
-                        kept += [state.scale, state.amax_history, state.nonfinite]
-        for param in root.parameters():
-            if getattr(param, "main_grad", None) is not None:
-                kept.append(param.main_grad)
-    saved = [t.clone() for t in kept]
-    try:
-        yield
-    finally:
-        torch.cuda.synchronize()
-        with torch.no_grad():
-            for t, value in zip(kept, saved, strict=True):
-                t.copy_(value)

@@ -7,7 +7,8 @@ te.autocast (and quantized_model_init, make_graphed_callables) takes of the reci
 (`_frozen()`, one per recipe and change), so a change takes effect at the next region and never
 alters state built under the old values. Recipes compare and hash by their values.
 Only `DelayedScaling` and `Float8CurrentScaling` run in this release; modules used under the
-block-scaling recipes raise NotImplementedError naming the recipe.
+block-scaling recipes raise NotImplementedError naming the recipe. QParams and MMParams
+(recipe_params.py) hold the per-role quantization and per-GEMM accumulation options.
 """
 
 from __future__ import annotations
@@ -23,14 +24,20 @@ from typing import NamedTuple
 
 import torch
 
+from .recipe_params import MMParams, QParams
+
 __all__ = [
     "CustomRecipe",
     "DelayedScaling",
     "Float8BlockScaling",
     "Float8CurrentScaling",
     "Format",
+    "MMParams",
+    "MXFP4QATFloat8BlockScaling",
+    "MXFP4QATMXFP8BlockScaling",
     "MXFP8BlockScaling",
     "NVFP4BlockScaling",
+    "QParams",
     "Recipe",
 ]
 
@@ -41,20 +48,27 @@ class _FormatHelper(NamedTuple):
 
 
 class Format(Enum):
-    """FP8 formats: E4M3 everywhere, E5M2 everywhere, or HYBRID (E4M3 forward, E5M2 backward)."""
+    """FP8 formats: E4M3 everywhere, E5M2 everywhere, or HYBRID (E4M3 forward, E5M2 backward);
+    and E2M1, NVFP4's 4-bit format."""
 
+    E2M1 = _FormatHelper(max_fwd=6.0, max_bwd=6.0)
     E4M3 = _FormatHelper(max_fwd=448.0, max_bwd=448.0)
     E5M2 = _FormatHelper(max_fwd=57344.0, max_bwd=57344.0)
     HYBRID = _FormatHelper(max_fwd=448.0, max_bwd=57344.0)
 
     @property
     def fwd_dtype(self) -> torch.dtype:
-        """The torch dtype of forward tensors (activations, weights)."""
+        """The torch dtype of forward tensors (activations, weights); E2M1's packs two values
+        in a byte."""
+        if self is Format.E2M1:
+            return torch.float4_e2m1fn_x2
         return torch.float8_e5m2 if self is Format.E5M2 else torch.float8_e4m3fn
 
     @property
     def bwd_dtype(self) -> torch.dtype:
         """The torch dtype of backward tensors (gradients)."""
+        if self is Format.E2M1:
+            return torch.float4_e2m1fn_x2
         return torch.float8_e4m3fn if self is Format.E4M3 else torch.float8_e5m2
 
 
@@ -77,6 +91,11 @@ class Recipe:
 
     def _validate(self) -> None:
         """ValueError / TypeError for a field value the recipe cannot take."""
+
+    def _unsupported(self) -> str | None:
+        """Why modules cannot run under this recipe's current values in torchte (their first
+        forward raises NotImplementedError with it), or None."""
+        return None
 
     def __setattr__(self, name: str, value) -> None:
         if getattr(self, "_is_snapshot", False):
@@ -149,6 +168,10 @@ class Recipe:
     @classmethod
     def custom(cls) -> bool:
         return issubclass(cls, CustomRecipe)
+
+    @classmethod
+    def mxfp4_qat(cls) -> bool:
+        return issubclass(cls, (MXFP4QATMXFP8BlockScaling, MXFP4QATFloat8BlockScaling))
 
 
 BACKWARD_OVERRIDES = (None, "high_precision", "dequantized")
@@ -271,12 +294,68 @@ class DelayedScaling(Recipe):
             raise ValueError("DelayedScaling.scaling_factor_compute_algo must be None or callable")
 
 
+# The QParams / MMParams a None field stands for (frozen: shared by every recipe). The fields'
+# dataclass defaults are None, filled in by _validate: torch.compile cannot trace a constructor
+# whose default values are such objects (a step that builds its recipe inside a compiled region).
+_QUANT = QParams()
+_QUANT_POWER_2 = QParams(power_2_scale=True)
+_FAST_ACCUMULATION = MMParams(use_split_accumulator=False)
+_SPLIT_ACCUMULATION = MMParams(use_split_accumulator=True)
+_CURRENT_DEFAULTS = {
+    "fp8_quant_fwd_inp": _QUANT,
+    "fp8_quant_fwd_weight": _QUANT,
+    "fp8_quant_bwd_grad": _QUANT,
+    "fp8_gemm_fprop": _FAST_ACCUMULATION,
+    "fp8_gemm_dgrad": _SPLIT_ACCUMULATION,
+    "fp8_gemm_wgrad": _SPLIT_ACCUMULATION,
+}
+_BLOCK_DEFAULTS = {
+    "fp8_quant_fwd_inp": _QUANT_POWER_2,
+    "fp8_quant_fwd_weight": _QUANT_POWER_2,
+    "fp8_quant_bwd_grad": _QUANT_POWER_2,
+    "fp8_gemm_fprop": _SPLIT_ACCUMULATION,
+    "fp8_gemm_dgrad": _SPLIT_ACCUMULATION,
+    "fp8_gemm_wgrad": _SPLIT_ACCUMULATION,
+}
+# Transformer Engine's GEMM accumulation under per-tensor FP8, which torchte's GEMMs use:
+# fast accumulation in the forward GEMM, split accumulation in the two backward GEMMs.
+_GEMM_ACCUMULATION = {"fp8_gemm_fprop": False, "fp8_gemm_dgrad": True, "fp8_gemm_wgrad": True}
+# The QParams field that sets each quantizer slot of a module (setup.py's slot names).
+_SLOT_QPARAMS = {
+    "input": "fp8_quant_fwd_inp",
+    "weight": "fp8_quant_fwd_weight",
+    "grad_output": "fp8_quant_bwd_grad",
+}
+
+
+def _fill_defaults(recipe, defaults: dict) -> None:
+    """Each field of `defaults` left None takes its default QParams / MMParams."""
+    for name, value in defaults.items():
+        if getattr(recipe, name) is None:
+            object.__setattr__(recipe, name, value)
+
+
+def _check_params(recipe, names, cls) -> None:
+    for name in names:
+        value = getattr(recipe, name)
+        if not isinstance(value, cls):
+            raise TypeError(
+                f"{type(recipe).__name__}.{name} must be a recipe.{cls.__name__}, got {value!r}"
+            )
+
+
 @dataclass(eq=False)
 class Float8CurrentScaling(Recipe):
     """Per-tensor scaling from the amax of the tensor being quantized, computed on the device.
 
-    use_power_2_scales rounds each scale down to a power of two; amax_epsilon is a floor on
-    the amax used to compute the scale.
+    use_power_2_scales rounds every scale down to a power of two; amax_epsilon is a floor on
+    the amax used to compute every scale. fp8_quant_fwd_inp, fp8_quant_fwd_weight and
+    fp8_quant_bwd_grad (QParams) add the same two options for the GEMM inputs, the weights and
+    the output gradients: a role's scale is a power of two when either asks for it, and its
+    floor is the larger of the two. fp8_gemm_fprop / _dgrad / _wgrad (MMParams) say how the
+    forward, input-gradient and weight-gradient GEMMs accumulate; torchte runs only
+    Transformer Engine's defaults (fast, split, split), others raise NotImplementedError at
+    the first forward.
     """
 
     fp8_format: Format = Format.HYBRID
@@ -285,19 +364,71 @@ class Float8CurrentScaling(Recipe):
     fp8_dpa: bool = False
     fp8_mha: bool = False
     backward_override: str | None = None
+    fp8_quant_fwd_inp: QParams | None = None  # None: QParams()
+    fp8_quant_fwd_weight: QParams | None = None
+    fp8_quant_bwd_grad: QParams | None = None
+    fp8_gemm_fprop: MMParams | None = None  # None: MMParams(use_split_accumulator=False)
+    fp8_gemm_dgrad: MMParams | None = None  # None: MMParams(use_split_accumulator=True)
+    fp8_gemm_wgrad: MMParams | None = None
 
     def _validate(self) -> None:
+        _fill_defaults(self, _CURRENT_DEFAULTS)
         _check_format(self.fp8_format, (Format.E4M3, Format.HYBRID), "Float8CurrentScaling")
         _check_backward_override(self)
+        if not isinstance(self.use_power_2_scales, bool):
+            raise TypeError(
+                "Float8CurrentScaling.use_power_2_scales must be a bool, got "
+                f"{self.use_power_2_scales!r}"
+            )
         if self.amax_epsilon < 0:
             raise ValueError(
                 f"Float8CurrentScaling.amax_epsilon must be >= 0, got {self.amax_epsilon!r}"
             )
+        _check_params(self, _SLOT_QPARAMS.values(), QParams)
+        _check_params(self, _GEMM_ACCUMULATION, MMParams)
+
+    def _slot_scaling(self, slot: str) -> tuple[bool, float]:
+        """(power_2_scale, amax_epsilon) of a module's quantizer of `slot` ("input", "weight",
+        "output", "grad_output", "grad_input"): the recipe-wide values joined with the QParams
+        of the slot's role (outputs and input gradients have none, as in Transformer Engine)."""
+        name = _SLOT_QPARAMS.get(slot)
+        if name is None:
+            return self.use_power_2_scales, self.amax_epsilon
+        params = getattr(self, name)
+        power_2 = self.use_power_2_scales or params.power_2_scale
+        return power_2, max(self.amax_epsilon, params.amax_epsilon)
+
+    def _unsupported(self) -> str | None:
+        changed = [
+            f"{name}=MMParams(use_split_accumulator={getattr(self, name).use_split_accumulator})"
+            for name, split in _GEMM_ACCUMULATION.items()
+            if getattr(self, name).use_split_accumulator != split
+        ]
+        if not changed:
+            return None
+        return (
+            f"Float8CurrentScaling({', '.join(changed)}): choosing a GEMM's accumulation is not "
+            "implemented in torchte yet; its GEMMs accumulate as Transformer Engine's defaults "
+            "say (fprop fast, dgrad and wgrad split)"
+        )
+
+
+_NVFP4_SCOPES = ("none", "weights", "activations", "all")
+
+
+def _check_choice(recipe, name: str, allowed: tuple) -> None:
+    value = getattr(recipe, name)
+    if value not in allowed:
+        raise ValueError(f"{type(recipe).__name__}.{name} must be one of {allowed}, got {value!r}")
 
 
 @dataclass(eq=False)
 class Float8BlockScaling(Recipe):
-    """1x128 (activations, gradients) and 128x128 (weights) block scaling. Not yet runnable."""
+    """1x128 (activations, gradients) and 128x128 (weights) block scaling. Not yet runnable.
+
+    Validated as Transformer Engine validates it: block dims 1 or 2, never two 2-D operands in
+    one GEMM, split accumulation in every GEMM, no FP8 attention, no E5M2.
+    """
 
     fp8_format: Format = Format.E4M3
     x_block_scaling_dim: int = 1
@@ -306,9 +437,30 @@ class Float8BlockScaling(Recipe):
     fp8_dpa: bool = False
     fp8_mha: bool = False
     backward_override: str | None = None
+    use_f32_scales: bool = False
+    fp8_quant_fwd_inp: QParams | None = None  # None: QParams(power_2_scale=True)
+    fp8_quant_fwd_weight: QParams | None = None
+    fp8_quant_bwd_grad: QParams | None = None
+    fp8_gemm_fprop: MMParams | None = None  # None: MMParams(use_split_accumulator=True)
+    fp8_gemm_dgrad: MMParams | None = None
+    fp8_gemm_wgrad: MMParams | None = None
 
     def _validate(self) -> None:
+        _fill_defaults(self, _BLOCK_DEFAULTS)
+        name = type(self).__name__
+        _check_format(self.fp8_format, (Format.E4M3, Format.HYBRID), name)
         _check_backward_override(self)
+        dims = ("x_block_scaling_dim", "w_block_scaling_dim", "grad_block_scaling_dim")
+        for dim in dims:
+            _check_choice(self, dim, (1, 2))
+        if sum(getattr(self, dim) == 2 for dim in dims) > 1:
+            raise ValueError(f"{name}: at most one of {', '.join(dims)} may be 2 (2D x 2D GEMM)")
+        _check_params(self, _SLOT_QPARAMS.values(), QParams)
+        _check_params(self, _GEMM_ACCUMULATION, MMParams)
+        if not all(getattr(self, gemm).use_split_accumulator for gemm in _GEMM_ACCUMULATION):
+            raise ValueError(f"{name}: every GEMM needs use_split_accumulator=True")
+        if self.fp8_dpa or self.fp8_mha:
+            raise ValueError(f"{name}: FP8 attention (fp8_dpa, fp8_mha) is not supported")
 
 
 @dataclass(eq=False)
@@ -323,23 +475,82 @@ class MXFP8BlockScaling(Recipe):
     backward_override: str | None = None
 
     def _validate(self) -> None:
+        _check_format(self.fp8_format, (Format.E4M3, Format.HYBRID), type(self).__name__)
         _check_backward_override(self)
 
 
 @dataclass(eq=False)
-class NVFP4BlockScaling(Recipe):
-    """NVFP4: FP4 E2M1 values with FP8 scales over blocks of 16. Not yet runnable."""
+class MXFP4QATMXFP8BlockScaling(MXFP8BlockScaling):
+    """MXFP8 with the weights first rounded onto the MXFP4 grid (quantization-aware training).
+    Not yet runnable."""
 
-    fp4_format: str = "E2M1"
+
+@dataclass(eq=False)
+class MXFP4QATFloat8BlockScaling(Float8BlockScaling):
+    """Float8BlockScaling with the weights first rounded onto the MXFP4 grid. Needs 128x128
+    weight blocks and power-of-two weight scales. Not yet runnable."""
+
+    def _validate(self) -> None:
+        super()._validate()
+        if self.w_block_scaling_dim != 2 or not self.fp8_quant_fwd_weight.power_2_scale:
+            raise ValueError(
+                "MXFP4QATFloat8BlockScaling needs w_block_scaling_dim=2 and "
+                "fp8_quant_fwd_weight.power_2_scale=True"
+            )
+
+
+@dataclass(eq=False)
+class NVFP4BlockScaling(Recipe):
+    """NVFP4: FP4 E2M1 values with FP8 scales over blocks of 16. Not yet runnable.
+
+    fp4_quant_fwd_inp, fp4_quant_fwd_weight and fp4_quant_bwd_grad (read-only QParams) say
+    what the disable_* fields leave on: random Hadamard transforms for inputs and gradients,
+    2-D blocks for weights, stochastic rounding for gradients.
+    """
+
+    fp4_format: Format = Format.E2M1
     fp8_dpa: bool = False
     fp8_mha: bool = False
     disable_rht: bool = False
     disable_stochastic_rounding: bool = False
     disable_2d_quantization: bool = False
     backward_override: str | None = None
+    fp8_format: Format = Format.E4M3
+    row_scaled_activation: bool = False
+    nvfp4_4over6: str = "none"
+    nvfp4_4over6_e4m3_use_256: str = "all"
+    nvfp4_4over6_err_mode: str = "MAE"
 
     def _validate(self) -> None:
+        if self.fp4_format == "E2M1":  # the string older torchte took
+            object.__setattr__(self, "fp4_format", Format.E2M1)
+        if self.fp4_format is not Format.E2M1:
+            raise ValueError(
+                f"NVFP4BlockScaling.fp4_format must be Format.E2M1, got {self.fp4_format!r}"
+            )
+        if self.fp8_format is not Format.E4M3:
+            raise ValueError(
+                f"NVFP4BlockScaling.fp8_format must be Format.E4M3, got {self.fp8_format!r}"
+            )
         _check_backward_override(self)
+        _check_choice(self, "nvfp4_4over6", _NVFP4_SCOPES)
+        _check_choice(self, "nvfp4_4over6_e4m3_use_256", _NVFP4_SCOPES)
+        _check_choice(self, "nvfp4_4over6_err_mode", ("MAE", "MSE"))
+
+    @property
+    def fp4_quant_fwd_inp(self) -> QParams:
+        return QParams(random_hadamard_transform=not self.disable_rht)
+
+    @property
+    def fp4_quant_fwd_weight(self) -> QParams:
+        return QParams(fp4_2d_quantization=not self.disable_2d_quantization)
+
+    @property
+    def fp4_quant_bwd_grad(self) -> QParams:
+        return QParams(
+            random_hadamard_transform=not self.disable_rht,
+            stochastic_rounding=not self.disable_stochastic_rounding,
+        )
 
 
 @dataclass(eq=False)
@@ -348,6 +559,7 @@ class CustomRecipe(Recipe):
     (role) -> quantizer). Not yet runnable: modules raise NotImplementedError under it."""
 
     qfactory: Callable | None = None
+    fp8_format: Format = Format.HYBRID
     fp8_dpa: bool = False
     fp8_mha: bool = False
     backward_override: str | None = None
@@ -355,4 +567,8 @@ class CustomRecipe(Recipe):
     def _validate(self) -> None:
         if self.qfactory is not None and not callable(self.qfactory):
             raise TypeError(f"CustomRecipe.qfactory must be callable, got {self.qfactory!r}")
+        if not isinstance(self.fp8_format, Format):
+            raise TypeError(
+                f"CustomRecipe.fp8_format must be a recipe.Format, got {self.fp8_format!r}"
+            )
         _check_backward_override(self)

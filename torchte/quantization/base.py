@@ -12,7 +12,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-__all__ = ["QuantizedStorage", "Quantizer", "TwoUsageStorage"]
+__all__ = ["QuantizedStorage", "QuantizedTensor", "Quantizer", "TwoUsageStorage"]
 
 
 @runtime_checkable
@@ -85,6 +85,17 @@ class TwoUsageStorage:
     def get_data_tensors(self) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
         """(rowwise_data, columnwise_data, scale_inv)."""
         return self.rowwise_data, self.columnwise_data, self.scale_inv
+
+
+class QuantizedTensor(torch.Tensor):
+    """The base class of torchte's quantized tensors (Float8Tensor): a torch.Tensor wrapper
+    subclass of the shape, device and nominal high-precision dtype of the value it holds in
+    quantized form. `isinstance(t, QuantizedTensor)` tells any quantized tensor, as in
+    Transformer Engine; a subclass holds the bytes and answers dequantize."""
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The plain value, of self's shape, in `dtype` (default: the nominal dtype)."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement dequantize")
 
 
 class Quantizer:

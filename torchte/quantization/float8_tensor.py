@@ -39,7 +39,7 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.utils._pytree import tree_map_only
 
 from . import float8_fsdp
-from .base import Quantizer
+from .base import QuantizedTensor, Quantizer
 from .float8 import Float8CurrentScalingQuantizer, Float8Storage
 
 __all__ = ["Float8Tensor"]
@@ -75,7 +75,7 @@ class _Dequantize(torch.autograd.Function):
         return grad.to(ctx.nominal_dtype), None
 
 
-class Float8Tensor(torch.Tensor):
+class Float8Tensor(QuantizedTensor):
     """An FP8 value (Float8Storage) seen by torch as a tensor of its nominal dtype.
 
     Shape is the storage's shape, dtype the nominal high-precision dtype (fp32/bf16/fp16),
@@ -212,6 +212,14 @@ class Float8Tensor(torch.Tensor):
         (a view; None without rowwise data)."""
         row = self._storage.rowwise_data
         return None if row is None else row.view(torch.uint8)
+
+    @property
+    def _transpose(self) -> torch.Tensor | None:
+        """Transformer Engine's name for the transposed FP8 bytes: the columnwise data as a
+        uint8 view (N, M) of the value's last dim N by its M leading rows (the storage pads
+        the rows to a multiple of 16 underneath); None without columnwise data."""
+        cols = self._storage.columnwise_data
+        return None if cols is None else cols[:, : self._storage.num_rows].view(torch.uint8)
 
     # -- pickling and the traceable-subclass protocol -------------------------------------------
 

@@ -49,6 +49,9 @@ def check_recipe(recipe: Recipe, device: torch.device) -> None:
             f"{name}(override_linear_precision={recipe.override_linear_precision}): GEMMs kept "
             "in high precision under an FP8 recipe are not implemented in torchte yet"
         )
+    unsupported = recipe._unsupported()
+    if unsupported is not None:
+        raise NotImplementedError(unsupported)
     supported, reason = fp8_support(device)
     if not supported:
         raise RuntimeError(f"FP8 recipe {name} cannot run: {reason}")
@@ -117,9 +120,7 @@ class FP8Setup:
                 state = self.fwd_state if forward else self.bwd_state
                 quantizers = [state.quantizer(slot, dtype, internal, g) for g in range(num_gemms)]
             else:
-                q = Float8CurrentScalingQuantizer(
-                    dtype, recipe.use_power_2_scales, recipe.amax_epsilon, internal
-                )
+                q = Float8CurrentScalingQuantizer(dtype, *recipe._slot_scaling(slot), internal)
                 quantizers = [q] * num_gemms
             setattr(self, slot, quantizers)
         for slot, forward in _GROUPED_SLOTS:
@@ -127,10 +128,8 @@ class FP8Setup:
 
     def _grouped_quantizer(self, slot: str, dtype: torch.dtype) -> GroupedQuantizer | None:
         if self.fwd_state is None:
-            recipe = self.recipe
-            return GroupedQuantizer(
-                dtype, amax_epsilon=recipe.amax_epsilon, power_2_scale=recipe.use_power_2_scales
-            )
+            power_2, eps = self.recipe._slot_scaling(slot)
+            return GroupedQuantizer(dtype, amax_epsilon=eps, power_2_scale=power_2)
         state = self.fwd_state if slot in self.fwd_state.slots else self.bwd_state
         return GroupedQuantizer(dtype, state, slot) if state.slot_major else None
 
