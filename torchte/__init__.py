@@ -1,9 +1,13 @@
 """torchte: Transformer Engine layers for PyTorch in Python and Triton.
 
-Use it as Transformer Engine's `transformer_engine.pytorch`: `import torchte as te`.
+Use it as Transformer Engine's `transformer_engine.pytorch`: `import torchte as te`. To run
+unmodified Transformer Engine code, `import torchte.alias` (or set TORCHTE_ALIAS_TE=1 before
+`import torchte`) registers torchte under Transformer Engine's module names.
 """
 
-from . import distributed, fp8, fsdp, offload, ops, recipe
+import os
+
+from . import constants, distributed, fp8, fsdp, offload, ops, recipe, utils
 from ._device import (
     get_device_compute_capability,
     is_bf16_available,
@@ -13,28 +17,38 @@ from ._device import (
     is_nvfp4_available,
 )
 from .autocast import autocast, fp8_autocast
+from .checkpoint_compat import export_transformer_engine_state_dict
+from .constants import DType
 from .graphs import make_graphed_callables
+from .module.fp8_padding import Fp8Padding, Fp8Unpadding
 from .module.grouped_linear import GroupedLinear
 from .module.layernorm_linear import LayerNormLinear
 from .module.layernorm_mlp import LayerNormMLP
 from .module.linear import Linear
 from .module.norm import LayerNorm, RMSNorm
 from .offload import get_cpu_offload_context
+from .quantization.base import QuantizedTensor
 from .quantization.float8_tensor import Float8Tensor
 from .quantization.model_init import fp8_model_init, quantized_model_init
 from .recompute import checkpoint
 
 __all__ = [
+    "DType",
     "Float8Tensor",
+    "Fp8Padding",
+    "Fp8Unpadding",
     "GroupedLinear",
     "LayerNorm",
     "LayerNormLinear",
     "LayerNormMLP",
     "Linear",
+    "QuantizedTensor",
     "RMSNorm",
     "autocast",
     "checkpoint",
+    "constants",
     "distributed",
+    "export_transformer_engine_state_dict",
     "fp8",
     "fp8_autocast",
     "fp8_model_init",
@@ -51,6 +65,10 @@ __all__ = [
     "ops",
     "quantized_model_init",
     "recipe",
+    "utils",
 ]
 
 __version__ = "0.1.0"
+
+if os.environ.get("TORCHTE_ALIAS_TE", "0") == "1":
+    from . import alias  # noqa: F401  (registers Transformer Engine's module names)

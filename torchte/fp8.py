@@ -1,17 +1,54 @@
 """Transformer Engine's `FP8GlobalStateManager`, the class clients query for the FP8 settings in
 force (`from transformer_engine.pytorch.fp8 import FP8GlobalStateManager`), answered from
-torchte's own state: te.autocast's (per thread) and quantized_model_init's.
+torchte's own state: te.autocast's (per thread) and quantized_model_init's; and its
+`check_*_support()` functions, (supported, reason) for each recipe family on the default device.
 """
 
 from __future__ import annotations
 
 import torch
 
+from ._device import (
+    is_fp8_available,
+    is_fp8_block_scaling_available,
+    is_mxfp8_available,
+    is_nvfp4_available,
+)
 from .autocast import autocast_state, default_recipe
+from .module.fp8_padding import get_align_size_for_quantization
 from .quantization.model_init import model_init_settings
 from .recipe import Recipe
 
-__all__ = ["FP8GlobalStateManager"]
+__all__ = [
+    "FP8GlobalStateManager",
+    "check_fp8_block_scaling_support",
+    "check_fp8_support",
+    "check_mxfp8_support",
+    "check_nvfp4_support",
+    "get_align_size_for_quantization",
+]
+
+
+def check_fp8_support() -> tuple[bool, str]:
+    """(supported, reason) for DelayedScaling and Float8CurrentScaling on the device modules are
+    built on by default: `te.is_fp8_available(return_reason=True)`."""
+    return is_fp8_available(return_reason=True)
+
+
+def check_mxfp8_support() -> tuple[bool, str]:
+    """(supported, reason) for MXFP8BlockScaling: False on every device (not implemented yet)."""
+    return is_mxfp8_available(return_reason=True)
+
+
+def check_fp8_block_scaling_support() -> tuple[bool, str]:
+    """(supported, reason) for Float8BlockScaling: False on every device (not implemented
+    yet)."""
+    return is_fp8_block_scaling_available(return_reason=True)
+
+
+def check_nvfp4_support() -> tuple[bool, str]:
+    """(supported, reason) for NVFP4BlockScaling: False on every device (not implemented yet)."""
+    return is_nvfp4_available(return_reason=True)
 
 
 class FP8GlobalStateManager:

@@ -1,0 +1,67 @@
+"""The installed-distribution answers of the alias: `importlib.metadata.version(
+"transformer-engine")` and its kin name a 2.x version that names torchte, served from memory
+(a DistributionFinder on sys.meta_path), with nothing written to disk."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import pathlib
+import re
+from collections.abc import Iterator
+
+__all__ = ["DISTRIBUTIONS", "TE_VERSION", "AliasDistribution", "find_distributions", "version"]
+
+# The Transformer Engine release whose API torchte follows: 2.8 brought `te.autocast`,
+# `te.quantized_model_init` and `transformer_engine.pytorch.quantization`, which torchte has.
+# Clients gate features on it (Megatron-Core's is_te_min_version, accelerate's checks).
+TE_VERSION = "2.8.0"
+
+# Transformer Engine's distributions (normalized names): the package, the PyTorch extension,
+# and the core library of the CUDA 12 wheels.
+DISTRIBUTIONS = ("transformer_engine", "transformer_engine_torch", "transformer_engine_cu12")
+
+_METADATA = """\
+Metadata-Version: 2.1
+Name: {name}
+Version: {version}
+Summary: torchte serving Transformer Engine's import names (torchte.alias), not Transformer Engine
+License: Apache-2.0
+"""
+
+
+def version() -> str:
+    """TE_VERSION with torchte's version as its local part, e.g. "2.8.0+torchte0.1.0": a valid
+    PEP 440 version that compares as 2.8.0 against public versions."""
+    from torchte import __version__
+
+    return f"{TE_VERSION}+torchte{re.sub(r'[^0-9A-Za-z.]+', '.', __version__)}"
+
+
+def _normalize(name: str) -> str:
+    return re.sub(r"[-_.]+", "_", name).lower()
+
+
+class AliasDistribution(importlib.metadata.Distribution):
+    """One of Transformer Engine's distributions, as the alias reports it: METADATA only (no
+    files, no entry points, no requirements)."""
+
+    def __init__(self, name: str) -> None:
+        self._alias_name = name
+
+    def read_text(self, filename) -> str | None:
+        if str(filename) in ("METADATA", "PKG-INFO"):
+            return _METADATA.format(name=self._alias_name, version=version())
+        return None
+
+    def locate_file(self, path) -> pathlib.Path:
+        # It lists no files; a path is placed beside torchte's sources, where its code is.
+        return pathlib.Path(__file__).resolve().parent.parent / str(path)
+
+
+def find_distributions(name: str | None) -> Iterator[AliasDistribution]:
+    """The alias's distributions matching `name` (any spelling: "transformer-engine",
+    "Transformer_Engine", ...), or all of them for None."""
+    if name is None:
+        return iter([AliasDistribution(dist) for dist in DISTRIBUTIONS])
+    normalized = _normalize(name)
+    return iter([AliasDistribution(normalized)] if normalized in DISTRIBUTIONS else [])

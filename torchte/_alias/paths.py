@@ -1,0 +1,146 @@
+"""Which Transformer Engine module path hands out which torchte names, under the alias.
+
+Each path of `PATHS` becomes a module of that name (only while the alias is installed) whose
+attributes are the public names of its `sources` (their `__all__`) and its `names`; a child
+path in the table is its attribute too (`transformer_engine.pytorch.fp8`). A name in neither is
+an AttributeError that says so (and `from path import name` an ImportError). Paths not in the
+table (attention, jit, optimizers, the C++ extensions, ...) are not importable:
+docs/compat.md, section "The alias", lists both.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = ["PATHS", "AliasPath", "children"]
+
+
+@dataclass(frozen=True)
+class AliasPath:
+    """What one Transformer Engine module path holds under the alias.
+
+    sources: torchte modules whose public names (`__all__`) it hands out.
+    names: Transformer Engine name -> "module:attribute" of the object it is (these win).
+    package: whether the path is a package in Transformer Engine (it can have children).
+    """
+
+    sources: tuple[str, ...] = ()
+    names: dict[str, str] = field(default_factory=dict)
+    package: bool = False
+
+
+_PADDING = "torchte.module.fp8_padding"
+_MODEL_INIT = "torchte.quantization.model_init"
+_DEVICE = "torchte._device"
+_AVAILABLE = (
+    "is_fp8_available",
+    "is_mxfp8_available",
+    "is_fp8_block_scaling_available",
+    "is_nvfp4_available",
+)
+
+
+def _one(module: str, *names: str) -> dict[str, str]:
+    """{name: "module:name"} for names kept under the same name."""
+    return {name: f"{module}:{name}" for name in names}
+
+
+PATHS: dict[str, AliasPath] = {
+    "transformer_engine": AliasPath(package=True),
+    "transformer_engine.common": AliasPath(package=True),
+    "transformer_engine.common.recipe": AliasPath(sources=("torchte.recipe",)),
+    "transformer_engine.pytorch": AliasPath(
+        sources=("torchte",),
+        names={
+            **_one("torchte.offload", "mark_not_offload"),
+            **_one("torchte.distributed", "CudaRNGStatesTracker"),
+        },
+        package=True,
+    ),
+    "transformer_engine.pytorch.fp8": AliasPath(
+        sources=("torchte.fp8",),
+        names={
+            **_one("torchte.autocast", "fp8_autocast"),
+            **_one(_MODEL_INIT, "fp8_model_init"),
+        },
+    ),
+    "transformer_engine.pytorch.quantization": AliasPath(
+        sources=("torchte.fp8",),
+        names={
+            **_one("torchte.autocast", "autocast", "fp8_autocast"),
+            **_one(_MODEL_INIT, "quantized_model_init", "fp8_model_init"),
+            **_one(_DEVICE, *_AVAILABLE),
+            **_one(_PADDING, "get_align_size_for_quantization"),
+        },
+    ),
+    "transformer_engine.pytorch.module": AliasPath(
+        sources=("torchte.module",),
+        names=_one(_PADDING, "Fp8Padding", "Fp8Unpadding"),
+        package=True,
+    ),
+    "transformer_engine.pytorch.module.base": AliasPath(
+        names={
+            **_one("torchte.module.base", "TransformerEngineBaseModule"),
+            **_one("torchte.module.dummy_wgrad", "get_dummy_wgrad"),
+        }
+    ),
+    "transformer_engine.pytorch.module.linear": AliasPath(names=_one("torchte", "Linear")),
+    "transformer_engine.pytorch.module.layernorm_linear": AliasPath(
+        names=_one("torchte", "LayerNormLinear")
+    ),
+    "transformer_engine.pytorch.module.layernorm_mlp": AliasPath(
+        names=_one("torchte", "LayerNormMLP")
+    ),
+    "transformer_engine.pytorch.module.grouped_linear": AliasPath(
+        names=_one("torchte", "GroupedLinear")
+    ),
+    "transformer_engine.pytorch.module.layernorm": AliasPath(names=_one("torchte", "LayerNorm")),
+    "transformer_engine.pytorch.module.rmsnorm": AliasPath(names=_one("torchte", "RMSNorm")),
+    "transformer_engine.pytorch.module.fp8_padding": AliasPath(names=_one(_PADDING, "Fp8Padding")),
+    "transformer_engine.pytorch.module.fp8_unpadding": AliasPath(
+        names=_one(_PADDING, "Fp8Unpadding")
+    ),
+    "transformer_engine.pytorch.tensor": AliasPath(
+        names=_one("torchte", "Float8Tensor"), package=True
+    ),
+    "transformer_engine.pytorch.tensor.float8_tensor": AliasPath(
+        names=_one("torchte", "Float8Tensor")
+    ),
+    "transformer_engine.pytorch.float8_tensor": AliasPath(names=_one("torchte", "Float8Tensor")),
+    "transformer_engine.pytorch.distributed": AliasPath(sources=("torchte.distributed",)),
+    "transformer_engine.pytorch.cpu_offload": AliasPath(sources=("torchte.offload",)),
+    "transformer_engine.pytorch.graph": AliasPath(sources=("torchte.graphs",)),
+    "transformer_engine.pytorch.ops": AliasPath(sources=("torchte.ops",), package=True),
+    "transformer_engine.pytorch.ops.basic": AliasPath(sources=("torchte.ops.basic",), package=True),
+    "transformer_engine.pytorch.ops.op": AliasPath(
+        names=_one(
+            "torchte.ops",
+            "BasicOperation",
+            "FusedOperation",
+            "FusibleOperation",
+            "OperationContext",
+        )
+    ),
+    "transformer_engine.pytorch.ops.sequential": AliasPath(names=_one("torchte.ops", "Sequential")),
+    "transformer_engine.pytorch.utils": AliasPath(
+        sources=("torchte.utils",),
+        names={
+            **_one(_DEVICE, "get_device_compute_capability", "is_bf16_available"),
+            "is_bf16_compatible": f"{_DEVICE}:is_bf16_available",
+        },
+    ),
+    "transformer_engine.pytorch.constants": AliasPath(
+        sources=("torchte.constants",),
+        names={"dist_group_type": "torch.distributed:ProcessGroup"},
+    ),
+}
+
+
+def children(path: str) -> list[str]:
+    """The last name of each path of the table directly under `path`."""
+    prefix = path + "."
+    return sorted(
+        name[len(prefix) :]
+        for name in PATHS
+        if name.startswith(prefix) and "." not in name[len(prefix) :]
+    )
