@@ -296,7 +296,10 @@ def test_grouped_backward_dw_accumulates_into_main_grad(recipe, single):
 def test_grouped_backward_dw_on_the_grouped_gemm_path(single):
     """bf16 on the GPU: the one grouped wgrad GEMM is what backward_dw runs."""
     dtype = torch.bfloat16
-    ref, mod = _grouped(False, dtype, single, device="cuda"), _grouped(True, dtype, single, "cuda")
+    ref, mod = (
+        _grouped(False, dtype, single, device="cuda"),
+        _grouped(True, dtype, single, device="cuda"),
+    )
     splits = torch.tensor(SPLITS, device="cuda")
     x = _grouped_inputs(1, dtype, "cuda")[0]
     assert torch.equal(_grouped_step(mod, x, None, splits), _grouped_step(ref, x, None, splits))

@@ -69,8 +69,10 @@ def test_transformer_engine_2x_argument_names():
         te.make_graphed_callables(
             layer, (x,), clone_param_grads_on_return=False, _clone_param_grads_on_return=True
         )
-    with pytest.raises(NotImplementedError, match="fp8_weight_caching"):
-        te.make_graphed_callables(layer, (x,), cache_quantized_params=True)
+    cached = te.Linear(32, 32)
+    with pytest.warns(UserWarning, match="quantize the FP8 weights in every replay"):
+        graphed = te.make_graphed_callables(cached, (x,), cache_quantized_params=True)
+    assert torch.equal(graphed(x, is_first_microbatch=False), cached(x))
     with pytest.raises(TypeError, match="not_an_option"):
         te.make_graphed_callables(layer, (x,), not_an_option=1)
     assert "forward" not in layer.__dict__

@@ -30,6 +30,7 @@ unchanged.
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -58,6 +59,27 @@ class _Capture:
     warmup_hooks: tuple
     stream: object
     pool: object
+
+
+_WEIGHT_CACHING_NOTED: list[bool] = []
+
+
+def _note_weight_caching() -> None:
+    """fp8_weight_caching=True: said once per process that every replay quantizes the FP8
+    weights again (the replay's is_first_microbatch is taken and ignored). Weights do not
+    change between the microbatches of a step, so under current scaling the bytes are those of
+    the first microbatch; under delayed scaling a later microbatch uses the scale as it stands
+    then, where Transformer Engine keeps the first microbatch's FP8 weight."""
+    if _WEIGHT_CACHING_NOTED:
+        return
+    _WEIGHT_CACHING_NOTED.append(True)
+    warnings.warn(
+        "make_graphed_callables: fp8_weight_caching / cache_quantized_params=True: torchte's "
+        "graphs quantize the FP8 weights in every replay (one weight cast per microbatch, "
+        "is_first_microbatch ignored); the results are those of fp8_weight_caching=False",
+        UserWarning,
+        stacklevel=3,
+    )
 
 
 def _one_of(new_name: str, new, old_name: str, old, default):
@@ -126,10 +148,7 @@ def make_graphed_callables(
         "clone_param_grads_on_return", clone_param_grads_on_return, True,
     )  # fmt: skip
     if fp8_weight_caching:
-        raise NotImplementedError(
-            "make_graphed_callables: fp8_weight_caching / cache_quantized_params=True is not "
-            "implemented in torchte yet; FP8 weights are requantized inside every replay"
-        )
+        _note_weight_caching()
     single = not isinstance(modules, tuple)
     callables = (modules,) if single else modules
     if not all(isinstance(c, nn.Module) for c in callables):
