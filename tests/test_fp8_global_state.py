@@ -42,3 +42,16 @@ def test_autocast_state_round_trip_and_reset():
         with pytest.raises(TypeError, match="must be a Recipe"):
             Manager.set_fp8_autocast_state((True, False, "delayed", None, False, False))
     assert not Manager.is_fp8_enabled()
+
+
+def test_availability_class_methods_answer_with_a_reason():
+    from torchte.fp8 import check_fp8_support
+
+    assert Manager.is_fp8_available() == check_fp8_support()
+    for query in (
+        Manager.is_mxfp8_available,
+        Manager.is_fp8_block_scaling_available,
+        Manager.is_nvfp4_available,
+    ):
+        supported, reason = query()
+        assert supported is False and "not implemented" in reason

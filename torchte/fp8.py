@@ -55,6 +55,12 @@ class FP8GlobalStateManager:
     """Class methods with Transformer Engine's names over torchte's FP8 state (read-only but
     for is_first_fp8_module, set_fp8_autocast_state and reset)."""
 
+    # (supported, reason), as Transformer Engine's class methods of these names answer.
+    is_fp8_available = staticmethod(check_fp8_support)
+    is_mxfp8_available = staticmethod(check_mxfp8_support)
+    is_fp8_block_scaling_available = staticmethod(check_fp8_block_scaling_support)
+    is_nvfp4_available = staticmethod(check_nvfp4_support)
+
     @classmethod
     def is_fp8_enabled(cls) -> bool:
         """Whether modules run in FP8 here (inside te.autocast(enabled=True))."""
