@@ -172,12 +172,12 @@ def test_a_te_script_trains_a_step_through_the_alias(alias):
 def test_missing_names_and_paths_say_so(alias):
     import transformer_engine.pytorch as te
 
-    assert not hasattr(te, "DotProductAttention")
+    assert not hasattr(te, "InferenceParams")
     with pytest.raises(AttributeError, match=r"docs/compat\.md"):
-        te.DotProductAttention  # noqa: B018
-    with pytest.raises(ImportError, match=r"cannot import name 'TransformerLayer'.*alias\.py"):
-        exec("from transformer_engine.pytorch import TransformerLayer", {})
-    for path in ("transformer_engine.pytorch.attention", "transformer_engine.pytorch.jit"):
+        te.InferenceParams  # noqa: B018
+    with pytest.raises(ImportError, match=r"cannot import name 'InferenceParams'.*alias\.py"):
+        exec("from transformer_engine.pytorch import InferenceParams", {})
+    for path in ("transformer_engine.pytorch.jit", "transformer_engine.pytorch.permutation"):
         with pytest.raises(ModuleNotFoundError, match=path.replace(".", r"\.")):
             importlib.import_module(path)
     with pytest.raises(ModuleNotFoundError):

@@ -16,6 +16,9 @@ from ._device import (
     is_mxfp8_available,
     is_nvfp4_available,
 )
+from .attention.dot_product_attention import DotProductAttention
+from .attention.multi_head_attention import MultiheadAttention
+from .attention.rope import RotaryPositionEmbedding
 from .autocast import autocast, fp8_autocast
 from .checkpoint_compat import export_transformer_engine_state_dict
 from .constants import DType
@@ -31,9 +34,11 @@ from .quantization.base import QuantizedTensor
 from .quantization.float8_tensor import Float8Tensor
 from .quantization.model_init import fp8_model_init, quantized_model_init
 from .recompute import checkpoint
+from .transformer import TransformerLayer
 
 __all__ = [
     "DType",
+    "DotProductAttention",
     "Float8Tensor",
     "Fp8Padding",
     "Fp8Unpadding",
@@ -42,8 +47,11 @@ __all__ = [
     "LayerNormLinear",
     "LayerNormMLP",
     "Linear",
+    "MultiheadAttention",
     "QuantizedTensor",
     "RMSNorm",
+    "RotaryPositionEmbedding",
+    "TransformerLayer",
     "autocast",
     "checkpoint",
     "constants",

@@ -100,6 +100,15 @@ PATHS: dict[str, AliasPath] = {
     "transformer_engine.pytorch.module.fp8_unpadding": AliasPath(
         names=_one(_PADDING, "Fp8Unpadding")
     ),
+    "transformer_engine.pytorch.attention": AliasPath(sources=("torchte.attention",), package=True),
+    "transformer_engine.pytorch.attention.rope": AliasPath(sources=("torchte.attention.rope",)),
+    "transformer_engine.pytorch.attention.dot_product_attention": AliasPath(
+        names=_one("torchte.attention", "DotProductAttention"), package=True
+    ),
+    "transformer_engine.pytorch.attention.multi_head_attention": AliasPath(
+        names=_one("torchte.attention", "MultiheadAttention")
+    ),
+    "transformer_engine.pytorch.transformer": AliasPath(names=_one("torchte", "TransformerLayer")),
     "transformer_engine.pytorch.tensor": AliasPath(
         names=_one("torchte", "Float8Tensor"), package=True
     ),

@@ -1,0 +1,260 @@
+"""The attention backends and the choice among them: PyTorch's scaled_dot_product_attention
+(flash / cuDNN / memory-efficient, torch picks), flex_attention for masks SDPA only takes as a
+dense tensor (sliding windows, bottom-right causal with sq != skv, ALiBi) on CUDA, and a plain
+math path (softmax(Q K^T * scale + bias + mask) V in fp32) that runs everywhere.
+
+Legend: b batch, h query heads, hg key/value heads, sq / skv sequence lengths, d / dv head
+sizes. Every backend takes q [b, h, sq, d], k [b, hg, skv, d], v [b, hg, skv, dv] (any strides)
+and returns [b, h, sq, dv] in q's dtype. A query row that sees no key gives zeros.
+
+The choice is made once per signature (see `BackendKey`) and cached; TORCHTE_ATTN_BACKEND
+(math, sdpa, flex or auto) or the module's `attention_backend` argument forces one. Each new
+choice is logged at DEBUG level on logging.getLogger("torchte.attention").
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from .masks import MaskPlan, allowed_mask, mask_mod
+
+__all__ = [
+    "BACKENDS",
+    "ENV_BACKEND",
+    "AttentionInputs",
+    "BackendKey",
+    "choose_backend",
+    "env_backend",
+    "run_backend",
+]
+
+BACKENDS = ("auto", "math", "sdpa", "flex")
+ENV_BACKEND = "TORCHTE_ATTN_BACKEND"
+_LOG = logging.getLogger("torchte.attention")
+
+
+def env_backend() -> str:
+    """TORCHTE_ATTN_BACKEND, checked (auto when unset)."""
+    return check_backend(os.environ.get(ENV_BACKEND, "auto"), ENV_BACKEND)
+
+
+def check_backend(name: str, argument: str = "attention_backend") -> str:
+    """A backend name; ValueError naming `argument` otherwise."""
+    if name not in BACKENDS:
+        raise ValueError(f"{argument} must be one of {BACKENDS}, got {name!r}")
+    return name
+
+
+class BackendKey(NamedTuple):
+    """What the backend choice depends on (no sizes): one cached choice per key."""
+
+    dtype: torch.dtype
+    device_type: str
+    qkv_format: str
+    mask_type: str
+    dropout: bool
+    window: tuple[int, int]
+    bias_type: str
+    gqa: bool
+    shifted_diagonal: bool  # bottom-right alignment with sq != skv
+    needs_grad: bool
+    forced: str
+
+
+@dataclass(frozen=True)
+class AttentionInputs:
+    """Everything but q, k, v: the mask plan, the additive post-scale bias (fp32
+    [b|1, h|1, sq, skv], or None), ALiBi slopes for flex (fp32 [h] or [b, h], or None),
+    the softmax scale and the dropout probability in effect."""
+
+    plan: MaskPlan
+    bias: torch.Tensor | None
+    alibi_slopes: torch.Tensor | None
+    scale: float
+    dropout_p: float
+
+
+_CHOICES: dict[BackendKey, str] = {}
+
+
+def choose_backend(key: BackendKey) -> str:
+    """The backend for `key`, chosen once and cached; NotImplementedError naming the option
+    when a forced backend cannot take it."""
+    name = _CHOICES.get(key)
+    if name is None:
+        name = _CHOICES[key] = _choose(key)
+        _LOG.debug("DotProductAttention: backend %r for %s", name, key)
+    return name
+
+
+def _choose(key: BackendKey) -> str:
+    if key.forced == "flex":
+        _check_flex(key)
+        return "flex"
+    if key.forced != "auto":
+        return key.forced
+    wants_flex = (
+        (key.window != (-1, -1) and key.window != (-1, 0))
+        or key.shifted_diagonal
+        or key.bias_type == "alibi"
+    )
+    flex_ok = key.device_type == "cuda" and not key.dropout and key.bias_type != "post_scale_bias"
+    flex_ok = flex_ok and key.bias_type != "pre_scale_bias"
+    return "flex" if wants_flex and flex_ok else "sdpa"
+
+
+def _check_flex(key: BackendKey) -> None:
+    if key.dropout:
+        raise NotImplementedError(
+            "attention_backend='flex': flex_attention has no dropout; use attention_dropout=0 "
+            "or the 'sdpa' / 'math' backend"
+        )
+    if key.bias_type in ("pre_scale_bias", "post_scale_bias"):
+        raise NotImplementedError(
+            f"attention_backend='flex' does not take core_attention_bias_type="
+            f"{key.bias_type!r}; use the 'sdpa' or 'math' backend"
+        )
+    if key.device_type == "cpu" and key.needs_grad:
+        raise NotImplementedError(
+            "attention_backend='flex': flex_attention has no backward on the CPU; use the "
+            "'sdpa' or 'math' backend, or inputs that do not require grad"
+        )
+
+
+def run_backend(
+    name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: AttentionInputs
+) -> torch.Tensor:
+    """Attention through backend `name`: q [b, h, sq, d], k [b, hg, skv, d], v [b, hg, skv, dv]
+    -> [b, h, sq, dv] in q's dtype."""
+    if name == "sdpa":
+        return sdpa_attention(q, k, v, inputs)
+    if name == "flex":
+        return flex_attention(q, k, v, inputs)
+    return math_attention(q, k, v, inputs)
+
+
+def _masks(q: torch.Tensor, plan: MaskPlan):
+    """(allowed-or-row-empty mask, rows-with-a-key mask), both None when nothing is masked."""
+    allowed = allowed_mask(plan, q.shape[1], q.device)
+    if allowed is None:
+        return None, None
+    row_ok = allowed.any(-1, keepdim=True)
+    return allowed | ~row_ok, row_ok
+
+
+def math_attention(q, k, v, inputs: AttentionInputs) -> torch.Tensor:
+    """softmax(Q K^T * scale + bias + mask) V with fp32 matmuls and softmax, then dropout on the
+    probabilities: the reference every other backend is held to."""
+    group = q.shape[1] // k.shape[1]
+    q32 = q.float()
+    k32 = k.float().repeat_interleave(group, dim=1)
+    v32 = v.float().repeat_interleave(group, dim=1)
+    scores = torch.matmul(q32, k32.transpose(-1, -2)) * inputs.scale
+    if inputs.bias is not None:
+        scores = scores + inputs.bias
+    keep, row_ok = _masks(q, inputs.plan)
+    if keep is not None:
+        scores = scores.masked_fill(~keep, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    if row_ok is not None:
+        probs = probs.masked_fill(~row_ok, 0.0)
+    if inputs.dropout_p > 0:
+        probs = F.dropout(probs, inputs.dropout_p)
+    return torch.matmul(probs, v32).to(q.dtype)
+
+
+def sdpa_attention(q, k, v, inputs: AttentionInputs) -> torch.Tensor:
+    """torch.nn.functional.scaled_dot_product_attention: is_causal for a plain top-left causal
+    mask, else the mask (and bias) as one attn_mask tensor."""
+    plan = inputs.plan
+    common = dict(dropout_p=inputs.dropout_p, scale=inputs.scale, enable_gqa=_gqa(q, k))
+    if inputs.bias is None and plan.is_empty:
+        return F.scaled_dot_product_attention(q, k, v, **common)
+    if inputs.bias is None and plan.is_plain_causal:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, **common)
+    keep, row_ok = _masks(q, plan)
+    attn_mask = keep
+    if inputs.bias is not None:
+        attn_mask = inputs.bias.to(q.dtype)
+        if keep is not None:
+            attn_mask = attn_mask.masked_fill(~keep, float("-inf"))
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, **common)
+    return out if row_ok is None else out.masked_fill(~row_ok, 0.0)
+
+
+def _gqa(q: torch.Tensor, k: torch.Tensor) -> bool:
+    return q.shape[1] != k.shape[1]
+
+
+_COMPILED_FLEX = None
+
+
+def _flex_function(device_type: str):
+    """flex_attention compiled once on CUDA (its fused kernel), eager elsewhere."""
+    global _COMPILED_FLEX
+    from torch.nn.attention.flex_attention import flex_attention as flex
+
+    if device_type != "cuda":
+        return flex
+    if _COMPILED_FLEX is None:
+        _COMPILED_FLEX = torch.compile(flex)
+    return _COMPILED_FLEX
+
+
+def flex_attention(q, k, v, inputs: AttentionInputs) -> torch.Tensor:
+    """torch.nn.attention.flex_attention with the plan as a block mask and ALiBi as a score_mod
+    (no dropout, no bias tensor: the choice never sends those here)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    plan = inputs.plan
+    block_mask = None
+    if not plan.is_empty:
+        arbitrary = plan.arbitrary
+        per_batch = plan.pad_q is not None or (arbitrary is not None and arbitrary.shape[0] > 1)
+        per_head = arbitrary is not None and arbitrary.shape[1] > 1
+        block_mask = create_block_mask(
+            mask_mod(plan, plan.offset()),
+            q.shape[0] if per_batch else None,
+            q.shape[1] if per_head else None,
+            plan.sq,
+            plan.skv,
+            device=q.device,
+        )
+    score_mod = None if inputs.alibi_slopes is None else _alibi_score_mod(plan, inputs.alibi_slopes)
+    flex = _flex_function(q.device.type)
+    if not torch.is_grad_enabled():  # flex refuses inputs that require grad on the CPU
+        q, k, v = q.detach(), k.detach(), v.detach()
+    with warnings.catch_warnings():
+        # Eager flex_attention (CPU) warns that it is unfused on every call.
+        warnings.simplefilter("ignore", UserWarning)
+        return flex(
+            q,
+            k,
+            v,
+            score_mod=score_mod,
+            block_mask=block_mask,
+            scale=inputs.scale,
+            enable_gqa=_gqa(q, k),
+        )
+
+
+def _alibi_score_mod(plan: MaskPlan, slopes: torch.Tensor):
+    """score - slope * |i - j + off|, the ALiBi bias of masks.alibi_bias."""
+    offset = plan.offset()
+    per_batch_offset = isinstance(offset, torch.Tensor)
+    off_b = offset.view(-1) if per_batch_offset else None
+    per_batch_slopes = slopes.dim() == 2
+
+    def score_mod(score, b, h, qi, kj):
+        off = off_b[b] if per_batch_offset else offset
+        slope = slopes[b, h] if per_batch_slopes else slopes[h]
+        return score - slope * (qi - kj + off).abs().to(score.dtype)
+
+    return score_mod

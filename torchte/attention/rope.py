@@ -1,0 +1,295 @@
+"""Rotary position embeddings with Transformer Engine's names: RotaryPositionEmbedding makes the
+angles, apply_rotary_pos_emb turns the channels of queries or keys by them.
+
+Shape legend: s sequence, b batch, h heads, d head dim, t tokens of packed sequences (thd),
+s2 positions in freqs, d2 channels turned (d2 <= d, even).
+
+Formats: sbhd t (s, b, h, d), bshd t (b, s, h, d), thd t (t, h, d) with cu_seqlens (B + 1,)
+whose sequences each start again at position 0. The kernels (torchte/kernels/rope.py) see every
+format as (N0, N1, h, d) plus a table of positions where they are not simply 0, 1, 2, ...
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from .._device import default_device, graph_capturing
+from ..kernels import rope as kernels
+
+__all__ = ["RotaryPositionEmbedding", "apply_rotary_pos_emb"]
+
+_FORMATS = ("sbhd", "bshd", "thd")
+
+
+class RotaryPositionEmbedding(torch.nn.Module):
+    """The angles of rotary position embeddings: forward(max_seq_len, offset) -> freqs
+    (max_seq_len, 1, 1, d2) float32, row p holding position p + offset's angle per channel.
+
+    d2 = int(dim * rotary_percent) (dim itself when rotary_percent is 1), which must be even.
+    The angle of position p and pair k is p * rotary_base ** (-2k / d2), with p divided by
+    seq_len_interpolation_factor (or, past pretrained_max_position_embeddings times it, by
+    max_seq_len / pretrained_max_position_embeddings) when both are set. Pair k's angle sits at
+    channels k and k + d2/2, or at 2k and 2k + 1 when interleaved.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        rotary_percent: float = 1.0,
+        seq_len_interpolation_factor: int | None = None,
+        pretrained_max_position_embeddings: int | None = None,
+        rotary_base: float = 10000.0,
+        interleaved: bool = False,
+    ) -> None:
+        super().__init__()
+        if not 0.0 < rotary_percent <= 1.0:
+            raise ValueError(f"rotary_percent must be in (0, 1], got {rotary_percent}")
+        if rotary_percent < 1.0:
+            dim = int(dim * rotary_percent)
+        if dim <= 0 or dim % 2:
+            raise ValueError(
+                f"RotaryPositionEmbedding: dim * rotary_percent must be a positive even number "
+                f"(channels turn in pairs), got {dim}"
+            )
+        if seq_len_interpolation_factor is not None and not seq_len_interpolation_factor > 0:
+            raise ValueError(
+                f"seq_len_interpolation_factor must be positive, got {seq_len_interpolation_factor}"
+            )
+        self.seq_len_interpolation_factor = seq_len_interpolation_factor
+        self.pretrained_max_position_embeddings = pretrained_max_position_embeddings
+        self.rotary_base = rotary_base
+        self.interleaved = interleaved
+        exponents = torch.arange(0, dim, 2, dtype=torch.float32, device=default_device(None)) / dim
+        self.register_buffer("inv_freq", 1.0 / (rotary_base**exponents))  # (d2 / 2,)
+
+    def forward(self, max_seq_len: int, offset: int = 0) -> torch.Tensor:
+        """freqs (max_seq_len, 1, 1, d2) float32 on inv_freq's device."""
+        inv_freq = self.inv_freq
+        seq = torch.arange(max_seq_len, device=inv_freq.device, dtype=inv_freq.dtype) + offset
+        factor = self.seq_len_interpolation_factor
+        pretrained = self.pretrained_max_position_embeddings
+        if factor is not None and pretrained is not None:
+            # Past the interpolated range the scale follows the length (dynamic scaling).
+            seq *= 1 / (max_seq_len / pretrained if max_seq_len > pretrained * factor else factor)
+        angles = torch.outer(seq, inv_freq)  # (s, d2 / 2)
+        if self.interleaved:
+            emb = angles.repeat_interleave(2, dim=1)
+        else:
+            emb = torch.cat([angles, angles], dim=1)
+        return emb.reshape(max_seq_len, 1, 1, emb.shape[1])
+
+
+@dataclass(frozen=True)
+class _RopeSpec:
+    """What the autograd Function needs besides tensors: which dim of (N0, N1) is the
+    sequence, pair layout, and whether the Triton kernel may run."""
+
+    seq_first: bool
+    interleaved: bool
+    fused: bool
+
+
+@functools.cache
+def _spec(seq_first: bool, interleaved: bool, fused: bool) -> _RopeSpec:
+    return _RopeSpec(seq_first, interleaved, fused)
+
+
+class _RotaryFunction(torch.autograd.Function):
+    """x (N0, N1, h, d) -> y (N0, N1, h, d); the gradient flows to x only."""
+
+    @staticmethod
+    def forward(ctx, x, freqs, seq_pos, start, spec: _RopeSpec):
+        apply = kernels.rope_forward if spec.fused else kernels.rope_forward_reference
+        y = apply(x, freqs, seq_pos, start, spec.seq_first, spec.interleaved)
+        ctx.save_for_backward(freqs, seq_pos, start)
+        ctx.spec = spec
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        freqs, seq_pos, start = ctx.saved_tensors
+        spec = ctx.spec
+        apply = kernels.rope_backward if spec.fused else kernels.rope_backward_reference
+        dx = apply(dy, freqs, seq_pos, start, spec.seq_first, spec.interleaved)
+        return dx, None, None, None, None
+
+
+def apply_rotary_pos_emb(
+    t: torch.Tensor,
+    freqs: torch.Tensor,
+    tensor_format: str = "sbhd",
+    start_positions: torch.Tensor | None = None,
+    interleaved: bool = False,
+    fused: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    cp_size: int = 1,
+    cp_rank: int = 0,
+) -> torch.Tensor:
+    """Turn the first d2 channels of t by the angles of its tokens' positions; the rest pass.
+
+    t: (s, b, h, d) sbhd, (b, s, h, d) bshd or (t, h, d) thd, fp32 / bf16 / fp16.
+    freqs: (s2, 1, 1, d2) angles (RotaryPositionEmbedding's output), taken as float32.
+    start_positions: (b,) or, thd, (B,) integers added to each sequence's positions.
+    cu_seqlens: (B + 1,) integer offsets of the packed sequences (thd only; with cp_size > 1,
+      the padded offsets of the whole sequences, each a multiple of 2 cp_size long).
+    cp_size, cp_rank: context parallelism: each rank holds two chunks of every sequence (chunk
+      cp_rank and chunk 2 cp_size - 1 - cp_rank of 2 cp_size), and gets their positions.
+    fused: run the Triton kernel on CUDA (the torch reference elsewhere, and when False).
+    Returns a tensor of t's shape and dtype; differentiable with respect to t.
+    """
+    if tensor_format not in _FORMATS:
+        known = ", ".join(_FORMATS)
+        raise ValueError(f"tensor_format must be one of {known}, got {tensor_format!r}")
+    x, seq_first = _as_4d(t, tensor_format)
+    freqs_2d = _freqs_2d(freqs, t)
+    _check_cp(cp_size, cp_rank, start_positions)
+    cp = (cp_size, cp_rank)
+    if tensor_format == "thd":
+        seq_pos, start = _thd_positions(t, cu_seqlens, start_positions, freqs_2d, *cp)
+    else:
+        seq_pos, start = _padded_positions(x, seq_first, start_positions, freqs_2d, *cp)
+    spec = _spec(seq_first, bool(interleaved), bool(fused))
+    return _RotaryFunction.apply(x, freqs_2d, seq_pos, start, spec).view(t.shape)
+
+
+def _as_4d(t: torch.Tensor, tensor_format: str) -> tuple[torch.Tensor, bool]:
+    """t as (N0, N1, h, d) and whether N0 is the sequence dim."""
+    want = 3 if tensor_format == "thd" else 4
+    if t.dim() != want:
+        raise ValueError(
+            f"apply_rotary_pos_emb: t must have {want} dims for tensor_format {tensor_format!r}, "
+            f"got shape {tuple(t.shape)}"
+        )
+    if tensor_format == "thd":
+        return t.unsqueeze(1), True
+    return t, tensor_format == "sbhd"
+
+
+def _freqs_2d(freqs: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """freqs (s2, 1, 1, d2) as (s2, d2) float32, after checking it against t."""
+    if freqs.dim() != 4 or freqs.shape[1] != 1 or freqs.shape[2] != 1:
+        raise ValueError(f"freqs must be (s2, 1, 1, d2), got shape {tuple(freqs.shape)}")
+    d2, d = freqs.shape[3], t.shape[-1]
+    if d2 == 0 or d2 % 2 or d2 > d:
+        raise ValueError(f"freqs' last dim d2 must be even, positive and <= t's {d}, got {d2}")
+    if freqs.device != t.device:
+        raise ValueError(f"freqs is on {freqs.device}, t on {t.device}")
+    return freqs.reshape(freqs.shape[0], d2).float()
+
+
+def _check_cp(cp_size: int, cp_rank: int, start_positions: torch.Tensor | None) -> None:
+    if not (isinstance(cp_size, int) and cp_size >= 1 and 0 <= cp_rank < cp_size):
+        raise ValueError(
+            f"cp_size must be >= 1 and 0 <= cp_rank < cp_size, got {cp_size} and {cp_rank}"
+        )
+    if cp_size > 1 and start_positions is not None:
+        raise ValueError("start_positions cannot be combined with cp_size > 1")
+
+
+def _index_table(table: torch.Tensor, name: str, length: int, device: torch.device) -> torch.Tensor:
+    """A 1-D integer tensor checked for its length, as int32 on `device`."""
+    if table.dim() != 1 or table.shape[0] != length or table.is_floating_point():
+        raise ValueError(
+            f"{name} must be a 1-D integer tensor of {length} entries, "
+            f"got {table.dtype} {tuple(table.shape)}"
+        )
+    return table.to(device=device, dtype=torch.int32)
+
+
+def _read_back(values: list[torch.Tensor]) -> list[int] | None:
+    """Scalars of `values` on the host in one read, or None while a CUDA graph is captured
+    (the kernels then turn any position outside freqs by NaN)."""
+    if graph_capturing(values[0]):
+        return None
+    return torch.stack([v.long() for v in values]).tolist()
+
+
+def _cp_table(n: int, cp_size: int, cp_rank: int, device: torch.device) -> torch.Tensor:
+    """Positions (n,) int32 of a sequence slice of n tokens held by cp_rank: its first half is
+    chunk cp_rank, its second chunk 2 cp_size - 1 - cp_rank, of a sequence of cp_size n."""
+    i = torch.arange(n, device=device)
+    seg = n // 2
+    late = cp_size * n - (cp_rank + 1) * seg + (i - seg)
+    return torch.where(i < seg, cp_rank * seg + i, late).int()
+
+
+def _padded_positions(x, seq_first, start_positions, freqs_2d, cp_size, cp_rank):
+    """(seq_pos or None, start or None) for sbhd / bshd, after checking they fit freqs."""
+    n_seq, n_batch = (x.shape[0], x.shape[1]) if seq_first else (x.shape[1], x.shape[0])
+    s2 = freqs_2d.shape[0]
+    if cp_size > 1:
+        if n_seq % 2:
+            raise ValueError(f"with cp_size > 1 the sequence length must be even, got {n_seq}")
+        if cp_size * n_seq > s2:
+            raise ValueError(f"freqs has {s2} positions; cp_size * seq len needs {cp_size * n_seq}")
+        return _cp_table(n_seq, cp_size, cp_rank, x.device), None
+    if start_positions is None:
+        if n_seq > s2:
+            raise ValueError(f"freqs has {s2} positions, fewer than t's sequence length {n_seq}")
+        return None, None
+    # Checked where start_positions lies: no device read when the caller keeps it on the host.
+    start = _index_table(start_positions, "start_positions", n_batch, start_positions.device)
+    if n_batch and n_seq:
+        got = _read_back([start.min(), start.max()])
+        if got is not None and (got[0] < 0 or got[1] + n_seq > s2):
+            raise ValueError(
+                f"start_positions must be >= 0 and leave room for {n_seq} positions in freqs' "
+                f"{s2}, got min {got[0]}, max {got[1]}"
+            )
+    return None, start.to(x.device)
+
+
+def _thd_positions(t, cu_seqlens, start_positions, freqs_2d, cp_size, cp_rank):
+    """(seq_pos (t,) int32, None) for thd: each token's position within its sequence (and cp
+    chunk), plus its sequence's start position."""
+    if cu_seqlens is None:
+        raise ValueError("cu_seqlens is required when tensor_format is 'thd'")
+    if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 2 or cu_seqlens.is_floating_point():
+        raise ValueError(
+            f"cu_seqlens must be a 1-D integer tensor of B + 1 >= 2 offsets, "
+            f"got {cu_seqlens.dtype} {tuple(cu_seqlens.shape)}"
+        )
+    n_seqs, n_tok, device = cu_seqlens.shape[0] - 1, t.shape[0], t.device
+    cu = cu_seqlens.to(device=device, dtype=torch.int64) // cp_size
+    start = None
+    if start_positions is not None:
+        start = _index_table(start_positions, "start_positions", n_seqs, device).long()
+    lengths = cu[1:] - cu[:-1]
+    need = cp_size * lengths if cp_size > 1 else lengths + (start if start is not None else 0)
+    checks = [cu[0], cu[-1], lengths.min(), need.max(), (lengths % 2).max()]
+    if start is not None:
+        checks.append(start.min())
+    got = _read_back(checks)
+    if got is not None:
+        _check_thd(got, n_tok, freqs_2d.shape[0], cp_size)
+    tok = torch.arange(n_tok, device=device)
+    seq = torch.searchsorted(cu[1:], tok, right=True).clamp_(max=n_seqs - 1)
+    begin, length = cu[seq], lengths[seq]
+    local = tok - begin
+    if cp_size > 1:
+        seg = length // 2
+        late = cp_size * length - (cp_rank + 1) * seg + (local - seg)
+        pos = torch.where(local < seg, cp_rank * seg + local, late)
+    else:
+        pos = local if start is None else local + start[seq]
+    return pos.int(), None
+
+
+def _check_thd(got: list[int], n_tok: int, s2: int, cp_size: int) -> None:
+    """Raise for cu_seqlens that do not describe t, or positions past freqs."""
+    first, last, shortest, need, odd = got[:5]
+    if first != 0 or last != n_tok or shortest < 0:
+        raise ValueError(
+            f"cu_seqlens must rise from 0 to t's {n_tok} tokens"
+            + (f" (times cp_size {cp_size})" if cp_size > 1 else "")
+            + f", got first {first}, last {last}, a step of {shortest}"
+        )
+    if cp_size > 1 and odd:
+        raise ValueError(f"with cp_size > 1 every sequence must be a multiple of 2 * {cp_size}")
+    if need > s2:
+        raise ValueError(f"freqs has {s2} positions; the longest sequence needs {need}")
+    if len(got) > 5 and got[5] < 0:
+        raise ValueError(f"start_positions must be >= 0, got {got[5]}")
