@@ -307,7 +307,8 @@ def test_cuda_backends_bf16(backend, mask_type, window):
     window = (-1, 0) if window is None and "causal" in mask_type else window or (-1, -1)
     ref = reference(*ref_leaves, scale=0.125, mask_type=mask_type, window=window, **ref_kwargs)
     ref.backward(dout.double())
-    assert_close(out_bshd, ref, torch.bfloat16)
+    # bf16 kernels round the probabilities and the output: errors follow the output's scale
+    assert_close_to_scale(out_bshd, ref, torch.bfloat16)
     for leaf, ref_leaf in zip(leaves, ref_leaves, strict=True):
         assert_close_to_scale(leaf.grad, ref_leaf.grad, torch.bfloat16)
 

@@ -23,6 +23,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from ._flex import flex_function
 from .masks import MaskPlan, allowed_mask, mask_mod
 
 __all__ = [
@@ -193,21 +194,6 @@ def _gqa(q: torch.Tensor, k: torch.Tensor) -> bool:
     return q.shape[1] != k.shape[1]
 
 
-_COMPILED_FLEX = None
-
-
-def _flex_function(device_type: str):
-    """flex_attention compiled once on CUDA (its fused kernel), eager elsewhere."""
-    global _COMPILED_FLEX
-    from torch.nn.attention.flex_attention import flex_attention as flex
-
-    if device_type != "cuda":
-        return flex
-    if _COMPILED_FLEX is None:
-        _COMPILED_FLEX = torch.compile(flex)
-    return _COMPILED_FLEX
-
-
 def flex_attention(q, k, v, inputs: AttentionInputs) -> torch.Tensor:
     """torch.nn.attention.flex_attention with the plan as a block mask and ALiBi as a score_mod
     (no dropout, no bias tensor: the choice never sends those here)."""
@@ -228,7 +214,7 @@ def flex_attention(q, k, v, inputs: AttentionInputs) -> torch.Tensor:
             device=q.device,
         )
     score_mod = None if inputs.alibi_slopes is None else _alibi_score_mod(plan, inputs.alibi_slopes)
-    flex = _flex_function(q.device.type)
+    flex = flex_function(q.device.type)
     if not torch.is_grad_enabled():  # flex refuses inputs that require grad on the CPU
         q, k, v = q.detach(), k.detach(), v.detach()
     with warnings.catch_warnings():

@@ -19,6 +19,7 @@ import warnings
 
 import torch
 
+from torchte.attention._flex import flex_function
 from torchte.attention.packed_math import MaskSpec, PackedLayout, allowed
 
 __all__ = [
@@ -49,16 +50,6 @@ def varlen_window_ok(spec: MaskSpec) -> bool:
     return (spec.left, spec.right) in ((-1, -1), (-1, 0)) and "is_causal" in features
 
 
-@functools.cache
-def _flex_fn(device_type: str):
-    """flex_attention compiled for CUDA; eager elsewhere (torch compiles flex for GPUs)."""
-    from torch.nn.attention.flex_attention import flex_attention
-
-    if device_type == "cuda":
-        return torch.compile(flex_attention)
-    return flex_attention
-
-
 def build_block_mask(layout: PackedLayout, spec: MaskSpec, t: int, s: int, device: torch.device):
     """flex BlockMask of the pack: query i sees key j iff packed_math.allowed says so."""
     from torch.nn.attention.flex_attention import create_block_mask
@@ -81,7 +72,7 @@ def flex_packed(
 
     q (t, h, d), k (s, hg, d), v (s, hg, dv); returns (t, h, dv) contiguous, q's dtype.
     """
-    fn = _flex_fn(q.device.type)
+    fn = flex_function(q.device.type)
     q_bhtd, k_bhsd, v_bhsd = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
     gqa = q.shape[1] != k.shape[1]
     with warnings.catch_warnings():
