@@ -172,11 +172,11 @@ def test_a_te_script_trains_a_step_through_the_alias(alias):
 def test_missing_names_and_paths_say_so(alias):
     import transformer_engine.pytorch as te
 
-    assert not hasattr(te, "InferenceParams")
+    assert not hasattr(te, "initialize_ub")
     with pytest.raises(AttributeError, match=r"docs/compat\.md"):
-        te.InferenceParams  # noqa: B018
-    with pytest.raises(ImportError, match=r"cannot import name 'InferenceParams'.*alias\.py"):
-        exec("from transformer_engine.pytorch import InferenceParams", {})
+        te.initialize_ub  # noqa: B018
+    with pytest.raises(ImportError, match=r"cannot import name 'initialize_ub'.*alias\.py"):
+        exec("from transformer_engine.pytorch import initialize_ub", {})
     for path in ("transformer_engine.pytorch.jit", "transformer_engine.pytorch.permutation"):
         with pytest.raises(ModuleNotFoundError, match=path.replace(".", r"\.")):
             importlib.import_module(path)

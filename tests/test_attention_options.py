@@ -279,7 +279,7 @@ def test_not_implemented_options_are_named():
     q, k, v = _inputs(hg=4)
     with pytest.raises(NotImplementedError, match="fp8_output"):
         module(q, k, v, fp8_output=True)
-    with pytest.raises(NotImplementedError, match="inference_params"):
+    with pytest.raises(TypeError, match=r"inference_params must be a te\.InferenceParams"):
         module(q, k, v, inference_params=object())
 
 

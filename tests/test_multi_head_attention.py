@@ -448,7 +448,7 @@ def test_rotary_pos_emb_rotates_queries_and_keys():
     assert torch.equal(mha(x, rotary_pos_emb=(freqs, freqs)), mha(x, rotary_pos_emb=freqs))
 
 
-def test_inference_params_raise_not_implemented():
+def test_inference_params_of_another_type_raise():
     mha = te.MultiheadAttention(HIDDEN, HEADS)
-    with pytest.raises(NotImplementedError, match="inference_params"):
+    with pytest.raises(TypeError, match=r"inference_params must be a te\.InferenceParams"):
         mha(torch.zeros(S, B, HIDDEN), inference_params=object())

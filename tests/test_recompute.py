@@ -133,8 +133,16 @@ def test_checkpoint_replays_the_rng_tracker():
     assert torch.equal(x.grad, draws[0])
 
 
-def test_checkpoint_refuses_what_it_cannot_do():
+def test_checkpoint_refuses_what_it_cannot_do(monkeypatch):
+    import torchte.recompute as recompute
+
+    group = object()  # stands for a process group of two ranks
+    monkeypatch.setattr(recompute, "_group_size", lambda g: 2 if g is group else 1)
     with pytest.raises(NotImplementedError, match="distribute_saved_activations"):
-        te.checkpoint(torch.sin, torch.ones(2), distribute_saved_activations=True)
+        te.checkpoint(torch.sin, torch.ones(2), distribute_saved_activations=True, tp_group=group)
+    # tp_group alone (Megatron-Core passes it on every call) and a one-rank distribution run
+    x = torch.ones(2, requires_grad=True)
+    assert torch.equal(te.checkpoint(torch.sin, x, tp_group=group), torch.sin(x))
+    assert torch.equal(te.checkpoint(torch.sin, x, distribute_saved_activations=True), torch.sin(x))
     with pytest.raises(TypeError, match="callable"):
         te.checkpoint(3, torch.ones(2))

@@ -122,6 +122,8 @@ def test_resume_with_another_model_or_recipe_is_refused(
         cli.train([*args, "--seq-len", "48", "--resume", str(ckpt)])
     with pytest.raises(SystemExit, match=r"trained with recipe bf16.*--recipe bf16"):
         cli.train([*tiny(corpus_dir, tmp_path, "--recipe", "current"), "--resume", str(ckpt)])
+    with pytest.raises(SystemExit, match=r"rope False \(now True\).*--rope"):
+        cli.train([*args, "--rope", "--resume", str(ckpt)])
     with pytest.raises(SystemExit, match="no such checkpoint"):
         cli.train([*args, "--resume", str(tmp_path / "missing.pt")])
 
@@ -178,24 +180,6 @@ def test_evaluation_leaves_the_scaling_state_as_it_was(corpus_dir: Path, tmp_pat
 # -- the model -----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("used", ["qkv", "qv", "k"])
-def test_split_heads_matches_view_permute_unbind(used: str) -> None:
-    x = torch.randn(2, 8, 3 * 16, dtype=torch.float64, requires_grad=True)
-    weights = {"q": 1.0, "k": 2.0, "v": 3.0}
-
-    def loss(parts) -> torch.Tensor:
-        q, k, v = parts
-        named = {"q": q, "k": k, "v": v}
-        return sum(weights[n] * named[n] * named["v"] for n in used).sum()
-
-    split = model.SplitHeads.apply(x, 4)
-    plain = x.view(2, 8, 3, 4, 4).permute(2, 0, 3, 1, 4).unbind(0)
-    assert all(torch.equal(a, b) for a, b in zip(split, plain, strict=True))
-    (got,) = torch.autograd.grad(loss(split), x)
-    (want,) = torch.autograd.grad(loss(plain), x)
-    assert torch.equal(got, want)
-
-
 @pytest.mark.parametrize(("compute", "dtype"), [("bf16", torch.bfloat16), ("fp32", torch.float32)])
 def test_trainer_keeps_fp32_master_weights_and_computes_in_its_dtype(
     compute: str, dtype: torch.dtype, corpus_dir: Path, tmp_path: Path
@@ -208,7 +192,8 @@ def test_trainer_keeps_fp32_master_weights_and_computes_in_its_dtype(
     assert all(s["exp_avg"].dtype == torch.float32 for s in states)
     tokens = trainer.val_batches[0][0]
     seen = []
-    hook = trainer.model.blocks[0].mlp.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
+    mlp = trainer.model.blocks[0].layernorm_mlp  # returns (output, bias)
+    hook = mlp.register_forward_hook(lambda m, i, o: seen.append(o[0].dtype))
     with torch.no_grad(), trainer.autocast():
         assert trainer.model(tokens).dtype == dtype
     hook.remove()
@@ -342,6 +327,10 @@ def test_moe_equals_a_loop_over_tokens_and_their_experts() -> None:
         (["--compare", "--recipe", "bf16"], "give --recipe delayed or current"),
         (["--lr", "-1"], "--lr must be positive"),
         (["--recipe", "fp4"], "invalid choice: 'fp4'"),
+        (["--gqa-groups", "3"], "--gqa-groups must divide the head count 4, got 3"),
+        (["--gqa-groups", "-2"], "--gqa-groups must divide the head count 4, got -2"),
+        (["--normalization", "BatchNorm"], "invalid choice: 'BatchNorm'"),
+        (["--activation", "tanh"], "invalid choice: 'tanh'"),
     ],
 )
 def test_bad_arguments_exit_with_a_clear_message(

@@ -48,7 +48,8 @@ def _args(tmp_path: Path, recipe: str, compute: str) -> list[str]:
 
 
 def _fp8_gathered(trainer: loop.Trainer) -> bool:
-    return isinstance(trainer.model.blocks[0].mlp.fc1_weight.to_local(), FP8GatheredWeight)
+    weight = trainer.model.blocks[0].layernorm_mlp.fc1_weight
+    return isinstance(weight.to_local(), FP8GatheredWeight)
 
 
 def _trainer(args: list[str], fsdp: bool, gather: bool = False) -> loop.Trainer:
@@ -77,7 +78,7 @@ def _rank_losses(rank: int, tmp_path: Path) -> list[list[float]]:
     for recipe, compute in CASES:
         gather = recipe.endswith("+ag")
         trainer = _trainer(_args(tmp_path, recipe, compute), fsdp=True, gather=gather)
-        weight = trainer.model.blocks[0].mlp.fc1_weight
+        weight = trainer.model.blocks[0].layernorm_mlp.fc1_weight
         assert isinstance(weight, DTensor) and weight.to_local().shape[0] == weight.shape[0] // 2
         assert _fp8_gathered(trainer) == gather
         losses.append(_steps(trainer, STEPS))
@@ -181,7 +182,8 @@ def _rank_2d(rank: int, args, save: Path | None, resume: Path | None) -> list[fl
     trainer = _trainer_2d([*args, "--save", str(save)])
     _steps(trainer, 2)
     trainer.save(0.0)
-    weight = trainer.model.blocks[0].mlp.fc1_weight  # FSDP's shard of this rank's TP piece
+    # FSDP's shard of this rank's TP piece
+    weight = trainer.model.blocks[0].layernorm_mlp.fc1_weight
     assert isinstance(weight, DTensor) and weight.to_local().shape[0] * 2 == weight.shape[0]
     return whole
 

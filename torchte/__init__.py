@@ -17,6 +17,7 @@ from ._device import (
     is_nvfp4_available,
 )
 from .attention.dot_product_attention import DotProductAttention
+from .attention.inference import InferenceParams
 from .attention.multi_head_attention import MultiheadAttention
 from .attention.rope import RotaryPositionEmbedding
 from .autocast import autocast, fp8_autocast
@@ -43,6 +44,7 @@ __all__ = [
     "Fp8Padding",
     "Fp8Unpadding",
     "GroupedLinear",
+    "InferenceParams",
     "LayerNorm",
     "LayerNormLinear",
     "LayerNormMLP",

@@ -104,16 +104,14 @@ def checkpoint(
     as Megatron-Core's): its states are replayed too (torch's own RNG always is).
     use_reentrant is accepted and either way torch's non-reentrant checkpoint runs (it takes
     keyword arguments and inputs that do not require grad).
-    distribute_saved_activations (tensor parallelism) raises NotImplementedError.
+    tp_group serves distribute_saved_activations only (as in Transformer Engine): any group is
+    accepted without it; distribute_saved_activations over a group of more than one rank raises
+    NotImplementedError.
     """
-    if distribute_saved_activations:
+    if distribute_saved_activations and tp_group is not None and _group_size(tp_group) > 1:
         raise NotImplementedError(
-            "te.checkpoint: distribute_saved_activations (tensor parallelism) is not "
-            "implemented in torchte yet"
-        )
-    if tp_group is not None and _group_size(tp_group) > 1:
-        raise NotImplementedError(
-            "te.checkpoint: a tp_group of more than one rank is not implemented in torchte yet"
+            "te.checkpoint: distribute_saved_activations (each tensor-parallel rank keeping a "
+            "shard of the saved input) is not implemented in torchte yet"
         )
     if not callable(function):
         raise TypeError(f"te.checkpoint: function must be callable, got {function!r}")

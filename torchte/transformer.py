@@ -210,9 +210,10 @@ class TransformerLayer(nn.Module):
             )
 
     def set_tensor_parallel_group(self, tp_group) -> None:
-        """Set the tensor-parallel process group of every submodule that has one."""
-        for module in self.modules():
-            if module is not self and hasattr(module, "set_tensor_parallel_group"):
+        """Set the tensor-parallel process group of every submodule that has one (each
+        attention block passes it on to its own projections and attention, once)."""
+        for module in self.children():
+            if hasattr(module, "set_tensor_parallel_group"):
                 module.set_tensor_parallel_group(tp_group)
 
     def set_context_parallel_group(self, cp_group, cp_global_ranks, cp_stream, cp_comm_type="p2p"):

@@ -108,6 +108,9 @@ PATHS: dict[str, AliasPath] = {
     "transformer_engine.pytorch.attention.multi_head_attention": AliasPath(
         names=_one("torchte.attention", "MultiheadAttention")
     ),
+    "transformer_engine.pytorch.attention.inference": AliasPath(
+        names=_one("torchte.attention", "InferenceParams")
+    ),
     "transformer_engine.pytorch.transformer": AliasPath(names=_one("torchte", "TransformerLayer")),
     "transformer_engine.pytorch.tensor": AliasPath(
         names=_one("torchte", "Float8Tensor"), package=True

@@ -1,12 +1,15 @@
 """Attention with Transformer Engine's names: te.DotProductAttention (on PyTorch's own attention
-kernels), te.MultiheadAttention, and rotary position embeddings."""
+kernels), te.MultiheadAttention, rotary position embeddings and te.InferenceParams (the KV
+cache for generation)."""
 
 from .dot_product_attention import DotProductAttention
+from .inference import InferenceParams
 from .multi_head_attention import MultiheadAttention
 from .rope import RotaryPositionEmbedding, apply_rotary_pos_emb
 
 __all__ = [
     "DotProductAttention",
+    "InferenceParams",
     "MultiheadAttention",
     "RotaryPositionEmbedding",
     "apply_rotary_pos_emb",

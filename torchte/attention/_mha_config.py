@@ -146,18 +146,31 @@ def attention_kwargs(given: dict) -> dict:
     return kwargs
 
 
-def check_inference(inference_params) -> None:
-    """NotImplementedError for inference_params: te.DotProductAttention has no KV cache yet."""
-    if inference_params is not None:
-        raise NotImplementedError(
-            "te.MultiheadAttention: inference_params (the KV cache for incremental decoding) is "
-            "not implemented in torchte yet"
+def check_inference(inference_params, core_attention) -> None:
+    """With inference_params: TypeError unless it is a te.InferenceParams, ValueError without a
+    layer_number; allocates the layer's cache on first use (as Transformer Engine)."""
+    if inference_params is None:
+        return
+    from .inference import InferenceParams  # written beside this package
+
+    if not isinstance(inference_params, InferenceParams):
+        raise TypeError(
+            "te.MultiheadAttention: inference_params must be a te.InferenceParams, got "
+            f"{type(inference_params).__name__}"
         )
+    if not core_attention._layer_number_given:
+        raise ValueError(
+            "te.MultiheadAttention: inference_params needs layer_number (which names the "
+            "layer's KV cache); build the module with layer_number=..."
+        )
+    if core_attention.layer_number not in inference_params.cache_manager.cache:
+        inference_params.allocate_memory(core_attention.layer_number)
 
 
-def rotate(q, k, rotary_pos_emb, qkv_format: str, interleaved: bool, cu_seqlens):
+def rotate(q, k, rotary_pos_emb, qkv_format: str, interleaved: bool, cu_seqlens, inference=None):
     """(q, k) with rotary position embeddings applied: rotary_pos_emb one tensor of
-    frequencies for both, or a (q, k) pair; cu_seqlens (for q, for kv) under "thd"."""
+    frequencies for both, or a (q, k) pair; cu_seqlens (for q, for kv) under "thd". With
+    inference params, each sequence's positions start at its length before the step."""
     from .rope import apply_rotary_pos_emb  # written beside this package
 
     if not isinstance(rotary_pos_emb, tuple):
@@ -167,10 +180,27 @@ def rotate(q, k, rotary_pos_emb, qkv_format: str, interleaved: bool, cu_seqlens)
             "te.MultiheadAttention: rotary_pos_emb must be a tensor or a (query, key) pair, got "
             f"{len(rotary_pos_emb)} tensors"
         )
+    start = None
+    if inference is not None:
+        cu_seqlens, start = _inference_positions(inference, q, qkv_format, cu_seqlens)
     out = []
     for t, freqs, cu in zip((q, k), rotary_pos_emb, cu_seqlens, strict=True):
         kwargs = {"interleaved": interleaved, "fused": True}  # the Triton kernel on CUDA
         if cu is not None:
             kwargs["cu_seqlens"] = cu
+        if start is not None:
+            kwargs["start_positions"] = start
         out.append(apply_rotary_pos_emb(t, freqs, qkv_format, **kwargs))
     return out[0], out[1]
+
+
+def _inference_positions(inference, q, qkv_format: str, cu_seqlens):
+    """(cu_seqlens, start positions int32 [rows]) of a step: thd packs the step's sequences
+    (cu_seqlens default to the step's), sbhd / bshd have one row per batch entry."""
+    if qkv_format == "thd":
+        rows = inference.batch_size
+        step_cu = inference.cu_seqlens_q[: rows + 1]
+        cu_seqlens = tuple(step_cu if cu is None else cu for cu in cu_seqlens)
+    else:
+        rows = q.shape[1] if qkv_format == "sbhd" else q.shape[0]
+    return cu_seqlens, inference.start_positions(rows)

@@ -33,6 +33,7 @@ from .backends import (
     run_backend,
 )
 from .formats import Shapes, check_qkv, check_qkv_format, from_bhsd, to_bhsd
+from .inference import InferenceParams, cache_mask_type
 from .masks import (
     alibi_bias,
     check_alibi_slopes,
@@ -145,6 +146,7 @@ class DotProductAttention(nn.Module):
             raise ValueError(f"attention_type must be 'self' or 'cross', got {attention_type!r}")
         self.attention_type = attention_type
         self.layer_number = 1 if layer_number is None else layer_number
+        self._layer_number_given = layer_number is not None  # the KV cache needs it given
         self.sequence_parallel = sequence_parallel
         _check_cp(cp_group, cp_comm_type)
         self.cp_group, self.cp_global_ranks = cp_group, cp_global_ranks
@@ -280,6 +282,9 @@ class DotProductAttention(nn.Module):
         core_attention_bias: [1|b, 1|h, sq, skv]; alibi_slopes: fp32 [h] or [b, h].
         Query rows that see no key (padding) give zeros. fast_zero_fill and num_splits are
         accepted with no effect; pad_between_seqs follows from cu_seqlens_*_padded.
+        inference_params (te.InferenceParams, after its pre_step): q, k, v are the step's new
+        tokens; k, v join the cache of layer_number, whose tokens the queries attend to
+        (cu_seqlens_*, max_seqlen_* and attention_mask then come from the cache).
         """
         self._check_call(inference_params, fp8_output, core_attention_bias_type)
         fmt = self.qkv_format if qkv_format is None else check_qkv_format(qkv_format)
@@ -301,6 +306,16 @@ class DotProductAttention(nn.Module):
         bias, slopes = self._check_bias(
             core_attention_bias_type, core_attention_bias, alibi_slopes, shapes, query_layer
         )
+        if inference_params is not None:
+            return self._forward_cached(
+                inference_params,
+                (query_layer, key_layer, value_layer),
+                fmt,
+                (mask_type, window, bottom_right_diagonal, core_attention_bias_type),
+                dropout_p,
+                checkpoint_core_attention,
+                forced,
+            )
         if fmt == "thd":
             if core_attention_bias_type != "no_bias":
                 raise NotImplementedError(
@@ -359,10 +374,10 @@ class DotProductAttention(nn.Module):
         return from_bhsd(out, fmt)
 
     def _check_call(self, inference_params, fp8_output, core_attention_bias_type) -> None:
-        if inference_params is not None:
-            raise NotImplementedError(
-                "DotProductAttention: inference_params (the KV cache) is not implemented in "
-                "torchte's DotProductAttention yet"
+        if inference_params is not None and not isinstance(inference_params, InferenceParams):
+            raise TypeError(
+                "inference_params must be a te.InferenceParams, got "
+                f"{type(inference_params).__name__}"
             )
         if fp8_output:
             raise NotImplementedError(
@@ -431,6 +446,54 @@ class DotProductAttention(nn.Module):
         fork = tracker.fork() if tracker is not None and dropout_p > 0 else contextlib.nullcontext()
         with fork:
             return fn(q, k, v)
+
+    def _forward_cached(
+        self, params, qkv, fmt, mask, dropout_p: float, recompute: bool, forced: str
+    ) -> torch.Tensor:
+        """With inference_params: the new k, v go into this layer's cache and the new queries
+        attend to the cache (bottom-right causal, each sequence's own length). qkv: the new
+        tokens as in forward; mask: (mask type, window, bottom_right_diagonal, bias type)."""
+        mask_type, window, bottom_right_diagonal, bias_type = mask
+        if bias_type != "no_bias":
+            raise NotImplementedError(
+                f"DotProductAttention: core_attention_bias_type={bias_type!r} with "
+                "inference_params is not implemented in torchte yet"
+            )
+        if not self._layer_number_given:
+            raise ValueError(
+                "DotProductAttention: inference_params needs the module's layer_number (the "
+                "layer's cache in inference_params); build it with layer_number=..."
+            )
+        q, k, v = qkv
+        if q.shape[:-2] != k.shape[:-2]:
+            raise ValueError(
+                "with inference_params, query_layer and key_layer must hold the same new tokens, "
+                f"got shapes {list(q.shape)} and {list(k.shape)}"
+            )
+        mask_type = cache_mask_type(mask_type)
+        step = params.cached_step(self.layer_number, q, k, v, fmt)
+        sq, skv = step.q.shape[2], step.k.shape[2]
+        plan = plan_mask(
+            mask_type, window, sq, skv, step.pad_q, step.pad_kv, None, bottom_right_diagonal
+        )
+        needs_grad = torch.is_grad_enabled() and q.requires_grad
+        key = BackendKey(
+            q.dtype,
+            q.device.type,
+            fmt,
+            mask_type,
+            dropout_p > 0,
+            window,
+            "no_bias",
+            step.q.shape[1] != step.k.shape[1],
+            plan.bottom_right and plan.windowed,
+            needs_grad,
+            forced,
+        )
+        inputs = AttentionInputs(plan, None, None, self.softmax_scale, dropout_p)
+        attend = partial(run_backend, choose_backend(key), inputs=inputs)
+        out = self._attend(attend, step.q, step.k, step.v, dropout_p, recompute)
+        return params.step_output(out, fmt, q.shape[0])
 
     def _forward_thd(
         self,

@@ -160,7 +160,7 @@ class MultiheadAttention(nn.Module):
             get_rng_state_tracker=get_rng_state_tracker,
             sequence_parallel=sequence_parallel,
             tp_group=tp_group,
-            layer_number=self.layer_number,
+            layer_number=layer_number,
             attention_type=attention_type,
             softmax_type=softmax_type,
         )
@@ -274,7 +274,7 @@ class MultiheadAttention(nn.Module):
                 "te.MultiheadAttention: the recipe's fp8_mha=True (FP8 between the projections "
                 "and attention) is not implemented; attention runs in high precision"
             )
-        config.check_inference(inference_params)
+        config.check_inference(inference_params, self.core_attention)
         q, k, v, norm_out = self._query_key_value(
             hidden_states, encoder_output, is_first_microbatch
         )
@@ -288,7 +288,7 @@ class MultiheadAttention(nn.Module):
             )
             q, k = config.rotate(
                 q, k, rotary_pos_emb, self.qkv_format, self.rotary_pos_interleaved,
-                (cu_q, cu_kv),
+                (cu_q, cu_kv), inference_params,
             )  # fmt: skip
         if self.q_norm is not None and not self.qk_norm_before_rope:
             q, k = self.q_norm(q), self.k_norm(k)

@@ -381,7 +381,7 @@ class LinearCore(TransformerEngineBaseModule):
         Transformer Engine; its size must be tp_size."""
         from ._tensor_parallel import set_group  # _tensor_parallel imports this file
 
-        self._tp = set_group(f"te.{type(self).__name__}", self._tp, tp_group)
+        self._fast_setattr("_tp", set_group(f"te.{type(self).__name__}", self._tp, tp_group))
         self.__dict__.update(_plans={}, _last_plan=None)  # the plans hold the old setting
 
     def _parameter_inits(self) -> list[ParameterInit]:

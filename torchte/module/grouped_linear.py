@@ -475,7 +475,7 @@ class GroupedLinear(TransformerEngineBaseModule):
     def set_tensor_parallel_group(self, tp_group) -> None:
         """Set the tensor-parallel process group (when the module was built before it), as in
         Transformer Engine; its size must be tp_size."""
-        self._tp = set_group("te.GroupedLinear", self._tp, tp_group)
+        self._fast_setattr("_tp", set_group("te.GroupedLinear", self._tp, tp_group))
         self.__dict__.update(_plans={}, _last_plan=None)  # the plans hold the old setting
 
     def _parameter_inits(self) -> list[ParameterInit]:

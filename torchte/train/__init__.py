@@ -5,10 +5,10 @@
     python -m torchte.train --help
 
 Files: config.py (model shape, size presets, run settings), precision.py (the compute dtype:
-bf16 or fp32), data.py (the byte corpus and batches), model.py and moe.py (the GPT), loop.py
-(one recipe's training run), checkpoint.py (save and resume), progress.py (the progress bar),
-report.py (table, CSV, peak memory, output checks), plot.py (the loss curves), cli.py (the
-command line).
+bf16 or fp32), data.py (the byte corpus and batches), model.py, moe.py and packing.py (the
+GPT, its experts and its packed documents), loop.py (one recipe's training run), checkpoint.py
+(save and resume), progress.py (the progress bar), report.py (table, CSV, peak memory, output
+checks), plot.py (the loss curves), cli.py (the command line).
 """
 
 from .cli import main, train

@@ -102,8 +102,9 @@ def check_compatible(
         )
         raise SystemExit(
             f"--resume {path}: the checkpoint's model differs from this run's: {diff}; resume "
-            "with the options it was saved with (--size, --seq-len, --experts, --top-k), or "
-            "drop --resume to start a new run"
+            "with the options it was saved with (--size, --seq-len, --experts, --top-k, "
+            "--normalization, --activation, --rope, --gqa-groups, --packed), or drop --resume "
+            "to start a new run"
         )
     if state["recipe"] != recipe:
         raise SystemExit(

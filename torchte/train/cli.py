@@ -20,7 +20,16 @@ import torch.distributed as dist
 from torchte import _device
 
 from . import checkpoint
-from .config import DEFAULT_MAX_BYTES, FP8_MULTIPLE, RECIPES, SIZES, ModelConfig, RunConfig
+from .config import (
+    ACTIVATIONS,
+    DEFAULT_MAX_BYTES,
+    FP8_MULTIPLE,
+    NORMALIZATIONS,
+    RECIPES,
+    SIZES,
+    ModelConfig,
+    RunConfig,
+)
 from .data import Corpus, load_corpus
 from .fsdp_run import DataParallel, check_fsdp, data_parallel, data_parallel_ranks
 from .fsdp_state import check_save_path, read_position
@@ -94,6 +103,36 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-batches", type=int, default=8, help="validation batches (default 8)")
     p.add_argument("--experts", type=int, help="mixture of N experts instead of the dense MLP")
     p.add_argument("--top-k", type=int, default=2, help="experts per token (default 2)")
+    p.add_argument(
+        "--normalization",
+        choices=NORMALIZATIONS,
+        default="LayerNorm",
+        help="the blocks' and the final norm (default LayerNorm)",
+    )
+    p.add_argument(
+        "--activation",
+        choices=ACTIVATIONS,
+        default="gelu",
+        help="the MLP's activation (default gelu); gated ones (swiglu, geglu, ...) make its "
+        "first GEMM twice as wide",
+    )
+    p.add_argument(
+        "--rope",
+        action="store_true",
+        help="rotary position embeddings on queries and keys instead of learned positions",
+    )
+    p.add_argument(
+        "--gqa-groups",
+        type=int,
+        default=0,
+        help="key/value head groups (grouped-query attention; default: one per head)",
+    )
+    p.add_argument(
+        "--packed",
+        action="store_true",
+        help="pack documents (the corpus's files) into each sequence: attention stays within "
+        "each document (cu_seqlens, thd) and positions restart at each",
+    )
     p.add_argument(
         "--tp",
         type=int,
@@ -198,7 +237,17 @@ def parse_args(argv: list[str] | None = None) -> tuple[ModelConfig, RunConfig]:
             seq_len=preset.seq_len if args.seq_len is None else args.seq_len,
             experts=0 if args.experts is None else args.experts,
             top_k=args.top_k,
+            normalization=args.normalization,
+            activation=args.activation,
+            rope=args.rope,
+            gqa_groups=args.gqa_groups,
+            packed=args.packed,
         )
+        if args.tp > 1 and model_config.gqa_groups % args.tp:
+            raise ValueError(
+                f"--tp {args.tp} splits the key/value groups over the ranks: --gqa-groups "
+                f"{model_config.gqa_groups} must be a multiple of it"
+            )
         if args.experts is not None and args.experts < 1:
             raise ValueError(f"--experts must be at least 1, got {args.experts}")
         config = RunConfig(
@@ -257,10 +306,14 @@ def describe_model(config: ModelConfig, parameters: int, compute_dtype: str) -> 
     """One line: the model's shape, parameter count and dtypes."""
     mlp = f"{config.experts} experts, top-{config.top_k}" if config.experts else "dense MLP"
     weights = str(PARAMS_DTYPE).removeprefix("torch.")
+    groups = f" ({config.gqa_groups} kv groups)" if config.gqa_groups != config.heads else ""
+    positions = "RoPE" if config.rope else "learned positions"
+    packed = ", packed documents" if config.packed else ""
     return (
-        f"model: {config.layers} layers, hidden {config.hidden}, {config.heads} heads, "
-        f"ffn {config.ffn}, {mlp}, seq {config.seq_len}: {parameters / 1e6:.2f}M parameters "
-        f"({weights} weights, {compute_dtype} compute)"
+        f"model: {config.layers} layers, hidden {config.hidden}, {config.heads} heads{groups}, "
+        f"ffn {config.ffn}, {mlp}, {config.normalization}, {config.activation}, {positions}, "
+        f"seq {config.seq_len}{packed}: {parameters / 1e6:.2f}M parameters ({weights} weights, "
+        f"{compute_dtype} compute)"
     )
 
 

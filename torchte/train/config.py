@@ -16,6 +16,12 @@ FP8_MULTIPLE = 16  # FP8 GEMMs need every dimension, token counts included, divi
 RECIPES = ("bf16", "delayed", "current")
 COMPUTE_DTYPES = ("bf16", "fp32")
 DEFAULT_MAX_BYTES = 64 * 2**20  # corpus cap: reading stops once this many bytes are kept
+NORMALIZATIONS = ("LayerNorm", "RMSNorm")
+# te.LayerNormMLP's activations less clamped_swiglu (which takes parameters)
+ACTIVATIONS = (
+    "gelu", "geglu", "glu", "qgelu", "qgeglu", "relu", "reglu", "srelu", "sreglu", "silu",
+    "swiglu",
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -38,6 +44,18 @@ class ModelConfig:
     """Experts each token is routed to (with experts)."""
     vocab: int = VOCAB_SIZE
     """Vocabulary size: 256 bytes."""
+    normalization: str = "LayerNorm"
+    """The blocks' and the final norm: "LayerNorm" or "RMSNorm"."""
+    activation: str = "gelu"
+    """The MLP's activation (te.LayerNormMLP's names: gelu, swiglu, ...); gated ones (swiglu,
+    geglu, ...) make FC1 twice as wide."""
+    rope: bool = False
+    """Rotary position embeddings on queries and keys instead of learned positions."""
+    gqa_groups: int = 0
+    """Key/value head groups (grouped-query attention); 0 means one per head (= heads)."""
+    packed: bool = False
+    """Each sequence row holds several documents (the corpus's files), and attention stays
+    within each (qkv_format "thd" with cu_seqlens); positions restart at every document."""
 
     def __post_init__(self) -> None:
         for name in ("hidden", "layers", "heads", "ffn", "seq_len"):
@@ -46,6 +64,26 @@ class ModelConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {value}")
         if self.hidden % self.heads:
             raise ValueError(f"hidden {self.hidden} is not divisible by heads {self.heads}")
+        if self.gqa_groups == 0:  # frozen: the resolved count is what a checkpoint records
+            object.__setattr__(self, "gqa_groups", self.heads)
+        if self.gqa_groups < 0 or self.heads % self.gqa_groups:
+            raise ValueError(
+                f"--gqa-groups must divide the head count {self.heads}, got {self.gqa_groups}"
+            )
+        if self.normalization not in NORMALIZATIONS:
+            raise ValueError(
+                f"--normalization must be one of {', '.join(NORMALIZATIONS)}, got "
+                f"{self.normalization}"
+            )
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(
+                f"--activation must be one of {', '.join(ACTIVATIONS)}, got {self.activation}"
+            )
+        if self.rope and (self.hidden // self.heads) % 2:
+            raise ValueError(
+                f"--rope turns channel pairs: the head size hidden / heads = "
+                f"{self.hidden // self.heads} must be even"
+            )
         if self.experts < 0:
             raise ValueError(f"--experts must be at least 1, got {self.experts}")
         if self.experts and not 1 <= self.top_k <= self.experts:
@@ -54,7 +92,12 @@ class ModelConfig:
                 "lower --top-k or raise --experts"
             )
 
-    def as_dict(self) -> dict[str, int]:
+    @property
+    def head_dim(self) -> int:
+        """Channels per attention head."""
+        return self.hidden // self.heads
+
+    def as_dict(self) -> dict[str, int | str | bool]:
         """The fields as a plain dict (what a checkpoint stores)."""
         return dataclasses.asdict(self)
 

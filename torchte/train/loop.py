@@ -172,12 +172,15 @@ class Trainer:
         ]
         fused = self.device.type == "cuda"  # one kernel for all parameters on a GPU
         self.optimizer = torch.optim.AdamW(groups, lr=config.lr, betas=BETAS, fused=fused)
+        packed = model_config.packed  # batches then say where their documents start
         self.sampler = BatchSampler(
-            corpus.train, config.batch_size, model_config.seq_len, config.seed
-        )
+            corpus.train, config.batch_size, model_config.seq_len, config.seed,
+            corpus.train_docs, packed,
+        )  # fmt: skip
         self.val_batches = validation_batches(
-            corpus.val, config.batch_size, model_config.seq_len, config.eval_batches
-        )
+            corpus.val, config.batch_size, model_config.seq_len, config.eval_batches,
+            corpus.val_docs, packed,
+        )  # fmt: skip
         self.tokens_per_step = config.batch_size * model_config.seq_len
         self.step = 0
         self.rows: list[dict] = []
@@ -187,16 +190,15 @@ class Trainer:
 
     # -- one step, one evaluation -------------------------------------------------------------
 
-    def _loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean cross entropy (fp32) of the model on one batch, under the run's recipe and in
-        its compute dtype."""
+    def _loss(self, *batch: torch.Tensor) -> torch.Tensor:
+        """Mean cross entropy (fp32) of the model on one batch (inputs, targets [, doc_starts
+        of a packed batch]), under the run's recipe and in its compute dtype."""
         if self.dp is not None:  # this rank's rows of the batch
-            inputs, targets = (local_rows(t, self.dp.rank, self.dp.size) for t in (inputs, targets))
+            batch = tuple(local_rows(t, self.dp.rank, self.dp.size) for t in batch)
         if self.sp_ranks > 1:  # this rank's rows of the batch
             rank = dist.get_rank(self.tp_group)
-            inputs, targets = (local_rows(t, rank, self.sp_ranks) for t in (inputs, targets))
-        inputs = inputs.to(self.device, non_blocking=True)
-        targets = targets.to(self.device, non_blocking=True)
+            batch = tuple(local_rows(t, rank, self.sp_ranks) for t in batch)
+        inputs, targets, *doc_starts = (t.to(self.device, non_blocking=True) for t in batch)
         # Delayed scaling's amaxes: over every rank (the data-parallel copies of a tensor and
         # its tensor-parallel pieces).
         amax_group = None if self.dp is None else dist.group.WORLD
@@ -204,7 +206,7 @@ class Trainer:
             self.recipe is not None, recipe=self.recipe, amax_reduction_group=amax_group
         )
         with self.autocast(), fp8:
-            logits = self.model(inputs)
+            logits = self.model(inputs, *doc_starts)
         return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
     def autocast(self) -> torch.autocast:
@@ -262,7 +264,7 @@ class Trainer:
         self.model.eval()
         try:
             with torch.no_grad():
-                losses = [self._batch_mean(self._loss(x, y)) for x, y in self.val_batches]
+                losses = [self._batch_mean(self._loss(*batch)) for batch in self.val_batches]
         finally:
             self.model.train()
             restore_scaling(self.model, snapshot)

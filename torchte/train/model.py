@@ -1,21 +1,31 @@
 """A small GPT of te modules: a byte-level causal language model.
 
-Legend: B batch, S sequence length, H hidden, V vocabulary (256 bytes), nh heads, hd = H / nh.
+Legend: B batch, S sequence length, T = B S tokens, H hidden, V vocabulary (256 bytes),
+nh heads, ng key/value groups, hd = H / nh.
 
-Block: x + proj(attention(te.LayerNormLinear(x) -> q, k, v)), then + MLP: te.LayerNormMLP
-(dense) or MoEMLP (experts). Token and learned position embeddings (torch nn.Embedding),
-a final te.LayerNorm and a te.Linear head. Weights are N(0, 0.02); the layers that write into
-the residual stream (attention projection, the MLP's second GEMM) get 0.02 / sqrt(2 layers),
-so the stream's scale does not grow with depth.
+Block (dense): te.TransformerLayer, pre-norm, causal self-attention (qkv_format "bshd", or
+"thd" for packed batches), no dropout, biases; its norm (LayerNorm or RMSNorm), activation
+and GQA groups from ModelConfig. Block (with experts): te.MultiheadAttention (the same
+attention, its norm inside) and MoEMLP. Token embeddings (torch nn.Embedding) and either
+learned position embeddings or rotary embeddings (te.RotaryPositionEmbedding, applied to
+queries and keys in every block); a final te.LayerNorm (or te.RMSNorm) and a te.Linear head.
+Weights are N(0, 0.02); the layers that write into the residual stream (attention projection,
+the MLP's second GEMM) get 0.02 / sqrt(2 layers), so the stream's scale does not grow with
+depth.
 
-Tensor parallelism (tp_group of P ranks, Megatron-style): each rank holds nh / P heads (its
-rows of q, k and v in the QKV te.LayerNormLinear, column-parallel; its columns of the
-row-parallel projection) and its share of the MLP (te.LayerNormMLP with set_parallel_mode);
-embeddings, norms and the head are whole on every rank. Without sequence parallelism every rank
-sees the whole residual stream; with it (sequence_parallel) each rank holds its rows of the
-batch (dim 0, which the modules split as Transformer Engine's split the sequence), gathered
-before each QKV and MLP and reduce-scattered after each projection. shard_from copies a whole
-model's weights into such a model.
+Packed batches (ModelConfig.packed, packing.py): the rows of a batch are flattened into T
+tokens and each document attends only within itself; positions (learned or rotary) restart at
+every document.
+
+Tensor parallelism (tp_group of P ranks, Megatron-style, set_parallel_mode): each rank holds
+nh / P heads and ng / P key/value groups (its rows of the query, key and value weights of
+layernorm_qkv, column-parallel; its columns of the row-parallel proj) and its share of the MLP
+(te.LayerNormMLP; its rows of each half of FC1 for gated activations); embeddings, norms and
+the head are whole on every rank. Without sequence parallelism every rank sees the whole
+residual stream; with it (sequence_parallel) each rank holds its rows of the batch (dim 0,
+which the modules split as Transformer Engine's split the sequence), gathered before each
+QKV and MLP and reduce-scattered after each projection. shard_from copies a whole model's
+weights into such a model.
 
 Precision: the parameters may be fp32 (master weights) with the model run under torch.autocast;
 the residual stream is then kept in the autocast dtype from the embeddings on. The output
@@ -30,12 +40,13 @@ import math
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 import torchte as te
+from torchte.kernels.activation import is_gated
 from torchte.module.base import TransformerEngineBaseModule
 
+from . import packing
 from .config import ModelConfig
 from .moe import MoEMLP
 
@@ -46,75 +57,79 @@ def _normal(std: float):
     return functools.partial(nn.init.normal_, mean=0.0, std=std)
 
 
-class SplitHeads(torch.autograd.Function):
-    """qkv (B, S, 3H) -> q, k, v (B, nh, S, hd), views of qkv; the backward writes their
-    gradients into one (B, S, 3H) tensor in a single pass. (Through view, permute and unbind,
-    autograd would stack the three gradients and then copy the permuted stack again: on a GPU
-    that took longer than the attention's own backward.)"""
-
-    @staticmethod
-    def forward(ctx, qkv_BSX: torch.Tensor, heads: int):
-        b, s, x = qkv_BSX.shape
-        return qkv_BSX.view(b, s, 3, heads, x // (3 * heads)).permute(2, 0, 3, 1, 4).unbind(0)
-
-    @staticmethod
-    def backward(ctx, *grads_BnSd):  # autograd passes zeros for an unused output
-        b, _, s, _ = grads_BnSd[0].shape
-        grad_BSX = torch.stack([g.transpose(1, 2) for g in grads_BnSd], dim=2).view(b, s, -1)
-        return grad_BSX, None
+def _attention_options(config: ModelConfig) -> dict:
+    """te.MultiheadAttention's (and te.TransformerLayer's) arguments common to both blocks."""
+    return {
+        "num_gqa_groups": config.gqa_groups,
+        "layernorm_epsilon": 1e-5,
+        "init_method": _normal(INIT_STD),
+        "bias": True,
+        "normalization": config.normalization,
+    }
 
 
-class Attention(nn.Module):
-    """Causal self-attention: x (B, S, H) -> (B, S, H); norm and QKV in one te.LayerNormLinear."""
-
-    def __init__(self, config: ModelConfig, kw: dict, out_std: float, tp: dict) -> None:
-        super().__init__()
-        size = tp.get("tp_size", 1)
-        self.heads = config.heads // size  # this rank's
-        h = config.hidden
-        column = {"parallel_mode": "column", **tp} if tp else {}
-        row = {"parallel_mode": "row", **tp} if tp else {}
-        self.qkv = te.LayerNormLinear(h, 3 * h, init_method=_normal(INIT_STD), **column, **kw)
-        self.proj = te.Linear(h, h, init_method=_normal(out_std), **row, **kw)
-
-    def forward(self, x_BSH: torch.Tensor) -> torch.Tensor:
-        # each (B, nh / P, S, hd): under sequence parallelism B is the whole batch's, gathered
-        q, k, v = SplitHeads.apply(self.qkv(x_BSH), self.heads)
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(a.transpose(1, 2).flatten(2))
+def _format(config: ModelConfig) -> tuple[str, str]:
+    """(qkv_format, attention mask type) of the blocks."""
+    return ("thd", "padding_causal") if config.packed else ("bshd", "causal")
 
 
-class Block(nn.Module):
-    """One transformer block (pre-norm): attention, then the MLP, each with a residual."""
+def dense_block(config: ModelConfig, number: int, kw: dict, tp: dict) -> te.TransformerLayer:
+    """Block `number` (1-based) of a dense model."""
+    out_std = INIT_STD / math.sqrt(2 * config.layers)
+    qkv_format, mask = _format(config)
+    return te.TransformerLayer(
+        config.hidden,
+        config.ffn,
+        config.heads,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        output_layer_init_method=_normal(out_std),
+        layer_number=number,
+        self_attn_mask_type=mask,
+        set_parallel_mode=bool(tp),
+        activation=config.activation,
+        attn_input_format=qkv_format,
+        **_attention_options(config),
+        **tp,
+        **kw,
+    )
 
-    def __init__(self, config: ModelConfig, kw: dict, tp: dict) -> None:
+
+class MoEBlock(nn.Module):
+    """A block with experts (pre-norm): x + self_attention(x), then + mlp (MoEMLP).
+    x (B, S, H), or (T, H) packed -> the same shape."""
+
+    def __init__(self, config: ModelConfig, number: int, kw: dict) -> None:
         super().__init__()
         out_std = INIT_STD / math.sqrt(2 * config.layers)
-        self.attn = Attention(config, kw, out_std, tp)
-        if config.experts:
-            self.mlp = MoEMLP(
-                config.hidden, config.ffn, config.experts, config.top_k,
-                kw["params_dtype"], kw["device"], _normal(INIT_STD), _normal(out_std),
-            )  # fmt: skip
-        else:
-            self.mlp = te.LayerNormMLP(
-                config.hidden,
-                config.ffn,
-                activation="gelu",
-                init_method=_normal(INIT_STD),
-                output_layer_init_method=_normal(out_std),
-                set_parallel_mode=bool(tp),
-                **tp,
-                **kw,
-            )
+        qkv_format, mask = _format(config)
+        self.self_attention = te.MultiheadAttention(
+            config.hidden,
+            config.heads,
+            attention_dropout=0.0,
+            output_layer_init_method=_normal(out_std),
+            layer_number=number,
+            attn_mask_type=mask,
+            input_layernorm=True,
+            qkv_format=qkv_format,
+            **_attention_options(config),
+            **kw,
+        )
+        self.mlp = MoEMLP(
+            config.hidden, config.ffn, config.experts, config.top_k,
+            kw["params_dtype"], kw["device"], _normal(INIT_STD), _normal(out_std),
+            config.normalization, config.activation,
+        )  # fmt: skip
 
-    def forward(self, x_BSH: torch.Tensor) -> torch.Tensor:
-        x_BSH = x_BSH + self.attn(x_BSH)
-        return x_BSH + self.mlp(x_BSH)
+    def forward(self, x: torch.Tensor, **attention: object) -> torch.Tensor:
+        """attention: te.MultiheadAttention.forward's keyword arguments (RoPE, cu_seqlens)."""
+        x = x + self.self_attention(x, **attention)
+        return x + self.mlp(x)
 
 
 class GPT(nn.Module):
-    """tokens (B, S) int64 -> logits (B, S, V) in the parameters' dtype."""
+    """tokens (B, S) int64 [, doc_starts (B, S) bool for a packed model] -> logits (B, S, V)
+    in the parameters' dtype."""
 
     def __init__(
         self,
@@ -129,50 +144,85 @@ class GPT(nn.Module):
         tp = {}
         if tp_group is not None and dist.get_world_size(tp_group) > 1:
             size = dist.get_world_size(tp_group)
-            if config.experts or config.heads % size:
+            if config.experts or config.heads % size or config.gqa_groups % size:
                 raise ValueError(
-                    f"tensor parallelism over {size} ranks needs the dense MLP and a head "
-                    f"count it divides (heads {config.heads}, experts {config.experts})"
+                    f"tensor parallelism over {size} ranks needs the dense MLP and head and "
+                    f"group counts it divides (heads {config.heads}, gqa groups "
+                    f"{config.gqa_groups}, experts {config.experts})"
                 )
             tp = {"tp_group": tp_group, "tp_size": size, "sequence_parallel": sequence_parallel}
+        self.tp_group = tp_group if tp and sequence_parallel else None  # packed: gathers
         kw = {"params_dtype": dtype, "device": device}
         self.tok_emb = nn.Embedding(config.vocab, config.hidden, device=device, dtype=dtype)
-        self.pos_emb = nn.Embedding(config.seq_len, config.hidden, device=device, dtype=dtype)
-        for emb in (self.tok_emb, self.pos_emb):
-            nn.init.normal_(emb.weight, mean=0.0, std=INIT_STD)
-        self.blocks = nn.ModuleList(Block(config, kw, tp) for _ in range(config.layers))
+        nn.init.normal_(self.tok_emb.weight, mean=0.0, std=INIT_STD)
+        if config.rope:  # (S, 1, 1, hd) fp32 angles, not saved: they follow from the config
+            freqs = te.RotaryPositionEmbedding(config.head_dim)(config.seq_len)
+            self.register_buffer("rope_freqs", freqs.to(device), persistent=False)
+        else:
+            self.pos_emb = nn.Embedding(config.seq_len, config.hidden, device=device, dtype=dtype)
+            nn.init.normal_(self.pos_emb.weight, mean=0.0, std=INIT_STD)
+        self.blocks = nn.ModuleList(
+            MoEBlock(config, i + 1, kw) if config.experts else dense_block(config, i + 1, kw, tp)
+            for i in range(config.layers)
+        )
         split_rows = bool(tp) and sequence_parallel
-        self.norm = te.LayerNorm(config.hidden, sequence_parallel=split_rows, **kw)
+        norm = te.RMSNorm if config.normalization == "RMSNorm" else te.LayerNorm
+        self.norm = norm(config.hidden, sequence_parallel=split_rows, **kw)
         self.head = te.Linear(config.hidden, config.vocab, init_method=_normal(INIT_STD), **kw)
 
-    def forward(self, tokens_BS: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(tokens_BS.shape[1], device=tokens_BS.device)
-        x_BSH = self.tok_emb(tokens_BS) + self.pos_emb(positions)
-        x_BSH = x_BSH.to(_stream_dtype(x_BSH))
+    def forward(
+        self, tokens_BS: torch.Tensor, doc_starts_BS: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        b, s = tokens_BS.shape
+        attention = {}
+        if self.config.rope:
+            attention["rotary_pos_emb"] = self.rope_freqs
+        x = self.tok_emb(tokens_BS)
+        if self.config.packed:
+            if doc_starts_BS is None:
+                raise ValueError("a packed GPT needs doc_starts (B, S): where documents start")
+            cu = packing.cu_seqlens(doc_starts_BS.to(tokens_BS.device), self.tp_group)
+            attention.update(
+                cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=s, max_seqlen_kv=s
+            )  # fmt: skip
+        if not self.config.rope:
+            positions = torch.arange(s, device=tokens_BS.device)
+            if self.config.packed:
+                positions = packing.positions(doc_starts_BS.to(tokens_BS.device))
+            x = x + self.pos_emb(positions)
+        x = x.to(_stream_dtype(x))
+        if self.config.packed:
+            x = x.flatten(0, 1)  # (T, H)
         for block in self.blocks:
-            x_BSH = block(x_BSH)
-        z_BSH = self.norm(x_BSH)
+            x = block(x, **attention)
+        z = self.norm(x)
         with te.autocast(enabled=False):  # the output layer stays in high precision
-            return self.head(z_BSH)
+            return self.head(z).view(b, s, -1)
 
 
 def shard_index(name: str, config: ModelConfig, rank: int, size: int) -> tuple:
     """Where rank `rank`'s piece of parameter `name` (a name of GPT's) sits in the whole
-    parameter, tensor-parallel over `size` ranks: its heads' rows of q, k and v, its columns of
-    each projection, its share of each MLP; everything else whole."""
-    h, ffn = config.hidden, config.ffn
+    parameter, tensor-parallel over `size` ranks: its heads' rows of q, its groups' rows of k
+    and v, its columns of each projection, its share of each MLP (of each half of a gated
+    FC1); everything else whole."""
+    h, kv, ffn = config.hidden, config.gqa_groups * config.head_dim, config.ffn
 
     def rows(total: int) -> slice:
         return slice(rank * total // size, (rank + 1) * total // size)
 
     key = name.split(".", 2)[-1] if name.startswith("blocks.") else name
-    if key in ("attn.qkv.weight", "attn.qkv.bias"):
-        return (torch.cat([torch.arange(h)[rows(h)] + j * h for j in range(3)]),)
+    module, _, param = key.rpartition(".")
+    if module == "self_attention.layernorm_qkv" and "_" in param:
+        part, kind = param.split("_", 1)  # query_weight, key_bias, ...
+        if part in ("query", "key", "value") and kind in ("weight", "bias"):
+            return (rows(h if part == "query" else kv),)
+    if key in ("layernorm_mlp.fc1_weight", "layernorm_mlp.fc1_bias"):
+        if not is_gated(config.activation):
+            return (rows(ffn),)
+        return (torch.cat([torch.arange(ffn)[rows(ffn)] + j * ffn for j in range(2)]),)
     index = {
-        "attn.proj.weight": (slice(None), rows(h)),
-        "mlp.fc1_weight": (rows(ffn),),
-        "mlp.fc1_bias": (rows(ffn),),
-        "mlp.fc2_weight": (slice(None), rows(ffn)),
+        "self_attention.proj.weight": (slice(None), rows(h)),
+        "layernorm_mlp.fc2_weight": (slice(None), rows(ffn)),
     }
     return index.get(key, (slice(None),))
 

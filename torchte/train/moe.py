@@ -1,5 +1,6 @@
-"""A mixture-of-experts MLP: te.LayerNorm, a router, and te.ops' fused grouped MLP (grouped
-FC1 -> GELU times the router's probabilities -> grouped FC2 whose bias is scaled the same way).
+"""A mixture-of-experts MLP: te.LayerNorm (or te.RMSNorm), a router, and te.ops' fused grouped
+MLP (grouped FC1 -> activation (GELU by default) times the router's probabilities -> grouped FC2
+whose bias is scaled the same way).
 
 Legend: T tokens (batch x sequence), H hidden, F the experts' hidden width, E experts, k experts
 per token, A = T k assignments (assignment a = t k + j is token t's j-th choice), P rows of
@@ -30,6 +31,7 @@ import torch
 from torch import nn
 
 import torchte as te
+from torchte.kernels.activation import is_gated
 
 EXPERT_ALIGN = 16
 # Whether the group sizes stay on the device, so that nothing in a step waits for the router
@@ -37,6 +39,20 @@ EXPERT_ALIGN = 16
 # sizes read back (cuBLAS per expert for the FP8 backward GEMMs, faster than the Triton grouped
 # GEMMs that device sizes need; docs/benchmarks.md). Device sizes are what CUDA graphs need.
 DEVICE_SPLITS: bool | None = False
+# The activations an expert MLP can use: te.ops' activations times a per-row scale (the gate).
+SCALED_ACTIVATIONS = {
+    "gelu": "ScaledGELU",
+    "geglu": "ScaledGEGLU",
+    "glu": "ScaledGLU",
+    "qgelu": "ScaledQGELU",
+    "qgeglu": "ScaledQGEGLU",
+    "relu": "ScaledReLU",
+    "reglu": "ScaledReGLU",
+    "srelu": "ScaledSReLU",
+    "sreglu": "ScaledSReGLU",
+    "silu": "ScaledSiLU",
+    "swiglu": "ScaledSwiGLU",
+}
 
 
 def route(
@@ -66,7 +82,8 @@ def route(
 
 
 class MoEMLP(nn.Module):
-    """x (..., H) -> y (..., H): norm, top-k routing, per-expert gelu MLPs, weighted sum."""
+    """x (..., H) -> y (..., H): norm, top-k routing, per-expert MLPs, weighted sum.
+    Gated activations (swiglu, geglu, ...) make FC1 2F wide."""
 
     def __init__(
         self,
@@ -78,19 +95,22 @@ class MoEMLP(nn.Module):
         device: torch.device,
         init: Callable[[torch.Tensor], None],
         out_init: Callable[[torch.Tensor], None],
+        normalization: str = "LayerNorm",
+        activation: str = "gelu",
     ) -> None:
         super().__init__()
         self.num_experts, self.top_k = num_experts, top_k
         kw = {"params_dtype": dtype, "device": device}
-        self.norm = te.LayerNorm(hidden, **kw)
+        self.norm = (te.RMSNorm if normalization == "RMSNorm" else te.LayerNorm)(hidden, **kw)
         # The router stays in fp32: its logits decide discrete choices.
         self.router = nn.Linear(hidden, num_experts, bias=False, device=device)
         init(self.router.weight)
         ops = {"dtype": dtype, "device": device}
+        fc1_width = 2 * ffn if is_gated(activation) else ffn
         self.experts = te.ops.Sequential(
             OrderedDict(
-                fc1=te.ops.GroupedLinear(num_experts, hidden, ffn, init_method=init, **ops),
-                act=te.ops.ScaledGELU(),
+                fc1=te.ops.GroupedLinear(num_experts, hidden, fc1_width, init_method=init, **ops),
+                act=getattr(te.ops, SCALED_ACTIVATIONS[activation])(),
                 fc2=te.ops.GroupedLinear(
                     num_experts, ffn, hidden, init_method=out_init, scale_bias=True, **ops
                 ),

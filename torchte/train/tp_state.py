@@ -27,6 +27,9 @@ def whole_state(model: GPT, optimizer: torch.optim.Optimizer, group) -> tuple[di
     for name, _ in model.named_parameters():
         state[name] = _whole(state[name], name, model, group)
     optim = optimizer.state_dict()
+    # state_dict() hands out AdamW's own per-parameter dicts: replaced, not written into, so
+    # that training goes on with this rank's pieces after a save
+    optim["state"] = {index: dict(moments) for index, moments in optim["state"].items()}
     names = _optimizer_order(model, optimizer)
     for index, moments in optim["state"].items():
         for key in _MOMENTS:
