@@ -383,3 +383,38 @@ def test_bad_construction_names_the_argument(kwargs, match):
     kwargs = dict(dict(num_attention_heads=4, kv_channels=D), **kwargs)
     with pytest.raises(ValueError, match=match):
         te.DotProductAttention(**kwargs)
+
+
+def test_flex_compile_failure_falls_back_per_signature(monkeypatch):
+    """A compile failure (inductor finding no kernel) runs those shapes eagerly, said once."""
+    import warnings
+
+    from torch._inductor.exc import InductorError
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from torchte.attention import _flex
+
+    def failing(*args, **kwargs):
+        raise InductorError(RuntimeError("no choices"), "traceback")
+
+    real_compile = torch.compile  # eager flex_attention compiles helpers of its own
+
+    def compile_failing(fn, **kw):
+        return failing if fn is flex_attention else real_compile(fn, **kw)
+
+    monkeypatch.setattr(torch, "compile", compile_failing)
+    monkeypatch.setattr(_flex, "_EAGER_SIGNATURES", set())
+    _flex.flex_function.cache_clear()
+    try:
+        run = _flex.flex_function("cuda")  # the compiled path, here on CPU tensors
+        q, k, v = (torch.randn(1, 2, 16, 8) for _ in range(3))
+        with pytest.warns(UserWarning, match="compiling flex_attention failed"):
+            out = run(q, k, v)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            warnings.filterwarnings("ignore", message="flex_attention called without")
+            again = run(q, k, v)  # no second warning for the same shapes
+        want = flex_attention(q, k, v)
+        assert torch.equal(out, want) and torch.equal(again, want)
+    finally:
+        _flex.flex_function.cache_clear()

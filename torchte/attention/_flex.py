@@ -2,8 +2,9 @@
 eager flex_attention materializes the scores), eager elsewhere.
 
 Compiled with static shapes: a recompile with dynamic shapes left inductor without a kernel
-choice for some masks on torch 2.11 (NoValidChoicesError). Should compiling still fail, the
-call runs eagerly (the same result, slower; said once) and so do the later ones.
+choice for some masks on torch 2.11 (NoValidChoicesError). Should compiling still fail for a
+signature (dtype and the shapes of q, k, v; seen for head size 32 with a sliding window), that
+signature runs eagerly from then on (the same result, slower; said once per signature).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch
 
 __all__ = ["flex_function"]
 
-_EAGER_AFTER_FAILURE: list[bool] = []
+_EAGER_SIGNATURES: set[tuple] = set()
 
 
 def _compile_errors() -> tuple[type[BaseException], ...]:
@@ -45,19 +46,21 @@ def flex_function(device_type: str):
     compiled = torch.compile(flex_attention, dynamic=False)
     errors = _compile_errors()
 
-    def run(*args, **kwargs):
-        if _EAGER_AFTER_FAILURE:
-            return flex_attention(*args, **kwargs)
+    def run(q, k, v, *args, **kwargs):
+        signature = (q.dtype, tuple(q.shape), tuple(k.shape), tuple(v.shape))
+        if signature in _EAGER_SIGNATURES:
+            return flex_attention(q, k, v, *args, **kwargs)
         try:
-            return compiled(*args, **kwargs)
+            return compiled(q, k, v, *args, **kwargs)
         except errors as err:  # raised while compiling, before any kernel ran
-            _EAGER_AFTER_FAILURE.append(True)
+            _EAGER_SIGNATURES.add(signature)
             warnings.warn(
-                f"torchte attention: compiling flex_attention failed ({type(err).__name__}); "
-                "flex_attention runs eagerly from now on (slower, more memory)",
+                f"torchte attention: compiling flex_attention failed ({type(err).__name__}) for "
+                f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} {q.dtype}; these "
+                "shapes run eagerly from now on (slower, more memory)",
                 UserWarning,
                 stacklevel=2,
             )
-            return flex_attention(*args, **kwargs)
+            return flex_attention(q, k, v, *args, **kwargs)
 
     return run
