@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import contextlib
 import math
-import warnings
 from collections.abc import Callable
 from functools import partial
 from typing import Any
 
 import torch
-from torch import nn
 
+from ..module._setattr_guard import SetattrGuard
 from ..recompute import checkpoint
 from .backends import (
     AttentionInputs,
@@ -52,10 +51,9 @@ __all__ = ["DotProductAttention"]
 _BIAS_TYPES = ("no_bias", "pre_scale_bias", "post_scale_bias", "alibi")
 _CP_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
 _SOFTMAX_TYPES = ("vanilla", "off-by-one", "learnable")
+
+
 # Plain attributes torch itself sets on a module after construction.
-_SET_BY_TORCH = frozenset(("training", "_is_torch_compile"))
-
-
 def _group_size(group) -> int:
     """Ranks of a process group, or the product over a list of groups (1 without one)."""
     if group is None or not torch.distributed.is_initialized():
@@ -85,7 +83,7 @@ def _channels(kv_channels) -> tuple[int, int]:
     return pair
 
 
-class DotProductAttention(nn.Module):
+class DotProductAttention(SetattrGuard):
     """Transformer Engine's DotProductAttention: q, k, v in qkv_format ("sbhd", "bshd" or
     "thd") -> the attention output [s, b, h * dv], [b, s, h * dv] or [t, h * dv].
 
@@ -193,25 +191,6 @@ class DotProductAttention(nn.Module):
             raise NotImplementedError(
                 "DotProductAttention: return_max_logit=True is not implemented in torchte yet"
             )
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name in _SET_BY_TORCH:
-            self.__dict__[name] = value
-            return
-        if self.__dict__.get("_initialized", False) and not isinstance(
-            value, nn.Parameter | nn.Module
-        ):
-            warnings.warn(
-                f"{type(self).__name__}.{name} set through nn.Module.__setattr__ after "
-                "construction: this is slow on the hot path; use _fast_setattr",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-        super().__setattr__(name, value)
-
-    def _fast_setattr(self, name: str, value: Any) -> None:
-        """Set a plain attribute without nn.Module's bookkeeping (hot path)."""
-        self.__dict__[name] = value
 
     def set_context_parallel_group(
         self, cp_group, cp_global_ranks: list[int] | None, cp_stream, cp_comm_type: str = "p2p"

@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import io
-import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -44,17 +43,12 @@ from ._lifecycle import (
     read_extra_state,
     reinitialize,
 )
+from ._setattr_guard import SetattrGuard
 from ._te_extra_state import from_te_extra_state, is_te_extra_state
 
 __all__ = ["PlanKey", "TransformerEngineBaseModule"]
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-# Plain attributes torch itself sets on a module after construction (torch.compile's module
-# wrapper mirrors its training flag and marks the module): no hot-path warning for those.
-# Plain flags torch sets on a module (FSDP2's when it wraps one): kept in __dict__, no warning.
-_SET_BY_TORCH = frozenset(
-    ("training", "_is_torch_compile", "_is_fsdp_managed_module", "_fsdp_use_orig_params")
-)
 _STATE = autocast_state()
 
 
@@ -71,7 +65,7 @@ class PlanKey(NamedTuple):
     fp8_grad: bool
 
 
-class TransformerEngineBaseModule(nn.Module):
+class TransformerEngineBaseModule(SetattrGuard):
     """Base of te modules: device and dtype defaults, FP8 state, the setattr guard."""
 
     # Delayed-scaling state laid out slot by slot (see DelayedScalingState): grouped modules.
@@ -153,28 +147,9 @@ class TransformerEngineBaseModule(nn.Module):
             self._delayed_state_pair(DEFAULT_HISTORY_LEN)
         self.__dict__["_initialized"] = True
 
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name in _SET_BY_TORCH:
-            self.__dict__[name] = value
-            if name == "_is_fsdp_managed_module":  # FSDP2 replaced the parameters
-                self._parameters_replaced()
-            return
-        if (
-            self.__dict__.get("_initialized", False)
-            and not isinstance(value, (nn.Parameter, nn.Module))
-            and name != "__class__"  # FSDP2's wrapping class, set once
-        ):
-            warnings.warn(
-                f"{type(self).__name__}.{name} set through nn.Module.__setattr__ after "
-                "construction: this is slow on the hot path; use _fast_setattr",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-        super().__setattr__(name, value)
-
-    def _fast_setattr(self, name: str, value: Any) -> None:
-        """Set a plain attribute without nn.Module's bookkeeping (hot path)."""
-        self.__dict__[name] = value
+    def _set_by_torch(self, name: str) -> None:
+        if name == "_is_fsdp_managed_module":  # FSDP2 replaced the parameters
+            self._parameters_replaced()
 
     def train(self, mode: bool = True) -> TransformerEngineBaseModule:
         self.__dict__["training"] = mode
