@@ -3,8 +3,9 @@ eager flex_attention materializes the scores), eager elsewhere.
 
 Compiled with static shapes: a recompile with dynamic shapes left inductor without a kernel
 choice for some masks on torch 2.11 (NoValidChoicesError). Should compiling still fail for a
-signature (dtype and the shapes of q, k, v; seen for head size 32 with a sliding window), that
-signature runs eagerly from then on (the same result, slower; said once per signature).
+signature (dtype and the shapes of q, k, v; seen for a value head size of 32 under a query/key
+head size of 64), that signature runs eagerly from then on (the same result, slower; said once
+per signature).
 """
 
 from __future__ import annotations
