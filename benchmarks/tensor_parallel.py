@@ -1,7 +1,7 @@
 """A te.LayerNormMLP block with tensor + sequence parallelism: step time, bytes moved by the
 collectives, and scaling efficiency against one GPU doing one rank's share of the work.
 
-    torchrun --nproc-per-node 2 benchmarks/tensor_parallel.py     # on 2 GPUs (NCCL)
+    torchrun --nproc-per-node 2 benchmarks/tensor_parallel.py [--json out.json]  # 2 GPUs
     PYTHONPATH=. python benchmarks/tensor_parallel.py --single    # one GPU: checks it runs
 
 Block: hidden 8192, FFN 28672 (GELU), 16384 tokens (sequence 4096 x batch 4, sequence first),
@@ -27,8 +27,10 @@ matmul-reduce-scatter micro-pipelined), against one GPU running that pair at FFN
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -156,6 +158,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--hidden", type=int, default=8192)
     parser.add_argument("--ffn", type=int, default=28672)
+    parser.add_argument("--json", type=Path, help="also write the results to this file")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/tensor_parallel.py needs CUDA GPUs")
@@ -178,7 +181,13 @@ def main() -> None:
 
 
 def report(args, world: int, results: dict, pair: dict) -> None:
+    """Print the table (and write --json: the rows above, step times in ms, bytes per step)."""
     tokens = args.seq * args.batch
+    if args.json is not None:
+        shape = {"hidden": args.hidden, "ffn": args.ffn, "tokens": tokens}
+        result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+        result.update(ranks=world, shape=shape, mlp=results, linear_pair_ms=dict(pair))
+        args.json.write_text(json.dumps(result, indent=2))
     print(
         f"{torch.cuda.get_device_name()}, torch {torch.__version__}: te.LayerNormMLP "
         f"{args.hidden} -> {args.ffn} -> {args.hidden}, {tokens} tokens, TP={world} + sequence "

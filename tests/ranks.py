@@ -1,12 +1,14 @@
 """Running a function on several gloo ranks of this machine (tests import it as `from ranks
 import on_ranks`): each rank initializes its process group through a file next to the test,
 runs the function, and destroys the group even when the function raises; every process is
-joined. The results come back per rank."""
+joined. The results come back per rank. backend="nccl" runs the ranks on the GPUs instead, rank
+r on GPU r (torch.cuda.set_device before the group is made)."""
 
 from __future__ import annotations
 
 import datetime
 
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -15,9 +17,11 @@ import torch.multiprocessing as mp
 TIMEOUT = datetime.timedelta(seconds=120)
 
 
-def _rank_main(rank: int, world: int, init_file: str, fn, args, results) -> None:
+def _rank_main(rank: int, world: int, init_file: str, fn, args, results, backend: str) -> None:
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
     dist.init_process_group(
-        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=TIMEOUT
+        backend, init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=TIMEOUT
     )
     try:
         results[rank] = fn(rank, *args)
@@ -25,11 +29,18 @@ def _rank_main(rank: int, world: int, init_file: str, fn, args, results) -> None
         dist.destroy_process_group()
 
 
-def on_ranks(fn, world: int, tmp_path, *args) -> list:
-    """[fn(rank, *args) for each of `world` gloo ranks], run in spawned processes; fn must be a
-    module-level function and its result picklable. A rank that raises fails the call."""
+def on_ranks(fn, world: int, tmp_path, *args, backend: str = "gloo") -> list:
+    """[fn(rank, *args) for each of `world` ranks of `backend` ("gloo" on the CPU, or "nccl":
+    one GPU per rank)], run in spawned processes; fn must be a module-level function and its
+    result picklable. A rank that raises fails the call."""
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"on_ranks: backend must be 'gloo' or 'nccl', got {backend!r}")
+    if backend == "nccl" and torch.cuda.device_count() < world:
+        raise RuntimeError(f"on_ranks: {world} NCCL ranks need {world} GPUs")
     results = mp.Manager().dict()
     tmp_path.mkdir(parents=True, exist_ok=True)
     init_file = str(tmp_path / "init")
-    mp.spawn(_rank_main, args=(world, init_file, fn, args, results), nprocs=world, join=True)
+    mp.spawn(
+        _rank_main, args=(world, init_file, fn, args, results, backend), nprocs=world, join=True
+    )
     return [results[rank] for rank in range(world)]
