@@ -5,9 +5,10 @@
 Tensor and sequence parallelism (te.Linear column/row, te.LayerNormLinear column,
 te.LayerNormMLP set_parallel_mode, te.TransformerLayer, te.GroupedLinear column/row) against the
 one-rank module built from the same whole weights, in bf16 and FP8 delayed / current scaling,
-with the structure of tests/test_tensor_parallel.py (whose helpers these reuse): ternary values
-(-1, 0, 1) exact in bf16, the FP8 runs in fp32 parameters within fp32's tolerance, the FP8
-sequence-parallel gathers moving one byte per value. FSDP2 (fully_shard on te modules, FP8
+by tests/test_tensor_parallel.py's own checks (its tensors follow the default device, here the
+rank's GPU; te.TransformerLayer's from tests/test_transformer_layer_features.py): ternary
+values (-1, 0, 1) exact in bf16, the FP8 runs in fp32 parameters within fp32's tolerance, the
+FP8 sequence-parallel gathers moving one byte per value. FSDP2 (fully_shard on te modules, FP8
 all-gather on and off) against one process, and a torch.distributed.checkpoint saved at 2 ranks,
 loaded at 1, saved there and loaded at 2 again, against the uninterrupted run.
 
@@ -16,15 +17,13 @@ Legend: S sequence, B batch, K in features, N out features (hidden states (S, B,
 
 from __future__ import annotations
 
-import copy
-
 import pytest
+import test_tensor_parallel as tp_checks
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from ranks import on_ranks
 from test_fsdp import ALL_GATHERS, _recorded
-from test_tensor_parallel import _gathers, _run, _shards
 from test_transformer_layer_features import H as TL_HIDDEN
 from test_transformer_layer_features import _shard as _tl_shard
 from test_transformer_layer_features import _tp_run
@@ -82,18 +81,6 @@ def _assert_ok(outcomes: list) -> None:
         assert not failed, failed
 
 
-def _values(precision: str, seed: int):
-    """(dtype, ternary(*shape)): the parameter dtype of a precision (fp32 under FP8), and a
-    maker of seeded tensors of -1, 0 and 1 in it on this rank's device (drawn on the CPU)."""
-    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
-    gen, device = torch.Generator().manual_seed(seed), _device()
-
-    def ternary(*shape):
-        return torch.randint(-1, 2, shape, generator=gen, device="cpu").to(device, dtype)
-
-    return dtype, ternary
-
-
 def _assert_norm_close(got, want, dtype, label, scale=None) -> None:
     """||got - want|| <= rtol (||want|| or `scale`, the larger) + atol sqrt(n) with dtype's
     (rtol, atol): for sums of inexact values that the split modules add in another order than
@@ -106,133 +93,7 @@ def _assert_norm_close(got, want, dtype, label, scale=None) -> None:
     assert error <= bound, f"{label}: error {error:.3g} > {bound:.3g}"
 
 
-def _first_gather_is(gathered, precision, dtype, numel, label) -> None:
-    """The forward's first gather: FP8 bytes (uint8) under FP8, else the dtype's values."""
-    want = (torch.uint8 if precision in RECIPES else dtype, numel)
-    assert gathered and gathered[0] == want, f"{label}: gathered {gathered}"
-
-
 # ---- tensor and sequence parallelism --------------------------------------------------------
-
-
-def _check_linear(mode: str, sp: bool, precision: str) -> None:
-    """te.Linear column or row (+SP) == the matching slices of the one-rank layer's results."""
-    rank, fp8 = dist.get_rank(), precision in RECIPES
-    dtype, ternary = _values(precision, 0)
-    x, dy = ternary(S, B, K), ternary(S, B, N)
-    ref = te.Linear(K, N, params_dtype=dtype)
-    layer = te.Linear(
-        K, N, params_dtype=dtype, parallel_mode=mode, sequence_parallel=sp,
-        tp_group=dist.group.WORLD, tp_size=WORLD,
-    )  # fmt: skip
-    inp, out, w, b = _shards(mode, sp, rank)
-    with torch.no_grad():
-        ref.weight.copy_(ternary(N, K))
-        ref.bias.copy_(ternary(N))
-        layer.weight.copy_(ref.weight[w])
-        layer.bias.copy_(ref.bias[b])
-    want = _run(ref, x, dy, "fp32" if fp8 else precision)
-    with _gathers() as gathered:
-        got = _run(layer, x[inp], dy[out], precision)
-    label = f"Linear {mode} sp={sp} {precision}"
-    if mode == "column" and sp:
-        _first_gather_is(gathered, precision, dtype, S // WORLD * B * K, label)
-    bias_grad = got[3].clone()
-    if mode == "row" and sp:  # a partial sum per rank: Megatron all-reduces it
-        dist.all_reduce(bias_grad)
-    pairs = {"y": (got[0], want[0][out]), "dx": (got[1], want[1][inp])}
-    pairs.update({"dW": (got[2], want[2][w]), "db": (bias_grad, want[3][b])})
-    for name, (a, e) in pairs.items():
-        if fp8:
-            assert_close(a, e.double(), torch.float32, msg=f"{label}: {name}")
-        else:
-            assert a.dtype == e.dtype and torch.equal(a, e), f"{label}: {name}"
-
-
-def _check_norm_linear(sp: bool, precision: str) -> None:
-    """te.LayerNormLinear column (+SP): results within the dtype's tolerance (fp32's under
-    FP8), the norm's gradients partial sums of this rank's rows under SP."""
-    rank = dist.get_rank()
-    dtype, ternary = _values(precision, 1)
-    x, dy = ternary(S, B, K), ternary(S, B, N)
-    ref = te.LayerNormLinear(K, N, params_dtype=dtype)
-    layer = te.LayerNormLinear(
-        K, N, params_dtype=dtype, parallel_mode="column", sequence_parallel=sp,
-        tp_group=dist.group.WORLD, tp_size=WORLD,
-    )  # fmt: skip
-    inp, out, w, b = _shards("column", sp, rank)
-    with torch.no_grad():
-        ref.weight.copy_(ternary(N, K))
-        ref.bias.copy_(ternary(N))
-        ref.layer_norm_weight.copy_(1 + ternary(K) / 4)
-        ref.layer_norm_bias.copy_(ternary(K) / 8)
-        layer.weight.copy_(ref.weight[w])
-        layer.bias.copy_(ref.bias[b])
-        layer.layer_norm_weight.copy_(ref.layer_norm_weight)
-        layer.layer_norm_bias.copy_(ref.layer_norm_bias)
-    shard_ref = copy.deepcopy(ref)
-    want = _run(ref, x, dy, precision)
-    with _gathers() as gathered:
-        got = _run(layer, x[inp], dy[out], precision)
-    label = f"LayerNormLinear sp={sp} {precision}"
-    if sp:
-        _first_gather_is(gathered, precision, dtype, S // WORLD * B * K, label)
-        _run(shard_ref, x[inp], dy[inp], precision)
-        ref = shard_ref
-    tol = torch.bfloat16 if precision == "bf16" else torch.float32
-    pairs = {"y": (got[0], want[0][out]), "dx": (got[1], want[1][inp])}
-    pairs.update({"dW": (got[2], want[2][w]), "db": (got[3], want[3][b])})
-    pairs["d ln weight"] = (layer.layer_norm_weight.grad, ref.layer_norm_weight.grad)
-    pairs["d ln bias"] = (layer.layer_norm_bias.grad, ref.layer_norm_bias.grad)
-    for name, (a, e) in pairs.items():
-        assert_close(a, e.double(), tol, msg=f"{label}: {name}")
-
-
-def _check_mlp(sp: bool, precision: str) -> None:
-    """te.LayerNormMLP set_parallel_mode (fc1 column, fc2 row; SwiGLU's fc1 rows split per
-    half) == the one-rank module's matching slices, norm-wise within the dtype's tolerance
-    (e4m3's under FP8: each rank scales its shard of the activation by its own amax)."""
-    rank, ffn = dist.get_rank(), 32
-    dtype, ternary = _values(precision, 2)
-    x, dy = ternary(S, B, K), ternary(S, B, K)
-    kw = {"params_dtype": dtype, "activation": "swiglu"}
-    ref = te.LayerNormMLP(K, ffn, **kw)
-    layer = te.LayerNormMLP(
-        K, ffn, set_parallel_mode=True, sequence_parallel=sp, tp_group=dist.group.WORLD,
-        tp_size=WORLD, **kw,
-    )  # fmt: skip
-    rows = torch.arange(rank * ffn // WORLD, (rank + 1) * ffn // WORLD, device=_device())
-    fc1_rows = torch.cat([rows, rows + ffn])  # [act_r; gate_r]
-    with torch.no_grad():
-        for name, param in ref.named_parameters():
-            param.copy_(ternary(*param.shape) / (4 if "layer_norm" in name else 1))
-        ref.layer_norm_weight.add_(1)
-        shards = {
-            "fc1_weight": ref.fc1_weight[fc1_rows], "fc1_bias": ref.fc1_bias[fc1_rows],
-            "fc2_weight": ref.fc2_weight[:, rows],
-        }  # fmt: skip
-        for name, param in layer.named_parameters():
-            param.copy_(shards.get(name, getattr(ref, name)))
-    seq = _shards("column", sp, rank)[0]
-    shard_ref = copy.deepcopy(ref)
-    want = _run(ref, x, dy, precision)
-    with _gathers() as gathered:
-        got = _run(layer, x[seq], dy[seq], precision)
-    label = f"LayerNormMLP sp={sp} {precision}"
-    if sp:
-        _first_gather_is(gathered, precision, dtype, S // WORLD * B * K, label)
-        _run(shard_ref, x[seq], dy[seq], precision)
-    tol = torch.bfloat16 if precision == "bf16" else torch.float8_e4m3fn
-    _assert_norm_close(got[0], want[0][seq], tol, f"{label}: y")
-    _assert_norm_close(got[1], want[1][seq], tol, f"{label}: dx")
-    partial = ("layer_norm_weight", "layer_norm_bias", "fc2_bias")
-    for name, param in layer.named_parameters():
-        expected = getattr(shard_ref if sp and name in partial else ref, name).grad
-        if name in ("fc1_weight", "fc1_bias"):
-            expected = expected[fc1_rows]
-        elif name == "fc2_weight":
-            expected = expected[:, rows]
-        _assert_norm_close(param.grad, expected, tol, f"{label}: d {name}")
 
 
 def _check_transformer_layer(sp: bool, precision: str) -> None:
@@ -274,47 +135,22 @@ def _check_transformer_layer(sp: bool, precision: str) -> None:
         _assert_norm_close(grad, expected, tol, f"{label}: d {name}", scale)
 
 
-def _check_grouped(mode: str, precision: str) -> None:
-    """te.GroupedLinear column or row per expert (one expert without tokens): as te.Linear."""
-    rank, fp8 = dist.get_rank(), precision in RECIPES
-    dtype, ternary = _values(precision, 3)
-    splits = [6, 0, 10]
-    x, dy = ternary(sum(splits), K), ternary(sum(splits), N)
-    ref = te.GroupedLinear(len(splits), K, N, params_dtype=dtype)
-    layer = te.GroupedLinear(
-        len(splits), K, N, params_dtype=dtype, parallel_mode=mode, tp_group=dist.group.WORLD
-    )
-    every, size = slice(None), (N if mode == "column" else K) // WORLD
-    part = slice(rank * size, (rank + 1) * size)
-    if mode == "column":  # (x columns, y columns, weight slice, bias slice)
-        x_cols, y_cols, w, b = every, part, (part,), part
-    else:
-        x_cols, y_cols, w, b = part, every, (every, part), every
-    with torch.no_grad():
-        for g in range(len(splits)):
-            ref.get_parameter(f"weight{g}").copy_(ternary(N, K))
-            ref.get_parameter(f"bias{g}").copy_(ternary(N))
-            layer.get_parameter(f"weight{g}").copy_(ref.get_parameter(f"weight{g}")[w])
-            layer.get_parameter(f"bias{g}").copy_(ref.get_parameter(f"bias{g}")[b])
-    results = []
-    for module, xi, dyi in ((ref, x, dy), (layer, x[:, x_cols], dy[:, y_cols])):
-        xi = xi.clone().requires_grad_(True)
-        with te.autocast(enabled=fp8, recipe=RECIPES[precision]() if fp8 else None):
-            y = module(xi, splits)
-        y.backward(dyi)
-        results.append(
-            {"y": y.detach(), "dx": xi.grad, **{n: p.grad for n, p in module.named_parameters()}}
-        )
-    want, got = results
-    want["y"], want["dx"] = want["y"][:, y_cols], want["dx"][:, x_cols]
-    label = f"GroupedLinear {mode} {precision}"
-    for name, a in got.items():
-        e = want[name] if name in ("y", "dx") else want[name][w if name[0] == "w" else b]
-        if fp8:
-            assert_close(a, e.double(), torch.float32, msg=f"{label}: {name}")
-        else:
-            assert torch.equal(a, e), f"{label}: {name}"
+def _on_this_rank(check):
+    """tests/test_tensor_parallel.py's check(*config, rank) as check(*config) on this rank:
+    the same checks, here over NCCL on this rank's GPU too (its tensors follow the default
+    device)."""
 
+    def run(*config):
+        return check(*config, dist.get_rank())
+
+    run.__name__ = check.__name__
+    return run
+
+
+_check_linear = _on_this_rank(tp_checks._check_config)
+_check_norm_linear = _on_this_rank(tp_checks._check_norm_linear)
+_check_mlp = _on_this_rank(tp_checks._check_mlp)
+_check_grouped = _on_this_rank(tp_checks._check_grouped)
 
 TP_CHECKS = (
     [

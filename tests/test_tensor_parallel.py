@@ -74,12 +74,14 @@ def _run(layer, x, dy, precision, steps=2):
 
 def _values(precision, seed):
     """(dtype, ternary(*shape)): the compute dtype of a precision, and a maker of seeded
-    tensors of -1, 0 and 1 in it."""
+    tensors of -1, 0 and 1 in it, drawn on the CPU and placed on the default device (a rank's
+    GPU in tests/test_distributed_gpu2.py)."""
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     gen = torch.Generator().manual_seed(seed)
 
     def ternary(*shape):
-        return torch.randint(-1, 2, shape, generator=gen).to(dtype)
+        values = torch.randint(-1, 2, shape, generator=gen, device="cpu")
+        return values.to(torch.get_default_device(), dtype)
 
     return dtype, ternary
 
@@ -100,7 +102,11 @@ def _check_config(mode, sp, precision, rank) -> None:
         layer.weight.copy_(ref.weight[w])
         layer.bias.copy_(ref.bias[b])
     want = _run(ref, x, dy, "fp32" if precision in RECIPES else precision)
-    got = _run(layer, x[inp], dy[out], precision)
+    with _gathers() as gathered:
+        got = _run(layer, x[inp], dy[out], precision)
+    if mode == "column" and sp:  # the input: FP8 bytes under FP8 (one per value)
+        moved = (torch.uint8 if precision in RECIPES else dtype, S // dist.get_world_size() * B * K)
+        assert gathered[0] == moved, gathered
     bias_grad = got[3].clone()
     if mode == "row" and sp:  # a partial sum per rank: Megatron all-reduces it (attribute)
         assert layer.bias.sequence_parallel
@@ -223,7 +229,11 @@ def _check_mlp(sp, precision, rank) -> None:
     seq = _shards("column", sp, rank)[0]
     shard_ref = copy.deepcopy(ref)
     want = _run(ref, x, dy, precision)
-    got = _run(layer, x[seq], dy[seq], precision)
+    with _gathers() as gathered:
+        got = _run(layer, x[seq], dy[seq], precision)
+    if sp:  # the norm output: FP8 bytes under FP8 (one per value)
+        moved = (torch.uint8 if precision in RECIPES else dtype, S // WORLD * B * K)
+        assert gathered[0] == moved, gathered
     grads = {name: p.grad for name, p in layer.named_parameters()}
     partial = ("layer_norm_weight", "layer_norm_bias", "fc2_bias")
     if sp:  # those of the one-rank module run on this rank's rows
