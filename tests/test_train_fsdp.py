@@ -13,6 +13,7 @@ own rows (the batch's amax in one process), so FP8 runs agree within bf16's tole
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import subprocess
 import sys
@@ -203,6 +204,85 @@ def test_fsdp_with_tensor_parallelism(tmp_path: Path) -> None:
     assert_close(torch.tensor(resumed[0]), want[2:], torch.bfloat16)
 
 
+def _rank_backward_amaxes(rank: int, tmp_path: Path) -> list[torch.Tensor]:
+    trainer = _trainer(_args(tmp_path, "delayed", "fp32"), fsdp=True)
+    trainer.train_step()
+    return [state["bwd_amax_history"] for state in scaling_snapshot(trainer.model) if state]
+
+
+def test_gradients_inside_backward_have_the_values_of_one_process(tmp_path: Path) -> None:
+    """Each rank back-propagates its loss divided by the ranks and FSDP2 sums their gradients:
+    the gradient amaxes delayed scaling records in the first backward (the max over the ranks)
+    equal one process's on the whole batch, so the gradients' FP8 casts see the same values.
+    (Ranks that average instead hold twice the gradients inside backward: under the first
+    step's scale of 1 more of one process's values flush to zero in e5m2, and the runs part.)"""
+    write_corpus(tmp_path)
+    ranks = on_ranks(_rank_backward_amaxes, 2, tmp_path / "ranks", tmp_path)
+    one = _trainer(_args(tmp_path, "delayed", "fp32"), fsdp=False)
+    one.train_step()
+    want = [state["bwd_amax_history"] for state in scaling_snapshot(one.model) if state]
+    assert len(ranks[0]) == len(want) > 0
+    for got, expected in zip(ranks[0], want, strict=True):
+        assert expected.abs().sum() > 0  # the first backward recorded amaxes
+        assert_close(got, expected, torch.float32)
+
+
+# -- what FSDP2 gathers, and when -----------------------------------------------------------
+
+
+def _gathered_trainer(tmp_path: Path, gather: str, prefetch: bool) -> loop.Trainer:
+    """The tiny bf16 model's trainer over the group's ranks, shard_model(gather_dtype=gather,
+    prefetch=prefetch)."""
+    model_config, config = cli.parse_args(_args(tmp_path, "bf16", "bf16"))
+    config = dataclasses.replace(config, fsdp=True, fsdp_gather_dtype=gather)
+    corpus = data.load_corpus(config.data, config.max_bytes, model_config.seq_len)
+    shard = fsdp_run.shard_model
+    loop.shard_model = functools.partial(shard, prefetch=prefetch)
+    try:
+        return loop.Trainer("bf16", model_config, config, corpus, dp=fsdp_run.data_parallel("cpu"))
+    finally:
+        loop.shard_model = shard
+
+
+def _rank_gathers(rank: int, tmp_path: Path) -> dict[str, object]:
+    """Per setting of shard_model: the losses of STEPS steps and the dtype the first block's
+    fc1 weight had inside its forward."""
+    outcome = {}
+    for name, gather, prefetch in (
+        ("fp32", "fp32", True),
+        ("fp32, no prefetch", "fp32", False),
+        ("bf16", "bf16", True),
+    ):
+        trainer = _gathered_trainer(tmp_path, gather, prefetch)
+        seen = []
+        trainer.model.blocks[0].layernorm_mlp.register_forward_pre_hook(
+            functools.partial(_record_fc1_dtype, seen)
+        )
+        outcome[name] = (_steps(trainer, STEPS), seen[0])
+        assert trainer.model.blocks[0].layernorm_mlp.fc1_weight.dtype == torch.float32  # shard
+    return outcome
+
+
+def _record_fc1_dtype(seen: list, module: torch.nn.Module, args) -> None:
+    seen.append(module.fc1_weight.dtype)
+
+
+def test_gather_dtype_and_prefetch(tmp_path: Path) -> None:
+    """--fsdp-gather-dtype bf16: the blocks compute from bf16-gathered weights (the fp32
+    shards stay the masters) and train as the fp32 gather does within bf16's tolerance;
+    prefetching the next block's all-gather changes the order of work, not a bit of the
+    losses."""
+    write_corpus(tmp_path)
+    ranks = on_ranks(_rank_gathers, 2, tmp_path / "ranks", tmp_path)
+    assert ranks[0] == ranks[1]
+    got = ranks[0]
+    assert got["fp32"][1] == torch.float32 and got["bf16"][1] == torch.bfloat16
+    assert got["fp32, no prefetch"] == got["fp32"]
+    want = torch.tensor(got["fp32"][0], dtype=torch.float64)
+    assert_close(torch.tensor(got["bf16"][0]), want, torch.bfloat16)
+    assert got["bf16"][0] != got["fp32"][0]  # the gather did change the arithmetic
+
+
 # -- bad options ----------------------------------------------------------------------------
 
 
@@ -234,6 +314,11 @@ def test_bad_fsdp_options_are_refused_before_training(
     assert "--batch-size 2 / 2 --fsdp ranks x --seq-len 24 = 24 tokens" in err
     err = _error([*args, "--fsdp", "--fp8-all-gather", "--recipe", "bf16"], capsys)
     assert "needs an FP8 --recipe" in err
+    err = _error([*args, "--fsdp", "--fsdp-gather-dtype", "fp16"], capsys)
+    assert "invalid choice: 'fp16'" in err
+    monkeypatch.delenv("WORLD_SIZE")
+    assert "it needs --fsdp" in _error([*args, "--fsdp-gather-dtype", "bf16"], capsys)
+    monkeypatch.setenv("WORLD_SIZE", "2")
     (tmp_path / "notes").mkdir()
     (tmp_path / "notes" / "keep.txt").write_text("mine")
     _, config = cli.parse_args([*args, "--fsdp", "--save", str(tmp_path / "notes")])

@@ -24,6 +24,7 @@ from .config import (
     ACTIVATIONS,
     DEFAULT_MAX_BYTES,
     FP8_MULTIPLE,
+    GATHER_DTYPES,
     NORMALIZATIONS,
     RECIPES,
     SIZES,
@@ -158,6 +159,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --fsdp: the FP8 recipes' te modules shard and all-gather their weights as FP8 "
         "(torchte.fsdp.enable_fp8_all_gather)",
     )
+    p.add_argument(
+        "--fsdp-gather-dtype",
+        choices=GATHER_DTYPES,
+        default="fp32",
+        help="with --fsdp: all-gather the parameters as they are (fp32, default) or cast to "
+        "bf16 (half the bytes; gradients reduced in fp32)",
+    )
     p.add_argument("--data", type=Path, help="a text file or folder (default: Python's stdlib)")
     p.add_argument(
         "--max-bytes",
@@ -226,6 +234,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[ModelConfig, RunConfig]:
     if why is None:
         batch_size = preset.batch_size if args.batch_size is None else args.batch_size
         why = check_fsdp(args.fsdp, args.fp8_all_gather, args.tp, batch_size)
+    if why is None and args.fsdp_gather_dtype != "fp32" and not args.fsdp:
+        why = "--fsdp-gather-dtype chooses what FSDP2 gathers: it needs --fsdp"
     if why is not None:
         p.error(why)
     try:
@@ -272,6 +282,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[ModelConfig, RunConfig]:
             sequence_parallel=args.sequence_parallel,
             fsdp=args.fsdp,
             fp8_all_gather=args.fp8_all_gather,
+            fsdp_gather_dtype=args.fsdp_gather_dtype,
         )
     except ValueError as err:
         p.error(str(err))

@@ -15,6 +15,7 @@ VOCAB_SIZE = 256  # byte-level: one token per byte
 FP8_MULTIPLE = 16  # FP8 GEMMs need every dimension, token counts included, divisible by 16
 RECIPES = ("bf16", "delayed", "current")
 COMPUTE_DTYPES = ("bf16", "fp32")
+GATHER_DTYPES = ("fp32", "bf16")  # --fsdp-gather-dtype
 DEFAULT_MAX_BYTES = 64 * 2**20  # corpus cap: reading stops once this many bytes are kept
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 # te.LayerNormMLP's activations less clamped_swiglu (which takes parameters)
@@ -183,6 +184,11 @@ class RunConfig:
     torch.distributed.checkpoint folders."""
     fp8_all_gather: bool = False
     """With fsdp: the FP8 recipes' te modules shard and gather their weights as FP8."""
+    fsdp_gather_dtype: str = "fp32"
+    """With fsdp: what FSDP2 all-gathers the parameters in: "fp32" (the master weights as they
+    are) or "bf16" (cast before the gather, gradients reduced in fp32: half the bytes; the
+    embeddings' outputs, and so the residual stream, are then bf16). Weights gathered as FP8
+    (fp8_all_gather) go as FP8 either way."""
     compute_dtype: str = "bf16"
     """"bf16" (torch.autocast) or "fp32" (autocast off): what the model computes in besides
     FP8 GEMMs; see precision.py."""
@@ -214,6 +220,11 @@ class RunConfig:
             )
         if self.max_bytes < 1:
             raise ValueError(f"--max-bytes must be positive, got {self.max_bytes}")
+        if self.fsdp_gather_dtype not in GATHER_DTYPES:
+            raise ValueError(
+                f"--fsdp-gather-dtype must be one of {', '.join(GATHER_DTYPES)}, got "
+                f"{self.fsdp_gather_dtype}"
+            )
 
     @property
     def last_step(self) -> int:

@@ -2,9 +2,10 @@
 torchte.train --fsdp` trains one model over N ranks with PyTorch's FSDP2 (fully_shard): every
 parameter and its AdamW state sharded over the ranks, each transformer block gathered whole just
 before it runs. Every rank draws the same global batch from the seed and trains on its share of
-the rows (rank r the r-th of N equal slices); the gradients are averaged over the ranks, so a
-step is the one-process step on the whole batch. The group and the quiet ranks are parallel.py's
-(launched_run); checkpoints go through torch.distributed.checkpoint (fsdp_state.py).
+the rows (rank r the r-th of N equal slices) and back-propagates its loss / N; the gradients
+are summed over the ranks, so a step is the one-process step on the whole batch. The group and
+the quiet ranks are parallel.py's (launched_run); checkpoints go through
+torch.distributed.checkpoint (fsdp_state.py).
 
 --fsdp always runs under torchrun, also over one rank (`--nproc-per-node 1`): a launch without it
 is refused with the command to use, as a --tp launch is. With --tp M (2-D): the N ranks form a
@@ -15,6 +16,7 @@ split over the N / M data-parallel ranks.
 
 from __future__ import annotations
 
+import itertools
 import os
 from dataclasses import dataclass
 
@@ -22,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from torchte import fsdp as te_fsdp
 
@@ -106,12 +108,39 @@ def local_rows(batch: torch.Tensor, index: int, parts: int) -> torch.Tensor:
     return batch[index * rows : (index + 1) * rows]
 
 
-def shard_model(model: nn.Module, mesh: DeviceMesh, fp8_all_gather: bool) -> None:
+def shard_model(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    fp8_all_gather: bool,
+    gather_dtype: str = "fp32",
+    prefetch: bool = True,
+) -> None:
     """Shard `model` (a GPT) in place with fully_shard: each block, then the whole model (the
     embeddings, final norm and head). `fp8_all_gather`: first let its te modules shard and
-    gather their weights as FP8 (torchte.fsdp.enable_fp8_all_gather)."""
+    gather their weights as FP8 (torchte.fsdp.enable_fp8_all_gather). `gather_dtype` "bf16":
+    the parameters are cast to bf16 before the all-gather and the gradients reduced in fp32
+    (FSDP2's MixedPrecisionPolicy); "fp32": gathered as they are. The gradients are summed
+    over the ranks, not averaged: each rank back-propagates its loss divided by the ranks
+    (loop.Trainer._backward), so that its gradients, and their FP8 casts, have the values of
+    one process training on the whole batch. `prefetch`: each block starts the all-gather of
+    the next one in its forward (of the one before in its backward), so the gather runs under
+    the block's GEMMs even when the host is not ahead of the GPU."""
+    policy = MixedPrecisionPolicy()
+    if gather_dtype == "bf16":
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    elif gather_dtype != "fp32":
+        raise ValueError(f"shard_model: gather_dtype must be 'fp32' or 'bf16', got {gather_dtype}")
     if fp8_all_gather:
         te_fsdp.enable_fp8_all_gather(model)
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    blocks = list(model.blocks)
+    for block in blocks:
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    for module in (*blocks, model):  # sum the ranks' gradients: the loss is divided instead
+        module.set_gradient_divide_factor(1.0)
+        if hasattr(module, "set_force_sum_reduction_for_comms"):  # else NCCL's PREMUL_SUM(1)
+            module.set_force_sum_reduction_for_comms(True)
+    if prefetch:
+        for before, after in itertools.pairwise(blocks):
+            before.set_modules_to_forward_prefetch([after])
+            after.set_modules_to_backward_prefetch([before])

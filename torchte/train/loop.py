@@ -163,8 +163,12 @@ class Trainer:
                 self.model, whole, dist.get_rank(self.tp_group), dist.get_world_size(self.tp_group)
             )
         self.dp = dp
+        # The loss is divided by every rank its batch is split over before backward (see
+        # _backward), and the data-parallel ranks' gradients are summed.
+        self.loss_parts = self.sp_ranks * (dp.size if dp is not None else 1)
         if dp is not None:
-            shard_model(self.model, dp.mesh, config.fp8_all_gather and self.recipe is not None)
+            fp8_gather = config.fp8_all_gather and self.recipe is not None
+            shard_model(self.model, dp.mesh, fp8_gather, config.fsdp_gather_dtype)
         params = list(self.model.parameters())
         groups = [
             {"params": [p for p in params if p.dim() >= 2], "weight_decay": WEIGHT_DECAY},
@@ -231,15 +235,19 @@ class Trainer:
         return self._batch_mean(loss.detach())
 
     def _backward(self, loss: torch.Tensor) -> None:
-        """loss.backward(); under sequence parallelism of P ranks, where each rank's loss is the
-        mean over its rows, the batch's loss is their mean: each rank back-propagates loss / P
-        (the collectives sum the ranks' parts into the split weights' gradients), and the
-        gradients of the parameters whole on every rank, partial sums of its rows, are summed
-        over the ranks."""
-        if self.sp_ranks == 1:
+        """loss.backward(); where the batch's rows are split over P ranks (sequence and data
+        parallelism), each rank's loss is the mean over its rows and the batch's loss their
+        mean: each rank back-propagates loss / P, so every gradient inside the backward (and
+        each FP8 cast of one) has the values one process gives it, and the ranks' parts are
+        summed: by the collectives into the split weights' gradients, by FSDP2 (shard_model
+        sums) over the data-parallel ranks, and here for the parameters whole on every
+        tensor-parallel rank, partial sums of its rows."""
+        if self.loss_parts == 1:
             loss.backward()
             return
-        (loss / self.sp_ranks).backward()
+        (loss / self.loss_parts).backward()
+        if self.sp_ranks == 1:
+            return
         whole = [
             p.grad
             for p in self.model.parameters()
