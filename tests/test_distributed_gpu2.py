@@ -77,8 +77,8 @@ def _each(checks, device) -> dict:
 
 def _assert_ok(outcomes: list) -> None:
     for outcome in outcomes:
-        failed = {config: text for config, text in outcome.items() if text != "ok"}
-        assert not failed, failed
+        failed = [f"{config}: {text}" for config, text in outcome.items() if text != "ok"]
+        assert not failed, "\n".join(failed)  # a string: pytest shows all of it
 
 
 def _assert_norm_close(got, want, dtype, label, scale=None) -> None:
@@ -99,8 +99,11 @@ def _assert_norm_close(got, want, dtype, label, scale=None) -> None:
 def _check_transformer_layer(sp: bool, precision: str) -> None:
     """te.TransformerLayer with set_parallel_mode (+SP) == the one-rank layer built from the
     same whole weights (tests/test_transformer_layer_features.py's check), two steps, the
-    second recomputing attention; norm-wise within bf16's tolerance in bf16 (fp32 parameters
-    and fp32's tolerance under FP8)."""
+    second recomputing attention; norm-wise within bf16's tolerance in bf16. Under FP8 (fp32
+    parameters): fp32's tolerance where FP8 is emulated (gloo, the CPU); on GPUs the real FP8
+    GEMMs add the split layer's partial sums in another order than one GEMM does, and a value
+    that moves by one fp32 ulp can round to the neighbouring FP8 value in the next cast, so
+    the output is held to e4m3's tolerance and the gradients (e5m2 under HYBRID) to e5m2's."""
     rank, fp8 = dist.get_rank(), precision in RECIPES
     dtype = torch.float32 if fp8 else torch.bfloat16
     ref = make_layer("layer", dtype, seed=3)
@@ -118,9 +121,14 @@ def _check_transformer_layer(sp: bool, precision: str) -> None:
     want = _tp_run(ref, (x, None), dy, precision, 2)
     seq = slice(rank * S // WORLD, (rank + 1) * S // WORLD) if sp else slice(None)
     got = _tp_run(module, (x[seq], None), dy[seq], precision, 2)
-    tol, label = (torch.float32 if fp8 else torch.bfloat16), f"TransformerLayer sp={sp} {precision}"
+    tol = tol_grad = torch.bfloat16
+    if fp8:
+        real_fp8 = dist.get_backend() == "nccl"
+        tol = torch.float8_e4m3fn if real_fp8 else torch.float32
+        tol_grad = torch.float8_e5m2 if real_fp8 else torch.float32
+    label = f"TransformerLayer sp={sp} {precision}"
     _assert_norm_close(got[0], want[0][seq], tol, f"{label}: y")
-    _assert_norm_close(got[1], want[1][seq], tol, f"{label}: dx")
+    _assert_norm_close(got[1], want[1][seq], tol_grad, f"{label}: dx")
     for name, param in module.named_parameters():
         grad = param.grad
         if getattr(param, "sequence_parallel", False):  # partial sums (Megatron all-reduces)
@@ -132,7 +140,7 @@ def _check_transformer_layer(sp: bool, precision: str) -> None:
         scale = (
             whole[name.replace("key", "query")].grad.double().norm() if "key_bias" in name else None
         )
-        _assert_norm_close(grad, expected, tol, f"{label}: d {name}", scale)
+        _assert_norm_close(grad, expected, tol_grad, f"{label}: d {name}", scale)
 
 
 def _on_this_rank(check):

@@ -69,18 +69,18 @@ def representable(
     Values are k / n * scale for random integers |k| <= n, with n a power of two small enough
     for `dtype`'s mantissa: bf16 and fp16 draws are exact in their dtype, e4m3 draws are exact
     in e4m3, e5m2, bf16 and fp16. `scale` must be a power of two so that exactness is kept.
-    Drawn on the CPU (same values for a seed on every device), then moved to `device`.
+    Drawn on the CPU (same values for a seed on every device, and a CPU `generator` serves
+    under any default device), then moved to `device` (None: torch's default device).
     """
     if dtype not in _STEPS:
         raise KeyError(f"representable: unsupported dtype {dtype}; use one of {list(_STEPS)}")
     if not (scale > 0 and math.frexp(scale)[0] == 0.5):
         raise ValueError(f"representable: scale must be a positive power of two, got {scale}")
     n = _STEPS[dtype]
-    ints = torch.randint(
-        -n, n + 1, shape if isinstance(shape, tuple | torch.Size) else (shape,), generator=generator
-    )
+    size = shape if isinstance(shape, tuple | torch.Size) else (shape,)
+    ints = torch.randint(-n, n + 1, size, generator=generator, device="cpu")
     values = ints.to(torch.float32) * (scale / n)
-    return values if device is None else values.to(device)
+    return values.to(torch.get_default_device() if device is None else device)
 
 
 def assert_close_to_scale(
