@@ -13,13 +13,16 @@ sequence 1024), fp32 master weights, bf16 compute (torch.autocast), AdamW. A ste
 training example's own (loop.Trainer.train_step: forward, backward, gradient clipping over all
 shards, AdamW) on random bytes, each rank training on --batch sequences of every global batch of
 --batch x N; every block wrapped by fully_shard, then the whole model (fsdp_run.shard_model).
+Rows: bf16 with the parameters all-gathered as they are (fp32) and cast to bf16 first
+(MixedPrecisionPolicy, gradients reduced in fp32); the FP8 recipes with the bf16 gather; with
+--fp8-all-gather, the FP8 recipes again with the te modules' weights gathered as FP8
+(torchte.fsdp.enable_fp8_all_gather before fully_shard; the other parameters in bf16).
 Step time: median of 5 x 3 steps after 3 warmup steps (CUDA events). Tokens/s: the global
 batch's tokens over the step time. Bytes: the collectives FSDP calls in one step, counted by
 wrapping torch.distributed's all-gather and reduce-scatter (the whole gathered parameters and
 the whole gradients reduced: the larger tensor of each call). Baseline: the same model unsharded
 on one GPU training one rank's --batch (no communication); efficiency = baseline time / FSDP
-time. --fp8-all-gather calls torchte.fsdp.enable_fp8_all_gather(model) before fully_shard.
---single: one GPU, an NCCL group of one rank, --size medium, to check the script. Rank 0
+time. --single: one GPU, an NCCL group of one rank, --size medium, to check the script. Rank 0
 prints a table last; nothing here asserts.
 """
 
@@ -44,7 +47,7 @@ from torchte.train.fsdp_run import data_parallel
 from torchte.train.loop import Trainer
 
 RECIPES = ("bf16", "delayed", "current")
-COLLECTIVES = {  # what FSDP2 calls, newer torch first; one name of each is wrapped
+COLLECTIVES = {  # what FSDP2 may call (the name differs between torch releases): each is wrapped
     "all-gather": ("all_gather_single", "all_gather_into_tensor"),
     "reduce-scatter": ("reduce_scatter_single", "reduce_scatter_tensor"),
 }
@@ -59,17 +62,19 @@ class CollectiveBytes(contextlib.AbstractContextManager):
         self._wrapped: dict[str, object] = {}
 
     def __enter__(self) -> CollectiveBytes:
+        # torch.distributed's own functions call each other through their module's globals,
+        # never through these attributes, so a call is counted once.
         for kind, names in COLLECTIVES.items():
-            name = next(n for n in names if hasattr(dist, n))
-            original = getattr(dist, name)
-            self._wrapped[name] = original
+            for name in (n for n in names if hasattr(dist, n)):
+                original = getattr(dist, name)
+                self._wrapped[name] = original
 
-            def counted(*args, _original=original, _kind=kind, **kwargs):
-                tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
-                self.bytes[_kind] += max(t.numel() * t.element_size() for t in tensors)
-                return _original(*args, **kwargs)
+                def counted(*args, _original=original, _kind=kind, **kwargs):
+                    tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
+                    self.bytes[_kind] += max(t.numel() * t.element_size() for t in tensors)
+                    return _original(*args, **kwargs)
 
-            setattr(dist, name, counted)
+                setattr(dist, name, counted)
         return self
 
     def __exit__(self, *exc) -> None:
@@ -83,12 +88,15 @@ def random_corpus() -> Corpus:
     return Corpus(stream[: -(2**20)], stream[-(2**20) :], "random bytes", 0, 0, False)
 
 
-def run_config(recipe: str, batch: int, fsdp: bool, fp8_all_gather: bool) -> RunConfig:
-    """A run of `recipe` on the GPU, `batch` sequences a step (the global batch under fsdp)."""
+def run_config(recipe: str, batch: int, fsdp: bool, gather: str = "fp32") -> RunConfig:
+    """A run of `recipe` on the GPU, `batch` sequences a step (the global batch under fsdp),
+    the parameters all-gathered as `gather` ("fp32", "bf16", or "fp8": the te modules' weights
+    as FP8, the rest in bf16)."""
     return RunConfig(
         recipes=(recipe,), device="cuda", steps=1000, batch_size=batch, lr=2e-4, warmup=10,
         seed=0, log_every=1000, eval_every=1000, eval_batches=1, data=None, max_bytes=2**24,
-        out=Path("."), fsdp=fsdp, fp8_all_gather=fp8_all_gather, compute_dtype="bf16",
+        out=Path("."), fsdp=fsdp, fp8_all_gather=gather == "fp8",
+        fsdp_gather_dtype="fp32" if gather == "fp32" else "bf16", compute_dtype="bf16",
     )  # fmt: skip
 
 
@@ -96,9 +104,10 @@ def step_seconds(trainer: Trainer) -> float:
     return device_s(trainer.train_step, 3, 5, "cuda")
 
 
-def measure(name: str, model_config: ModelConfig, args, dp, corpus, gather_fp8: bool) -> dict:
-    """One row: the FSDP step over dp's ranks, then the one-GPU baseline of one rank's work."""
-    config = run_config(name, args.batch * dp.size, True, gather_fp8)
+def measure(name: str, model_config: ModelConfig, args, dp, corpus, gather: str) -> dict:
+    """One row: the FSDP step over dp's ranks, then the one-GPU baseline of one rank's work
+    (unsharded, fp32 parameters)."""
+    config = run_config(name, args.batch * dp.size, True, gather)
     trainer = Trainer(name, model_config, config, corpus, dp=dp)
     seconds = step_seconds(trainer)
     torch.cuda.reset_peak_memory_stats()
@@ -109,12 +118,14 @@ def measure(name: str, model_config: ModelConfig, args, dp, corpus, gather_fp8: 
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     del trainer
     torch.cuda.empty_cache()
-    baseline = Trainer(name, model_config, run_config(name, args.batch, False, False), corpus)
+    baseline = Trainer(name, model_config, run_config(name, args.batch, False), corpus)
     base_seconds = step_seconds(baseline)
     del baseline
     torch.cuda.empty_cache()
     return {
-        "config": name + (" + fp8 all-gather" if gather_fp8 else ""),
+        "config": f"{name}, {gather} gather",
+        "recipe": name,
+        "gather": gather,
         "step_s": seconds,
         "tokens_per_s": config.batch_size * model_config.seq_len / seconds,
         "baseline_s": base_seconds,
@@ -158,11 +169,14 @@ def main() -> None:
             preset.hidden, preset.layers, preset.heads, preset.ffn, preset.seq_len
         )
         fp8_ok, why = _device.fp8_support(torch.device("cuda"))
-        runs = [(name, False) for name in RECIPES if fp8_ok or name == "bf16"]
+        # bf16 gathered as the master weights are (fp32, the training example's default) and
+        # in bf16 (the usual mixed-precision policy, which the FP8 rows keep for the rest).
+        runs = [("bf16", "fp32"), ("bf16", "bf16")]
+        runs += [(name, "bf16") for name in RECIPES[1:] if fp8_ok]
         if fp8_ok and args.fp8_all_gather:
-            runs += [(name, True) for name in RECIPES if name != "bf16"]
+            runs += [(name, "fp8") for name in RECIPES[1:]]
         dp, corpus = data_parallel("cuda"), random_corpus()
-        rows = [measure(name, model_config, args, dp, corpus, fp8) for name, fp8 in runs]
+        rows = [measure(name, model_config, args, dp, corpus, gather) for name, gather in runs]
         if dp.rank == 0:
             report(args, model_config, dp.size, rows, None if fp8_ok else why)
     finally:

@@ -4,10 +4,10 @@ measured value and whether it is met, read from the files the session wrote into
     python benchmarks/multi_gpu_summary.py OUT
 
 Reads OUT/pytest_gpu2.log (the gpu-marked distributed tests), OUT/tp2.json
-(benchmarks/tensor_parallel.py --json), OUT/fsdp2.json (benchmarks/fsdp.py --json) and the
-training runs' OUT/train_<name>/losses.csv (1gpu_a, 1gpu_b: two one-GPU runs, whose
-difference is the run-to-run spread; fsdp2, tp2: the 2-GPU runs). A missing file is reported
-as such, never guessed. Prints only; never asserts.
+(benchmarks/tensor_parallel.py --json), OUT/fsdp2*.json (benchmarks/fsdp.py --json, one per
+batch size) and the training runs' OUT/train_<name>/losses.csv (1gpu_a, 1gpu_b and any more
+1gpu_*: one-GPU runs, whose spread is the run-to-run spread; fsdp2, tp2: the 2-GPU runs). A
+missing file is reported as such, never guessed. Prints only; never asserts.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def tp_rows(out: Path) -> list[tuple[str, str, bool | None]]:
         eff = r["baseline_ms"] / r["ms"]
         rows.append((f"TP LayerNormMLP {name} efficiency", f"{eff:.1%}", eff >= EFFICIENCY))
     pair = dict(data["linear_pair_ms"])
-    base = pair.pop("1 GPU, 1/P work")
+    base = pair.pop("1 GPU, 1/P work", float("nan"))
     for name, ms in pair.items():
         eff = base / ms
         rows.append((f"TP Linear pair, {name} efficiency", f"{eff:.1%}", eff >= EFFICIENCY))
@@ -69,57 +69,77 @@ def tp_rows(out: Path) -> list[tuple[str, str, bool | None]]:
 
 
 def fsdp_rows(out: Path) -> list[tuple[str, str, bool | None]]:
-    """FSDP2: efficiency per config, FP8 all-gather bytes over bf16's, FP8 tokens/s gain."""
-    data = _json(out / "fsdp2.json")
-    if data is None:
-        return [("FSDP2 benchmark", "no fsdp2.json", None)]
-    by_name = {r["config"]: r for r in data["rows"]}
+    """FSDP2, per fsdp2*.json (one per batch size): efficiency per config, FP8 all-gather
+    bytes over the bf16 gather's, FP8 tokens/s over the faster bf16 row's."""
+    paths = sorted(out.glob("fsdp2*.json"), key=lambda p: (len(p.name), p.name))
+    if not paths:
+        return [("FSDP2 benchmark", "no fsdp2*.json", None)]
+    return [row for path in paths for row in _fsdp_file_rows(_json(path))]
+
+
+def _fsdp_file_rows(data: dict) -> list[tuple[str, str, bool | None]]:
+    per_rank = data["tokens_per_rank"] // data["model"]["seq_len"]
     rows = []
-    for name, r in by_name.items():
+    for r in data["rows"]:
+        name = f"{per_rank}/rank {r['config']}"
         rows.append(
             (f"FSDP2 {name} efficiency", f"{r['efficiency']:.1%}", r["efficiency"] >= EFFICIENCY)
         )
         peak = f"{r['peak_bytes'] / 2**30:.2f} GiB"
         rows.append((f"FSDP2 {name} peak memory", peak, None))
-    bf16 = by_name.get("bf16")
-    gathered = [r for n, r in by_name.items() if n.endswith("fp8 all-gather")]
-    if bf16 and gathered:
-        ratio = max(r["all_gather_bytes"] for r in gathered) / bf16["all_gather_bytes"]
+    bf16 = [r for r in data["rows"] if r["recipe"] == "bf16"]
+    bf16_gather = next((r for r in bf16 if r["gather"] == "bf16"), None)
+    gathered = [r for r in data["rows"] if r["gather"] == "fp8"]
+    if bf16_gather and gathered:
+        ratio = max(r["all_gather_bytes"] for r in gathered) / bf16_gather["all_gather_bytes"]
         ok = ratio <= BYTES_RATIO * (1 + BYTES_SLACK)
-        rows.append(("FSDP2 FP8 all-gather bytes / bf16's (0.5)", f"{ratio:.2f}", ok))
-    fp8 = [r for n, r in by_name.items() if n != "bf16"]
+        rows.append((f"FSDP2 {per_rank}/rank FP8 gather bytes / bf16's", f"{ratio:.2f}", ok))
+    fp8 = [r for r in data["rows"] if r["recipe"] != "bf16"]
     if bf16 and fp8:
-        best = max(fp8, key=lambda r: r["tokens_per_s"])
-        gain = best["tokens_per_s"] / bf16["tokens_per_s"]
+        best, fastest_bf16 = (max(rs, key=lambda r: r["tokens_per_s"]) for rs in (fp8, bf16))
+        gain = best["tokens_per_s"] / fastest_bf16["tokens_per_s"]
         value = f"{gain:.2f}x ({best['config']})"
-        rows.append(("FSDP2 FP8 tokens/s / bf16's (1.3x)", value, gain >= FP8_SPEEDUP))
+        rows.append((f"FSDP2 {per_rank}/rank FP8 tokens/s / bf16's", value, gain >= FP8_SPEEDUP))
     return rows
 
 
-def final_val_loss(path: Path) -> float | None:
-    """The last validation loss in a training run's losses.csv, or None."""
+def val_losses(path: Path) -> dict[int, float]:
+    """{step: validation loss} of a training run's losses.csv ({} without the file)."""
     if not path.is_file():
-        return None
+        return {}
     with path.open() as f:
-        values = [float(row["val_loss"]) for row in csv.DictReader(f) if row["val_loss"]]
-    return values[-1] if values else None
+        rows = [row for row in csv.DictReader(f) if row["val_loss"]]
+    return {int(row["step"]): float(row["val_loss"]) for row in rows}
+
+
+def _largest_gap(a: dict[int, float], b: dict[int, float]) -> float:
+    """The largest |a - b| over the validation steps both runs reached."""
+    return max((abs(a[s] - b[s]) for s in a.keys() & b.keys()), default=float("nan"))
 
 
 def loss_rows(out: Path) -> list[tuple[str, str, bool | None]]:
-    """2-GPU final validation losses against the one-GPU runs' mean, within their spread."""
-    ones = [final_val_loss(out / f"train_{n}" / "losses.csv") for n in ("1gpu_a", "1gpu_b")]
-    ones = [v for v in ones if v is not None]
-    if not ones:
-        return [("training losses", "no one-GPU losses.csv", None)]
+    """2-GPU final validation losses against the one-GPU runs' mean (runs train_1gpu_*: a, b,
+    and any more), within their spread (largest - smallest); and the largest gap along the
+    validation curve against one-GPU run a, beside run b's own."""
+    runs = {p.parent.name: val_losses(p) for p in sorted(out.glob("train_1gpu_*/losses.csv"))}
+    ones = [run[max(run)] for run in runs.values() if run]
+    if not ones or not runs.get("train_1gpu_a"):
+        return [("training losses", "no one-GPU losses.csv (train_1gpu_a)", None)]
     mean, spread = sum(ones) / len(ones), max(ones) - min(ones)
-    rows = [("1 GPU final val loss (spread)", f"{mean:.4f} ({spread:.4f})", None)]
+    label = f"1 GPU final val loss, {len(ones)} runs (spread)"
+    rows = [(label, f"{mean:.4f} ({spread:.4f})", None)]
+    curve_spread = _largest_gap(runs["train_1gpu_a"], runs.get("train_1gpu_b", {}))
+    rows.append(("1 GPU a vs b, largest val gap", f"{curve_spread:.4f}", None))
     for name in ("fsdp2", "tp2"):
-        loss = final_val_loss(out / f"train_{name}" / "losses.csv")
-        if loss is None:
+        run = val_losses(out / f"train_{name}" / "losses.csv")
+        if not run:
             rows.append((f"{name} final val loss", "no losses.csv", None))
             continue
+        loss = run[max(run)]
         ok = abs(loss - mean) <= spread if len(ones) > 1 else None
         rows.append((f"{name} final val loss (diff)", f"{loss:.4f} ({loss - mean:+.4f})", ok))
+        gap = _largest_gap(run, runs["train_1gpu_a"])
+        rows.append((f"{name} vs 1 GPU a, largest val gap", f"{gap:.4f}", None))
     return rows
 
 

@@ -140,6 +140,9 @@ def measure_symmetric(args, world: int, group) -> dict:
         previous = te_dist.use_symmetric_memory(enabled)
         try:
             results[name] = device_s(step, 3, 5, "cuda") * 1e3
+        except Exception as err:  # reported in the table; the other rows still stand
+            print(f"rank {dist.get_rank()}: {name} failed: {type(err).__name__}: {err}")
+            results[name] = float("nan")
         finally:
             te_dist.use_symmetric_memory(previous)
     del pair, step
@@ -173,21 +176,29 @@ def main() -> None:
         rank, world = dist.get_rank(), dist.get_world_size()
         torch.cuda.set_device(rank % torch.cuda.device_count())
         results = measure(args, world, dist.group.WORLD)
+        if rank == 0:  # kept should the pair's run not finish
+            write_json(args, world, results, {})
         pair = measure_symmetric(args, world, dist.group.WORLD)
         if rank == 0:
+            write_json(args, world, results, pair)
             report(args, world, results, pair)
     finally:
         dist.destroy_process_group()
 
 
+def write_json(args, world: int, results: dict, pair: dict) -> None:
+    """Write --json (if given): the rows of the table, step times in ms, bytes per step."""
+    if args.json is None:
+        return
+    shape = {"hidden": args.hidden, "ffn": args.ffn, "tokens": args.seq * args.batch}
+    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    result.update(ranks=world, shape=shape, mlp=results, linear_pair_ms=dict(pair))
+    args.json.write_text(json.dumps(result, indent=2))
+
+
 def report(args, world: int, results: dict, pair: dict) -> None:
-    """Print the table (and write --json: the rows above, step times in ms, bytes per step)."""
+    """Print the table."""
     tokens = args.seq * args.batch
-    if args.json is not None:
-        shape = {"hidden": args.hidden, "ffn": args.ffn, "tokens": tokens}
-        result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
-        result.update(ranks=world, shape=shape, mlp=results, linear_pair_ms=dict(pair))
-        args.json.write_text(json.dumps(result, indent=2))
     print(
         f"{torch.cuda.get_device_name()}, torch {torch.__version__}: te.LayerNormMLP "
         f"{args.hidden} -> {args.ffn} -> {args.hidden}, {tokens} tokens, TP={world} + sequence "
@@ -208,6 +219,7 @@ def report(args, world: int, results: dict, pair: dict) -> None:
     print(f"bf16 te.Linear pair (column + SP, GELU, row + SP); 1 GPU, 1/P work: {base:.2f} ms")
     for name, ms in pair.items():
         print(f"  {name:18s} {ms:9.2f} ms  efficiency {base / ms:6.1%}")
+    print("efficiency: one GPU's step time on 1/P of the work / the parallel step time")
 
 
 if __name__ == "__main__":
