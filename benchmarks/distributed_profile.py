@@ -87,9 +87,9 @@ def summarise(step, label: str) -> dict:
     by_collective = defaultdict(lambda: [0, 0.0])
     for e in prof.events():
         if e.device_type == DeviceType.CUDA:
-            span = (e.time_range.start, e.time_range.end)
-            (nccl if "nccl" in e.name.lower() else kernels).append(span)
-            if "nccl" in e.name.lower():
+            span, is_nccl = (e.time_range.start, e.time_range.end), "nccl" in e.name.lower()
+            (nccl if is_nccl else kernels).append(span)
+            if is_nccl:
                 entry = by_collective[e.name.split("(")[0][:48]]
                 entry[0] += 1
                 entry[1] += (span[1] - span[0]) / 1e3

@@ -233,9 +233,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[ModelConfig, RunConfig]:
         why = "--sequence-parallel needs --tp N with N > 1"
     if why is None:
         batch_size = preset.batch_size if args.batch_size is None else args.batch_size
-        why = check_fsdp(args.fsdp, args.fp8_all_gather, args.tp, batch_size)
-    if why is None and args.fsdp_gather_dtype != "fp32" and not args.fsdp:
-        why = "--fsdp-gather-dtype chooses what FSDP2 gathers: it needs --fsdp"
+        why = check_fsdp(
+            args.fsdp, args.fp8_all_gather, args.tp, batch_size, args.fsdp_gather_dtype
+        )
     if why is not None:
         p.error(why)
     try:

@@ -38,11 +38,16 @@ __all__ = [
 ]
 
 
-def check_fsdp(fsdp: bool, fp8_all_gather: bool, tp: int, batch_size: int) -> str | None:
+def check_fsdp(
+    fsdp: bool, fp8_all_gather: bool, tp: int, batch_size: int, gather_dtype: str = "fp32"
+) -> str | None:
     """Why the --fsdp options cannot run in this process (None when they can): --fsdp needs
-    torchrun, a --batch-size its ranks divide, no --tp yet; --fp8-all-gather needs --fsdp."""
+    torchrun, a --batch-size its ranks divide, no --tp yet; --fp8-all-gather and a
+    --fsdp-gather-dtype other than fp32 need --fsdp."""
     if fp8_all_gather and not fsdp:
         return "--fp8-all-gather shards FP8 weights under FSDP: it needs --fsdp"
+    if gather_dtype != "fp32" and not fsdp:
+        return "--fsdp-gather-dtype chooses what FSDP2 gathers: it needs --fsdp"
     if not fsdp:
         return None
     world = os.environ.get("WORLD_SIZE")
