@@ -12,6 +12,7 @@ import warnings
 
 import pytest
 import torch
+from setattr_writes import set_as_torchte
 from tolerances import assert_close, representable
 
 import torchte as te
@@ -438,8 +439,17 @@ def test_parameters_split_bad_sizes(split):
 def test_setattr_after_construction_warns():
     layer = te.Linear(16, 16)
     with pytest.warns(RuntimeWarning, match="foo"):
-        layer.foo = 1
+        set_as_torchte(layer, "foo", 1)
     assert layer.foo == 1
+
+
+def test_client_setattr_after_construction_is_silent():
+    layer = te.Linear(16, 16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        layer.is_first_microbatch = True  # as Megatron-Core's wrappers write it
+        layer.te_quant_params = None
+    assert layer.is_first_microbatch is True and layer.te_quant_params is None
 
 
 def test_fast_setattr_train_eval_do_not_warn():

@@ -7,7 +7,7 @@ Transformer Engine's import names, so that
 
 give torchte's modules and recipes. `transformer_engine.__version__` and
 `importlib.metadata.version("transformer-engine")` (also "transformer_engine_torch") report
-"2.8.0+torchte<version>", answered from memory. Refused with ImportError where the real
+"2.14.0+torchte<version>", answered from memory. Refused with ImportError where the real
 Transformer Engine is installed. docs/compat.md, section "The alias", lists what each path
 holds; `uninstall()` takes the names away again.
 

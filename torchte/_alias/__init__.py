@@ -27,15 +27,43 @@ def install() -> None:
         return
     _refuse_real_transformer_engine()
     sys.meta_path.insert(0, AliasFinder())
+    _speak_transformer_engine(True)
 
 
 def uninstall() -> None:
     """Undo install(): remove the finder and every alias module from sys.modules (objects a
     client already holds keep working; new imports of Transformer Engine's names fail)."""
     sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, AliasFinder)]
+    _speak_transformer_engine(False)
     for name in [n for n in sys.modules if n == _ROOT or n.startswith(_ROOT + ".")]:
         if _is_alias(sys.modules[name]):
             del sys.modules[name]
+
+
+_RECIPE_PATH = "transformer_engine.common.recipe"
+_RENAMED: dict[type, str] = {}
+
+
+def _speak_transformer_engine(on: bool) -> None:
+    """While the alias is installed, te objects serialize as Transformer Engine's do: the
+    modules' `_extra_state` in its uint8 form, and the recipe classes (with Format, QParams,
+    MMParams) pickled under their transformer_engine.common.recipe path, which is what a
+    client's restricted unpickler allows (Megatron-Core's lists those names). Off restores
+    torchte's own forms."""
+    from torchte import recipe
+    from torchte.module._te_compat import use_te_extra_state_format
+
+    use_te_extra_state_format(on)
+    if not on:
+        for cls, module in _RENAMED.items():
+            cls.__module__ = module
+        _RENAMED.clear()
+        return
+    for name in [*recipe.__all__, "_FormatHelper"]:
+        cls = getattr(recipe, name)
+        if isinstance(cls, type) and cls.__module__.startswith("torchte."):
+            _RENAMED.setdefault(cls, cls.__module__)
+            cls.__module__ = _RECIPE_PATH
 
 
 def _is_alias(module) -> bool:

@@ -11,10 +11,12 @@ from collections.abc import Iterator
 
 __all__ = ["DISTRIBUTIONS", "TE_VERSION", "AliasDistribution", "find_distributions", "version"]
 
-# The Transformer Engine release whose API torchte follows: 2.8 brought `te.autocast`,
-# `te.quantized_model_init` and `transformer_engine.pytorch.quantization`, which torchte has.
-# Clients gate features on it (Megatron-Core's is_te_min_version, accelerate's checks).
-TE_VERSION = "2.8.0"
+# The highest Transformer Engine release whose features clients gate on that torchte has:
+# Megatron-Core 0.19's is_te_min_version gates up to 2.14 (single grouped weights, the te.ops
+# grouped MLP), 2.13 (sqrtsoftplus routing), 2.12 (unpermute pad_offsets), 2.10 (num_splits,
+# retained pinned offload buffers, graph reset), 2.9 (return_max_logit); docs/compat.md,
+# section "Megatron-Core", lists each gate and torchte's side of it.
+TE_VERSION = "2.14.0"
 
 # Transformer Engine's distributions (normalized names): the package, the PyTorch extension,
 # and the core library of the CUDA 12 wheels.
@@ -30,8 +32,8 @@ License: Apache-2.0
 
 
 def version() -> str:
-    """TE_VERSION with torchte's version as its local part, e.g. "2.8.0+torchte0.1.0": a valid
-    PEP 440 version that compares as 2.8.0 against public versions."""
+    """TE_VERSION with torchte's version as its local part, e.g. "2.14.0+torchte0.1.0": a valid
+    PEP 440 version that compares as 2.14.0 against public versions."""
     from torchte import __version__
 
     return f"{TE_VERSION}+torchte{re.sub(r'[^0-9A-Za-z.]+', '.', __version__)}"

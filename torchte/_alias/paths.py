@@ -48,7 +48,9 @@ def _one(module: str, *names: str) -> dict[str, str]:
 PATHS: dict[str, AliasPath] = {
     "transformer_engine": AliasPath(package=True),
     "transformer_engine.common": AliasPath(package=True),
-    "transformer_engine.common.recipe": AliasPath(sources=("torchte.recipe",)),
+    "transformer_engine.common.recipe": AliasPath(
+        sources=("torchte.recipe",), names=_one("torchte.recipe", "_FormatHelper")
+    ),
     "transformer_engine.pytorch": AliasPath(
         sources=("torchte",),
         names={

@@ -1,12 +1,16 @@
 """Rule 1 of DESIGN.md for any torchte nn.Module: no nn.Module.__setattr__ on the hot path.
 
-After construction (`_initialized` set in __dict__), a plain attribute set through
-nn.Module.__setattr__ warns with RuntimeWarning (the test suite makes that an error); state that
-changes per call is written with `_fast_setattr`, straight into __dict__.
+After construction (`_initialized` set in __dict__), a plain attribute that torchte's own code
+sets through nn.Module.__setattr__ warns with RuntimeWarning (the test suite makes that an
+error); state that changes per call is written with `_fast_setattr`, straight into __dict__.
+Client code (a subclass defined elsewhere, as Megatron-Core's TE wrappers are, or a script)
+sets attributes silently, as Transformer Engine's modules let it: only torchte's own writes can
+be a slow path that torchte put there.
 """
 
 from __future__ import annotations
 
+import sys
 import warnings
 from typing import Any
 
@@ -34,6 +38,7 @@ class SetattrGuard(nn.Module):
             self.__dict__.get("_initialized", False)
             and not isinstance(value, (nn.Parameter, nn.Module))
             and name != "__class__"  # FSDP2's wrapping class, set once
+            and _set_by_torchte()
         ):
             warnings.warn(
                 f"{type(self).__name__}.{name} set through nn.Module.__setattr__ after "
@@ -49,3 +54,11 @@ class SetattrGuard(nn.Module):
     def _fast_setattr(self, name: str, value: Any) -> None:
         """Set a plain attribute without nn.Module's bookkeeping (hot path)."""
         self.__dict__[name] = value
+
+
+def _set_by_torchte() -> bool:
+    """Whether the assignment that reached SetattrGuard.__setattr__ was written in torchte's
+    own code (two frames up: past __setattr__ and this function). A property setter of a
+    torchte module called from client code counts as the client's."""
+    module = sys._getframe(2).f_globals.get("__name__", "")
+    return module == "torchte" or module.startswith("torchte.")

@@ -13,6 +13,11 @@ only the globals that format uses, and refuse any other with ExtraStateError nam
 - tensors are rebuilt by torch's own function, their storages read by
   torch.load(weights_only=True), on the CPU; OrderedDict and _codecs.encode (bytes under
   pickle protocol 2) are the only other globals.
+- Megatron-Core's two spellings, as a Megatron process writes them: the storages of tensors
+  through `megatron.core.safe_globals.safe_load_from_bytes` (Megatron puts it in place of
+  torch's `_load_from_bytes`; read here as torch's is, weights_only) and the recipe as
+  `megatron.core.extensions.transformer_engine.TEDelayedScaling` (its DelayedScaling, read as
+  a DelayedScaling record). Megatron is never imported.
 
 `te_pickle` writes the same form: a `TERecord` and a torchte `Format` are written as the
 Transformer Engine objects they stand for (the class referenced by its Transformer Engine path,
@@ -192,6 +197,10 @@ def _rebuild_tensor(storage, offset, size, stride, requires_grad=False, hooks=No
 _ALLOWED: dict[tuple[str, str], Any] = {
     ("torch._utils", "_rebuild_tensor_v2"): _rebuild_tensor,
     ("torch.storage", "_load_from_bytes"): _storage_from_bytes,
+    ("megatron.core.safe_globals", "safe_load_from_bytes"): _storage_from_bytes,
+    ("megatron.core.extensions.transformer_engine", "TEDelayedScaling"): _RECORDS[
+        "DelayedScaling"
+    ],
     ("collections", "OrderedDict"): collections.OrderedDict,
     ("_codecs", "encode"): codecs.encode,  # bytes under pickle protocol 2 (torch.save's)
     (TE_RECIPE_MODULE, "Format"): _format_of,

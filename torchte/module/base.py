@@ -44,7 +44,8 @@ from ._lifecycle import (
     reinitialize,
 )
 from ._setattr_guard import SetattrGuard
-from ._te_extra_state import from_te_extra_state, is_te_extra_state
+from ._te_compat import TEMetadataMixin, te_extra_state_format
+from ._te_extra_state import from_te_extra_state, is_te_extra_state, to_te_extra_state
 
 __all__ = ["PlanKey", "TransformerEngineBaseModule"]
 
@@ -65,7 +66,7 @@ class PlanKey(NamedTuple):
     fp8_grad: bool
 
 
-class TransformerEngineBaseModule(SetattrGuard):
+class TransformerEngineBaseModule(TEMetadataMixin, SetattrGuard):
     """Base of te modules: device and dtype defaults, FP8 state, the setattr guard."""
 
     # Delayed-scaling state laid out slot by slot (see DelayedScalingState): grouped modules.
@@ -274,13 +275,17 @@ class TransformerEngineBaseModule(SetattrGuard):
         counts = [s.nonfinite.sum() for pair in self._delayed_states.values() for s in pair]
         return int(torch.stack(counts).sum().item()) if counts else 0
 
-    def get_extra_state(self) -> dict[str, Any]:
+    def get_extra_state(self) -> dict[str, Any] | torch.Tensor:
         """Delayed-scaling scales, amax histories and non-finite counts (of the last used
-        history length); {} when the module has not run under delayed scaling."""
+        history length); {} when the module has not run under delayed scaling. In Transformer
+        Engine's form (_te_compat.use_te_extra_state_format, on under torchte.alias): its
+        uint8 tensor of pickled bytes, empty for a module without that state."""
         length = self._saved_history_len
-        if length is None:
-            return {}
-        return extra_state_of(length, *self._delayed_states[length])
+        state = {} if length is None else extra_state_of(length, *self._delayed_states[length])
+        if te_extra_state_format():
+            name = f"te.{type(self).__name__}"
+            return to_te_extra_state(state, name, self.num_gemms, self._slot_major, None)
+        return state
 
     def set_extra_state(self, state: dict[str, Any] | torch.Tensor | io.BytesIO | None) -> None:
         """Load what get_extra_state made, or Transformer Engine's form of it (a uint8 tensor of

@@ -424,6 +424,16 @@ class GroupedLinear(TransformerEngineBaseModule):
         self._save_original_input = bool(save_original_input)
         self._finish_init()
 
+    @property
+    def save_original_input(self) -> bool:
+        """Whether backward casts the input kept as given again (Transformer Engine's public
+        attribute; Megatron-Core sets it after construction)."""
+        return self._save_original_input
+
+    @save_original_input.setter
+    def save_original_input(self, value: bool) -> None:
+        self.__dict__.update(_save_original_input=bool(value), _plans={}, _last_plan=None)
+
     def _take_deferred_wgrad(self, gemm: int, wgrad) -> None:
         add_deferred_group_grads(self, gemm, wgrad)
 

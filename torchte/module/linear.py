@@ -193,18 +193,32 @@ class Linear(LinearCore):
         )
         self._defer_wgrad(delay_wgrad_compute, self.weight_names)
         self._save_original_input = bool(save_original_input)
-        # One plain weight, fused bias, high-precision parameters, no collective, the weight
-        # gradient made in backward: nn.Linear's path applies.
-        self._plain = (
-            len(self._splits) == 1
-            and not return_bias
-            and not fuse_wgrad_accumulation
-            and not isinstance(self.weight, Float8Tensor)
-            and not tp.split
-            and not delay_wgrad_compute
-            and not save_original_input
-        )
+        self._plain = self._plain_path()
         self._finish_init()
+
+    def _plain_path(self) -> bool:
+        """One plain weight, fused bias, high-precision parameters, no collective, the weight
+        gradient made in backward: nn.Linear's path applies."""
+        return (
+            len(self._splits) == 1
+            and not self.return_bias
+            and not self.fuse_wgrad_accumulation
+            and not isinstance(self.weight, Float8Tensor)
+            and not self._tp.split
+            and not self.delay_wgrad_compute
+            and not self._save_original_input
+        )
+
+    @property
+    def save_original_input(self) -> bool:
+        """Whether backward casts the input kept as given again (Transformer Engine's public
+        attribute; Megatron-Core sets it after construction)."""
+        return self._save_original_input
+
+    @save_original_input.setter
+    def save_original_input(self, value: bool) -> None:
+        self.__dict__.update(_save_original_input=bool(value), _plans={}, _last_plan=None)
+        self.__dict__["_plain"] = self._plain_path()
 
     def _build_plan(self, key):
         if self._save_original_input:

@@ -1,0 +1,80 @@
+"""The per-module FP8 attributes Transformer Engine's modules carry and its clients read
+(Megatron-Core's TE wrappers: `fp8_meta`, `fp8`, `fp8_calibration`, `init_fp8_metadata`), and
+the form of `_extra_state` a Transformer Engine client expects.
+
+torchte keeps no per-module FP8 metadata to initialize (quantizers and delayed-scaling state
+are made when a forward needs them), so these answer from what the module did last:
+`fp8` / `fp8_calibration` are the last forward's autocast state, and `fp8_meta` is a dict
+holding Transformer Engine's keys ("recipe", "fp8_checkpoint", "num_gemms", ...) that a client
+may read and write; torchte's own computations never read it.
+
+`get_extra_state()` gives torchte's dict of tensors (what DCP and FSDP2 shard and load without
+pickle) unless Transformer Engine's form is asked for (`use_te_extra_state_format`, which
+torchte.alias turns on): then the uint8 tensor of pickled bytes that Transformer Engine 2.x
+writes, which clients split, merge and re-pickle themselves (Megatron-Core's TEGroupedLinear
+does). set_extra_state reads both forms.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["TEMetadataMixin", "te_extra_state_format", "use_te_extra_state_format"]
+
+_TE_FORMAT = [False]
+
+
+def use_te_extra_state_format(enabled: bool) -> None:
+    """Make te modules' get_extra_state() write Transformer Engine 2.x's uint8 form (True) or
+    torchte's dict of tensors (False, the default). torchte.alias turns it on."""
+    _TE_FORMAT[0] = bool(enabled)
+
+
+def te_extra_state_format() -> bool:
+    """Whether get_extra_state() writes Transformer Engine's form."""
+    return _TE_FORMAT[0]
+
+
+# Positions in the plan key (base.PlanKey's fields, kept as a plain tuple in _last_plan).
+_FP8, _CALIBRATING, _RECIPE = 0, 1, 2
+
+
+class TEMetadataMixin:
+    """Transformer Engine's per-module FP8 attributes for a te module (see the module doc).
+    Needs `_last_plan` ((plan key, plan) or None), `_saved_history_len` and `num_gemms`."""
+
+    @property
+    def fp8(self) -> bool:
+        """Whether the last forward ran in FP8 (Transformer Engine's module.fp8)."""
+        last = self.__dict__.get("_last_plan")
+        return bool(last is not None and last[0][_FP8])
+
+    @property
+    def fp8_calibration(self) -> bool:
+        """Whether the last forward recorded amaxes for calibration (module.fp8_calibration)."""
+        last = self.__dict__.get("_last_plan")
+        return bool(last is not None and last[0][_CALIBRATING])
+
+    @property
+    def fp8_meta(self) -> dict[str, Any]:
+        """Transformer Engine's fp8_meta keys a client reads or writes: "recipe" (the last FP8
+        forward's, unless a client set it), "fp8_checkpoint" (whether the module holds
+        delayed-scaling state to save), "num_gemms", "fp8_group". The same dict every time."""
+        meta = self.__dict__.get("_te_fp8_meta")
+        if meta is None:
+            meta = {"recipe": None, "fp8_group": None, "num_gemms": self.num_gemms}
+            self.__dict__["_te_fp8_meta"] = meta
+        last = self.__dict__.get("_last_plan")
+        if last is not None and last[0][_RECIPE] is not None and meta.get("recipe") is None:
+            meta["recipe"] = last[0][_RECIPE]
+        meta["fp8_checkpoint"] = self.__dict__.get("_saved_history_len") is not None
+        return meta
+
+    def init_fp8_metadata(self, num_gemms: int = 1) -> None:
+        """Transformer Engine's hook to set up FP8 metadata before a forward or a load: nothing
+        to set up in torchte (its FP8 state is made when a forward needs it); checks num_gemms."""
+        if num_gemms != self.num_gemms:
+            raise ValueError(
+                f"init_fp8_metadata: num_gemms={num_gemms}, but te.{type(self).__name__} has "
+                f"{self.num_gemms} GEMMs"
+            )
