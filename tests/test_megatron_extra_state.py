@@ -66,19 +66,21 @@ class _MegatronUnpickler(pickle.Unpickler):
     """Megatron-Core's SafeUnpickler allow-list for FP8 extra state (its safe_globals.py), as
     Megatron reads what torchte writes under the alias."""
 
-    ALLOWED = {
-        ("builtins", "dict"),
-        ("collections", "OrderedDict"),
-        ("torch._utils", "_rebuild_tensor_v2"),
-        ("torch.storage", "_load_from_bytes"),
-        ("transformer_engine.common.recipe", "DelayedScaling"),
-        ("transformer_engine.common.recipe", "Format"),
-        ("transformer_engine.common.recipe", "_FormatHelper"),
-        ("transformer_engine.common.recipe", "MMParams"),
-        ("transformer_engine.common.recipe", "QParams"),
-        (MEGATRON_TE, "TEDelayedScaling"),
-        (MEGATRON_SAFE, "safe_load_from_bytes"),
-    }
+    ALLOWED: frozenset[tuple[str, str]] = frozenset(
+        {
+            ("builtins", "dict"),
+            ("collections", "OrderedDict"),
+            ("torch._utils", "_rebuild_tensor_v2"),
+            ("torch.storage", "_load_from_bytes"),
+            ("transformer_engine.common.recipe", "DelayedScaling"),
+            ("transformer_engine.common.recipe", "Format"),
+            ("transformer_engine.common.recipe", "_FormatHelper"),
+            ("transformer_engine.common.recipe", "MMParams"),
+            ("transformer_engine.common.recipe", "QParams"),
+            (MEGATRON_TE, "TEDelayedScaling"),
+            (MEGATRON_SAFE, "safe_load_from_bytes"),
+        }
+    )
 
     def find_class(self, module, name):
         if (module, name) not in self.ALLOWED:

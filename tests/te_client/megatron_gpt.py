@@ -16,16 +16,17 @@ the exit status is the number of failed cases.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 import tempfile
 import traceback
 from dataclasses import dataclass, field
 
-import torchte.alias  # noqa: F401  (first: Megatron imports transformer_engine)
+import torch
+import torch.distributed as dist
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+import torchte.alias  # noqa: F401  (before Megatron, which imports transformer_engine)
 
 SEQ, BATCH, VOCAB, HIDDEN, HEADS, LAYERS = 32, 4, 128, 64, 4, 2
 
@@ -206,15 +207,7 @@ def _train(model, config, steps: int, device: torch.device) -> list[float]:
     for step in range(steps):
         batch = _batch(step, device)
 
-        def forward_step(data_iterator, model, batch=batch):
-            output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
-
-            def loss_func(output_tensor):
-                loss = (output_tensor.float() * batch["loss_mask"]).sum() / batch["loss_mask"].sum()
-                return loss, {"loss": loss.detach()}
-
-            return output, loss_func
-
+        forward_step = functools.partial(_forward_step, batch)
         ddp.zero_grad_buffer()
         optimizer.zero_grad()
         if device.type == "cpu":
@@ -237,6 +230,17 @@ def _train(model, config, steps: int, device: torch.device) -> list[float]:
         optimizer.step()
         losses.append(float(records[0]["loss"]))
     return losses
+
+
+def _forward_step(batch: dict, data_iterator, model):
+    """Megatron's forward_step_func: the model's per-token losses and the loss function."""
+    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    return output, functools.partial(_masked_loss, batch["loss_mask"])
+
+
+def _masked_loss(mask: torch.Tensor, output_tensor: torch.Tensor):
+    loss = (output_tensor.float() * mask).sum() / mask.sum()
+    return loss, {"loss": loss.detach()}
 
 
 class _MainGradAdam(torch.optim.Adam):
@@ -291,7 +295,7 @@ def run_case(case: Case, steps: int, device: torch.device, cpu: bool) -> str:
         _copy_matching(model, local)
         te_losses = _train(model, config, steps, device)
         local_losses = _train(local, config, steps, device)
-        worst = max(abs(a - b) / abs(b) for a, b in zip(te_losses, local_losses))
+        worst = max(abs(a - b) / abs(b) for a, b in zip(te_losses, local_losses, strict=True))
         if worst > 1e-4:
             raise AssertionError(f"TE spec {te_losses} vs local spec {local_losses}")
         return f"loss {te_losses[-1]:.4f} = local {local_losses[-1]:.4f} (rel {worst:.1e})"
