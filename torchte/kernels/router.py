@@ -1,0 +1,680 @@
+"""MoE router fusions: top-k with a score function, and the scores of the auxiliary loss.
+
+Shapes: logits (T, E), contiguous, fp32 / bf16 / fp16 (the launchers take any leading dims and
+flatten them into T). Everything is computed in fp32 (in fp64 for fp64 input, which only the
+references take: the tests' gradcheck). Definitions follow Transformer Engine's fused router:
+
+  score functions   sigmoid(x) = 1 / (1 + exp(-x));  sqrtsoftplus(x) = sqrt(softplus(x)) with
+                    softplus(x) = x for x > 20, else log1p(exp(x));  softmax over the row.
+  top-k             the k largest selection scores of a row; among equal scores the lower
+                    expert index wins (the order of torch.sort(stable=True, descending=True)).
+  softmax           pre-softmax: probs = softmax(x) at the chosen experts (chosen on it);
+                    post-softmax: chosen on x, probs = softmax of the k chosen logits.
+  sigmoid /         chosen on y + expert_bias (y the score); probs = v / (sum of the k v + 1e-20)
+  sqrtsoftplus      when k > 1, else v, where v = (y + bias) - bias as the fused kernel forms
+                    it (y itself when there is no bias).
+  grouped top-k     experts in num_groups equal groups; a group's score is the sum of its
+                    topk / group_topk largest selection scores (added largest first); the
+                    group_topk best groups are kept, the others' experts score -inf; then top-k.
+  scaling_factor    probs *= scaling_factor (in fp32, before the cast to the logits' dtype).
+  quantile balancing (QB, sigmoid with a bias, no groups): the top-(k+1) set is chosen; its
+  last member (the smallest score, the highest index among equal ones) is dropped and its score
+  is the token's cutoff, from which router_maps.qb_histogram_accumulate counts bins.
+  aux-loss scores   softmax(x), or y / (sum of the row's y + 1e-20) for sigmoid /
+                    sqrtsoftplus; routing map = top-k of these scores.
+
+The routing output is a bool map (T, E), a bit map uint8 (T, ceil(E / 8)) with bit e % 8 of
+byte e // 8 set for expert e, or dense indices (T, k) in the caller's buffer, in selection
+order (largest score first). `intermediate` (T, E) fp32 is what the backward reads: the
+sigmoid, the raw logits (sqrtsoftplus), or the softmax output (-inf off the chosen experts
+after post-softmax).
+
+On CUDA with Triton one kernel runs per call (the bit map is packed with torch ops after it);
+elsewhere the torch reference below, the same function in torch ops.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ._triton import FastLaunch, int_key, tl, triton, triton_available
+from .router_maps import pack_bitmap
+
+__all__ = [
+    "SCORE_FUNCTIONS",
+    "RouterSpec",
+    "aux_scores_backward",
+    "aux_scores_backward_reference",
+    "aux_scores_forward",
+    "aux_scores_forward_reference",
+    "topk_backward",
+    "topk_backward_reference",
+    "topk_forward",
+    "topk_forward_reference",
+]
+
+# Transformer Engine's numbering of the score functions (its kernels' `score_function`).
+SCORE_FUNCTIONS: dict[str, int] = {"sigmoid": 0, "softmax": 1, "sqrtsoftplus": 2}
+BYTEMAP, BITMAP_U8 = 0, 1
+EPSILON = 1e-20
+SOFTPLUS_THRESHOLD = 20.0
+# Elements of one program's tile (rows x padded experts). Not yet tuned on a GPU.
+TILE = 4096
+
+
+@dataclass(frozen=True, slots=True)
+class RouterSpec:
+    """What a top-k routing call computes, besides its tensors.
+
+    topk: experts per token; score_function: "sigmoid", "softmax" or "sqrtsoftplus";
+    use_pre_softmax: softmax before the top-k (softmax only); num_groups / group_topk: grouped
+    top-k when group_topk > 0; scaling_factor: probs multiplier; routing_map_format: 0 bool map,
+    1 bit map; dense_indices: the routing output is the (T, topk) index buffer; qb: quantile
+    balancing (top-(k+1), cutoff per token).
+    """
+
+    topk: int
+    score_function: str
+    use_pre_softmax: bool = False
+    num_groups: int = 0
+    group_topk: int = 0
+    scaling_factor: float = 1.0
+    routing_map_format: int = BYTEMAP
+    dense_indices: bool = False
+    qb: bool = False
+
+    def __post_init__(self) -> None:
+        if self.score_function not in SCORE_FUNCTIONS:
+            known = ", ".join(SCORE_FUNCTIONS)
+            raise ValueError(f"score_function must be one of {known}; got {self.score_function!r}")
+        if self.topk < 1:
+            raise ValueError(f"topk must be at least 1, got {self.topk}")
+        if self.group_topk > 0:
+            if self.num_groups < 1:
+                raise ValueError("num_groups must be a positive int when group_topk > 0")
+            if self.topk % self.group_topk:
+                raise ValueError(f"topk ({self.topk}) must be divisible by group_topk")
+            if self.group_topk > self.num_groups:
+                raise ValueError(f"group_topk ({self.group_topk}) must be <= num_groups")
+        if self.routing_map_format not in (BYTEMAP, BITMAP_U8):
+            raise ValueError(f"routing_map_format must be 0 or 1, got {self.routing_map_format}")
+
+    @property
+    def score_id(self) -> int:
+        return SCORE_FUNCTIONS[self.score_function]
+
+    @property
+    def pre_softmax(self) -> bool:
+        """Softmax before the top-k: only with softmax (ignored for the others, as in TE)."""
+        return self.use_pre_softmax and self.score_function == "softmax"
+
+    @property
+    def grouped(self) -> bool:
+        return self.group_topk > 0
+
+    @property
+    def routing_layout(self) -> str:
+        """The routing output's layout, as router_maps.routing_to_mask takes it."""
+        if self.dense_indices:
+            return "indices"
+        return "bitmap_u8" if self.routing_map_format == BITMAP_U8 else "bytemap"
+
+
+if triton is not None:
+
+    @triton.jit
+    def _score(x, SCORE: tl.constexpr):
+        """sigmoid (SCORE 0) or sqrtsoftplus (2) of fp32 x. log1p(e) is log(1 + e) e / ((1 + e)
+        - 1), exact to a few ulp where 1 + e rounds (e tiny)."""
+        if SCORE == 0:
+            y = 1.0 / (1.0 + tl.exp(-x))
+        else:
+            e = tl.exp(x)
+            u = 1.0 + e
+            log1p = tl.where(u == 1.0, e, tl.log(u) * (e / tl.where(u == 1.0, 1.0, u - 1.0)))
+            y = tl.sqrt_rn(tl.where(x > 20.0, x, log1p))
+        return y
+
+    @triton.jit
+    def _softmax(x, valid):
+        """Softmax over axes 1 and 2 of the valid entries of a 3-D fp32 x (0 elsewhere)."""
+        m = tl.max(tl.max(tl.where(valid, x, float("-inf")), axis=2), axis=1)
+        e = tl.where(valid, tl.exp(x - m[:, None, None]), 0.0)
+        total = tl.sum(tl.sum(e, axis=2), axis=1)
+        total = tl.where(total > 0.0, total, 1.0)  # rows past T: no 0 * inf
+        return e * (1.0 / total)[:, None, None]
+
+    @triton.jit
+    def _pick(score, avail, eidx):
+        """One step of top-k over axes 1 and 2: (value, index, chosen mask) of each row's largest
+        available score, the lowest index among equal ones."""
+        c = tl.where(avail, score, float("-inf"))
+        m = tl.max(tl.max(c, axis=2), axis=1)
+        hit = avail & (c == m[:, None, None])
+        first = tl.min(tl.min(tl.where(hit, eidx, 2147483647), axis=2), axis=1)
+        # avail: a padded lane's eidx may equal a real expert's
+        return m, first, avail & (eidx == first[:, None, None])
+
+    @triton.jit
+    def _group_mask(
+        score, valid, eidx, row_ok, G, GK, PER, BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr
+    ):
+        """(BT, BG, 1) mask of the experts in each row's group_topk best groups: a group scores
+        the sum of its PER largest scores, added largest first."""
+        avail = valid
+        group_sum = tl.zeros((BLOCK_T, BLOCK_G), dtype=tl.float32)
+        for _ in range(PER):
+            c = tl.where(avail, score, float("-inf"))
+            m = tl.max(c, axis=2)
+            hit = avail & (c == m[:, :, None])
+            first = tl.min(tl.where(hit, eidx, 2147483647), axis=2)
+            avail = avail & (eidx != first[:, :, None])
+            group_sum += m
+        gidx = tl.arange(0, BLOCK_G)[None, :]
+        gavail = row_ok[:, None] & (gidx < G)
+        kept = gavail & (gidx < 0)
+        for _ in range(GK):
+            c = tl.where(gavail, group_sum, float("-inf"))
+            m = tl.max(c, axis=1)
+            hit = gavail & (c == m[:, None])
+            first = tl.min(tl.where(hit, gidx, 2147483647), axis=1)
+            chosen = gidx == first[:, None]
+            kept = kept | chosen
+            gavail = gavail & ~chosen
+        return kept[:, :, None]
+
+    @triton.jit
+    def _topk_forward_kernel(
+        logits_ptr,  # (T, E) fp32 / bf16 / fp16, contiguous
+        bias_ptr,  # (E,) fp32; read when HAS_BIAS
+        probs_ptr,  # (T, E) the logits' dtype
+        map_ptr,  # (T, E) uint8 (a bool map's bytes); written when WRITE_MAP
+        index_ptr,  # (T, K) int16 / int32 / int64; written when WRITE_INDEX
+        inter_ptr,  # (T, E) fp32: what the backward reads
+        cutoff_ptr,  # (T,) fp32; written when QB
+        T, E, K, G, GS, GK, PER, scaling,
+        SCORE: tl.constexpr, PRE_SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr,
+        GROUPED: tl.constexpr, WRITE_MAP: tl.constexpr, WRITE_INDEX: tl.constexpr,
+        QB: tl.constexpr, NORMALIZE: tl.constexpr,
+        BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr,
+    ):  # fmt: skip
+        # The tile is (rows, groups, experts of a group); (rows, 1, experts) without groups.
+        t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+        g = tl.arange(0, BLOCK_G)[None, :, None]
+        s = tl.arange(0, BLOCK_S)[None, None, :]
+        eidx = g * GS + s
+        row_ok = t < T
+        valid = row_ok[:, None, None] & (g < G) & (s < GS)
+        offs = t.to(tl.int64)[:, None, None] * E + eidx
+        x = tl.load(logits_ptr + offs, mask=valid, other=0.0).to(tl.float32)
+        if SCORE == 1:
+            if PRE_SOFTMAX:
+                y = _softmax(x, valid)
+                inter = y
+                score = y
+            else:
+                score = x
+        else:
+            y = _score(x, SCORE)
+            inter = y if SCORE == 0 else x
+            score = y
+            if HAS_BIAS:
+                bias = tl.load(bias_ptr + eidx, mask=eidx < E, other=0.0)
+                score = y + bias
+        if GROUPED:
+            kept = _group_mask(score, valid, eidx, row_ok, G, GK, PER, BLOCK_T, BLOCK_G)
+            pick_from = tl.where(kept, score, float("-inf"))
+        else:
+            pick_from = score
+        avail = valid
+        chosen = valid & (eidx < 0)
+        for k in range(K):
+            _, first, hit = _pick(pick_from, avail, eidx)
+            chosen = chosen | hit
+            avail = avail & ~hit
+            if WRITE_INDEX:
+                index = first.to(index_ptr.dtype.element_ty)
+                tl.store(index_ptr + t.to(tl.int64) * K + k, index, mask=row_ok)
+        if QB:
+            cutoff, _, _ = _pick(pick_from, avail, eidx)
+            tl.store(cutoff_ptr + t, cutoff, mask=row_ok)
+        if SCORE == 1:
+            if PRE_SOFTMAX:
+                p = y
+            else:
+                p = _softmax(x, chosen)
+                inter = tl.where(chosen, p, float("-inf"))
+        else:
+            p = score - bias if HAS_BIAS else y
+            if NORMALIZE:
+                total = tl.sum(tl.sum(tl.where(chosen, p, 0.0), axis=2), axis=1)
+                p = p / (total + 1e-20)[:, None, None]
+        probs = tl.where(chosen, scaling * p, 0.0)
+        tl.store(probs_ptr + offs, probs.to(probs_ptr.dtype.element_ty), mask=valid)
+        tl.store(inter_ptr + offs, inter, mask=valid)
+        if WRITE_MAP:
+            tl.store(map_ptr + offs, chosen.to(tl.uint8), mask=valid)
+
+    @triton.jit
+    def _aux_scores_kernel(
+        logits_ptr,  # (T, E) fp32 / bf16 / fp16, contiguous
+        scores_ptr,  # (T, E) fp32
+        map_ptr,  # (T, E) uint8 (a bool map's bytes)
+        inter_ptr,  # (T, E) fp32: what the backward reads
+        T, E, K,
+        SCORE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+    ):  # fmt: skip
+        t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+        eidx = tl.arange(0, BLOCK_E)[None, None, :]
+        valid = (t < T)[:, None, None] & (eidx < E)
+        offs = t.to(tl.int64)[:, None, None] * E + eidx
+        x = tl.load(logits_ptr + offs, mask=valid, other=0.0).to(tl.float32)
+        if SCORE == 1:
+            score = _softmax(x, valid)
+            inter = score
+        else:
+            y = tl.where(valid, _score(x, SCORE), 0.0)
+            inter = y if SCORE == 0 else x
+            total = tl.sum(tl.sum(y, axis=2), axis=1)
+            score = y / (total + 1e-20)[:, None, None]
+        avail = valid
+        for _ in range(K):
+            _, _, hit = _pick(score, avail, eidx)
+            avail = avail & ~hit
+        tl.store(scores_ptr + offs, score, mask=valid)
+        tl.store(inter_ptr + offs, inter, mask=valid)
+        tl.store(map_ptr + offs, (valid & ~avail).to(tl.uint8), mask=valid)
+
+    @triton.jit
+    def _backward_kernel(
+        map_ptr,  # (T, E) uint8 routing map; read when HAS_MAP (else every expert counts)
+        inter_ptr,  # (T, E) fp32, the forward's intermediate
+        grad_ptr,  # (T, E) fp32 / bf16 / fp16: d loss / d probs (or scores)
+        out_ptr,  # (T, E) d loss / d logits, the logits' dtype
+        T, E, scaling,
+        SCORE: tl.constexpr, PRE_SOFTMAX: tl.constexpr, HAS_MAP: tl.constexpr,
+        NORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+    ):  # fmt: skip
+        t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+        e = tl.arange(0, BLOCK_E)[None, :]
+        valid = (t < T)[:, None] & (e < E)
+        offs = t.to(tl.int64)[:, None] * E + e
+        g = tl.load(grad_ptr + offs, mask=valid, other=0.0).to(tl.float32) * scaling
+        act = tl.load(inter_ptr + offs, mask=valid, other=0.0)
+        routed = valid
+        if HAS_MAP:
+            routed = valid & (tl.load(map_ptr + offs, mask=valid, other=0) != 0)
+        if SCORE == 1:
+            if PRE_SOFTMAX:
+                g = tl.where(routed, g, 0.0)
+                dot = tl.sum(g * act, axis=1)
+                g = act * (g - dot[:, None])
+            else:
+                a = tl.where(routed, act, 0.0)
+                dot = tl.sum(tl.where(routed, g * a, 0.0), axis=1)
+                g = tl.where(routed, a * (g - dot[:, None]), 0.0)
+        else:
+            v = act if SCORE == 0 else _score(act, SCORE)
+            if NORMALIZE:
+                total = tl.sum(tl.where(routed, v, 0.0), axis=1)
+                dot = tl.sum(tl.where(routed, g * v, 0.0), axis=1)
+                d = (total + 1e-20)[:, None]
+                g = tl.where(routed, g / d - dot[:, None] / (d * d), 0.0)
+            else:
+                g = tl.where(routed, g, 0.0)
+            if SCORE == 0:
+                g = g * act * (1.0 - act)
+            else:
+                slope = tl.where(act > 20.0, 1.0, 1.0 / (1.0 + tl.exp(-act)))
+                g = g * (slope / (2.0 * v + 1e-20))
+        tl.store(out_ptr + offs, g.to(out_ptr.dtype.element_ty), mask=valid)
+
+    _launch_topk = FastLaunch(_topk_forward_kernel)
+    _launch_aux_scores = FastLaunch(_aux_scores_kernel)
+    _launch_backward = FastLaunch(_backward_kernel)
+
+
+# ----------------------------------------------------------------------------------------------
+# Public API and launchers
+# ----------------------------------------------------------------------------------------------
+
+
+def topk_forward(
+    logits: torch.Tensor,
+    expert_bias: torch.Tensor | None,
+    topk_indices: torch.Tensor | None,
+    spec: RouterSpec,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Top-k routing of logits (..., E): (probs (..., E) in the logits' dtype, routing output,
+    intermediate (..., E) fp32, cutoff (...) fp32 under QB else an empty tensor).
+
+    The routing output is a bool map (..., E), a bit map uint8 (..., ceil(E / 8)), or, with
+    spec.dense_indices, `topk_indices` (..., topk) filled in. expert_bias: (E,) fp32 or None.
+    Arguments are taken as checked (torchte.moe.router checks them).
+    """
+    if logits.is_cuda and triton_available():
+        return _topk_forward_triton(logits, expert_bias, topk_indices, spec)
+    return topk_forward_reference(logits, expert_bias, topk_indices, spec)
+
+
+def topk_backward(
+    routing_mask: torch.Tensor,
+    intermediate: torch.Tensor,
+    grad_probs: torch.Tensor,
+    spec: RouterSpec,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """d loss / d logits (..., E) in `dtype`, from the bool routing mask (..., E) (see
+    router_maps.routing_to_mask), topk_forward's intermediate and d loss / d probs (..., E)."""
+    if grad_probs.is_cuda and triton_available():
+        return _backward_triton(routing_mask, intermediate, grad_probs, spec, dtype)
+    return topk_backward_reference(routing_mask, intermediate, grad_probs, spec, dtype)
+
+
+def aux_scores_forward(
+    logits: torch.Tensor, topk: int, score_function: str, routing_map_format: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Scores of the auxiliary loss: (scores (..., E) fp32, routing map (bool (..., E) or bit
+    map), intermediate (..., E) fp32)."""
+    if logits.is_cuda and triton_available():
+        return _aux_scores_triton(logits, topk, score_function, routing_map_format)
+    return aux_scores_forward_reference(logits, topk, score_function, routing_map_format)
+
+
+def aux_scores_backward(
+    intermediate: torch.Tensor, grad_scores: torch.Tensor, score_function: str, dtype: torch.dtype
+) -> torch.Tensor:
+    """d loss / d logits (..., E) in `dtype` from d loss / d scores (..., E)."""
+    if grad_scores.is_cuda and triton_available():
+        spec = _aux_spec(score_function)
+        return _backward_triton(None, intermediate, grad_scores, spec, dtype)
+    return aux_scores_backward_reference(intermediate, grad_scores, score_function, dtype)
+
+
+def _aux_spec(score_function: str) -> RouterSpec:
+    """The backward of the aux-loss scores is the top-k backward with every expert routed,
+    softmax as pre-softmax, sigmoid / sqrtsoftplus always normalized."""
+    return RouterSpec(topk=2, score_function=score_function, use_pre_softmax=True)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def _rows_per_program(rows: int, width: int, tile: int) -> int:
+    return max(1, min(tile // width, _pow2(rows)))
+
+
+def _topk_forward_triton(
+    logits: torch.Tensor,
+    expert_bias: torch.Tensor | None,
+    topk_indices: torch.Tensor | None,
+    spec: RouterSpec,
+    tile: int = TILE,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Launch _topk_forward_kernel (none for zero tokens); `tile` caps rows x padded experts."""
+    x = logits.contiguous()
+    shape, e = x.shape, x.shape[-1]
+    t = x.numel() // e
+    probs = torch.empty_like(x)
+    inter = torch.empty(shape, dtype=torch.float32, device=x.device)
+    cutoff = torch.empty(shape[:-1] if spec.qb else (0,), dtype=torch.float32, device=x.device)
+    byte_map = None if spec.dense_indices else torch.empty(shape, dtype=torch.bool, device=x.device)
+    if t > 0:
+        g, gs = (spec.num_groups, e // spec.num_groups) if spec.grouped else (1, e)
+        per = spec.topk // spec.group_topk if spec.grouped else 0
+        block_g, block_s = _pow2(g), _pow2(gs)
+        block_t = _rows_per_program(t, block_g * block_s, tile)
+        bias = inter if expert_bias is None else expert_bias
+        index = inter if topk_indices is None else topk_indices
+        map_u8 = inter if byte_map is None else byte_map.view(torch.uint8)
+        cut = cutoff if spec.qb else inter
+        flags = (
+            spec.score_id, spec.pre_softmax, expert_bias is not None, spec.grouped,
+            byte_map is not None, topk_indices is not None, spec.qb,
+            spec.score_function != "softmax" and spec.topk > 1,
+        )  # fmt: skip
+        ints = (t, e, spec.topk, g, gs, spec.group_topk, per)
+        num_warps = 4 if block_t * block_g * block_s <= 2048 else 8
+        key = (
+            x.dtype, index.dtype, *flags, block_t, block_g, block_s, num_warps,
+            *[int_key(v) for v in ints],
+            *[p.data_ptr() & 15 for p in (x, bias, probs, map_u8, index, inter, cut)],
+        )  # fmt: skip
+        _launch_topk(
+            key, (-(-t // block_t), 1, 1), num_warps, x, bias, probs, map_u8, index, inter, cut,
+            *ints, float(spec.scaling_factor), *flags, block_t, block_g, block_s,
+        )  # fmt: skip
+    return probs, _routing_output(byte_map, topk_indices, spec), inter, cutoff
+
+
+def _routing_output(
+    byte_map: torch.Tensor | None, topk_indices: torch.Tensor | None, spec: RouterSpec
+) -> torch.Tensor:
+    if spec.dense_indices:
+        return topk_indices
+    if spec.routing_map_format == BITMAP_U8:
+        return pack_bitmap(byte_map)
+    return byte_map
+
+
+def _aux_scores_triton(
+    logits: torch.Tensor, topk: int, score_function: str, routing_map_format: int, tile: int = TILE
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Launch _aux_scores_kernel (none for zero tokens)."""
+    x = logits.contiguous()
+    shape, e = x.shape, x.shape[-1]
+    t = x.numel() // e
+    scores = torch.empty(shape, dtype=torch.float32, device=x.device)
+    inter = torch.empty_like(scores)
+    byte_map = torch.empty(shape, dtype=torch.bool, device=x.device)
+    if t > 0:
+        block_e = _pow2(e)
+        block_t = _rows_per_program(t, block_e, tile)
+        num_warps = 4 if block_t * block_e <= 2048 else 8
+        score_id, map_u8 = SCORE_FUNCTIONS[score_function], byte_map.view(torch.uint8)
+        key = (
+            x.dtype, score_id, block_t, block_e, num_warps, int_key(t), int_key(e),
+            int_key(topk), *[p.data_ptr() & 15 for p in (x, scores, map_u8, inter)],
+        )  # fmt: skip
+        _launch_aux_scores(
+            key, (-(-t // block_t), 1, 1), num_warps, x, scores, map_u8, inter, t, e, topk,
+            score_id, block_t, block_e,
+        )  # fmt: skip
+    routing = pack_bitmap(byte_map) if routing_map_format == BITMAP_U8 else byte_map
+    return scores, routing, inter
+
+
+def _backward_triton(
+    routing_mask: torch.Tensor | None,
+    intermediate: torch.Tensor,
+    grad: torch.Tensor,
+    spec: RouterSpec,
+    dtype: torch.dtype,
+    tile: int = TILE,
+) -> torch.Tensor:
+    """Launch _backward_kernel; routing_mask None: every expert is routed (aux-loss scores)."""
+    grad = grad.contiguous()
+    e = grad.shape[-1]
+    t = grad.numel() // e
+    out = torch.empty(grad.shape, dtype=dtype, device=grad.device)
+    if t == 0:
+        return out
+    block_e = _pow2(e)
+    block_t = _rows_per_program(t, block_e, tile)
+    num_warps = 4 if block_t * block_e <= 2048 else 8
+    map_u8 = intermediate if routing_mask is None else routing_mask.view(torch.uint8)
+    has_map = routing_mask is not None
+    normalize = spec.score_function != "softmax" and (spec.topk > 1 or not has_map)
+    flags = (spec.score_id, spec.pre_softmax or not has_map, has_map, normalize)
+    scaling = float(spec.scaling_factor) if has_map else 1.0
+    key = (
+        grad.dtype, dtype, *flags, block_t, block_e, num_warps, int_key(t), int_key(e),
+        *[p.data_ptr() & 15 for p in (map_u8, intermediate, grad, out)],
+    )  # fmt: skip
+    _launch_backward(
+        key, (-(-t // block_t), 1, 1), num_warps, map_u8, intermediate, grad, out, t, e,
+        scaling, *flags, block_t, block_e,
+    )  # fmt: skip
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Torch reference: the same functions, used on CPU and in tests
+# ----------------------------------------------------------------------------------------------
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def _score_reference(x: torch.Tensor, score_function: str) -> torch.Tensor:
+    """sigmoid or sqrtsoftplus of x in the formulas of the kernels."""
+    if score_function == "sigmoid":
+        return 1.0 / (1.0 + torch.exp(-x))
+    return torch.sqrt(torch.where(x > SOFTPLUS_THRESHOLD, x, torch.log1p(torch.exp(x))))
+
+
+def _softmax_reference(x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Softmax over the last dim of x (of its `mask`ed entries; 0 elsewhere)."""
+    if mask is not None:
+        x = x.masked_fill(~mask, float("-inf"))
+    e = torch.exp(x - x.amax(-1, keepdim=True))
+    return e * (1.0 / e.sum(-1, keepdim=True))
+
+
+def _select_reference(score: torch.Tensor, k: int) -> torch.Tensor:
+    """(T, k) int64 indices of each row's k largest scores, largest first, lower index first
+    among equal ones."""
+    return torch.sort(score, dim=-1, descending=True, stable=True).indices[..., :k]
+
+
+def _group_mask_reference(score: torch.Tensor, spec: RouterSpec) -> torch.Tensor:
+    """(T, E) bool: the experts of each row's group_topk best groups."""
+    t, e = score.shape
+    groups, per = spec.num_groups, spec.topk // spec.group_topk
+    top = torch.sort(score.view(t, groups, e // groups), dim=-1, descending=True).values
+    group_sum = torch.zeros(t, groups, dtype=score.dtype, device=score.device)
+    for j in range(per):  # largest first, as the kernels add them
+        group_sum = group_sum + top[..., j]
+    best = _select_reference(group_sum, spec.group_topk)
+    kept = torch.zeros(t, groups, dtype=torch.bool, device=score.device).scatter_(1, best, True)
+    return kept.repeat_interleave(e // groups, dim=1)
+
+
+def topk_forward_reference(
+    logits: torch.Tensor,
+    expert_bias: torch.Tensor | None,
+    topk_indices: torch.Tensor | None,
+    spec: RouterSpec,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Torch reference of topk_forward (same outputs)."""
+    shape, e = logits.shape, logits.shape[-1]
+    x = logits.reshape(-1, e).to(_compute_dtype(logits))
+    bias = None if expert_bias is None else expert_bias.to(x.dtype)
+    if spec.score_function == "softmax":
+        y = _softmax_reference(x) if spec.pre_softmax else x
+        score = inter = y
+    else:
+        y = _score_reference(x, spec.score_function)
+        inter = y if spec.score_function == "sigmoid" else x
+        score = y if bias is None else y + bias
+    pick_from = score
+    if spec.grouped:
+        pick_from = score.masked_fill(~_group_mask_reference(score, spec), float("-inf"))
+    order = _select_reference(pick_from, spec.topk + spec.qb)
+    index = order[:, : spec.topk]
+    chosen = torch.zeros_like(x, dtype=torch.bool).scatter_(1, index, True)
+    if spec.score_function == "softmax":
+        p = y
+        if not spec.pre_softmax:
+            p = _softmax_reference(x, chosen)
+            inter = p.masked_fill(~chosen, float("-inf"))
+    else:
+        p = y if bias is None else score - bias
+        if spec.topk > 1:
+            p = p / (p.masked_fill(~chosen, 0.0).sum(-1, keepdim=True) + EPSILON)
+    probs = torch.where(chosen, spec.scaling_factor * p, 0.0).to(logits.dtype).reshape(shape)
+    cutoff = torch.empty(0, dtype=torch.float32, device=x.device)
+    if spec.qb:
+        cutoff = pick_from.gather(1, order[:, spec.topk :]).reshape(shape[:-1])
+    if spec.dense_indices:
+        routing = topk_indices.copy_(index.reshape(topk_indices.shape))
+    elif spec.routing_map_format == BITMAP_U8:
+        routing = pack_bitmap(chosen).reshape(*shape[:-1], -(-e // 8))
+    else:
+        routing = chosen.reshape(shape)
+    return probs, routing, inter.reshape(shape), cutoff
+
+
+def aux_scores_forward_reference(
+    logits: torch.Tensor, topk: int, score_function: str, routing_map_format: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Torch reference of aux_scores_forward (same outputs)."""
+    shape, e = logits.shape, logits.shape[-1]
+    x = logits.reshape(-1, e).to(_compute_dtype(logits))
+    if score_function == "softmax":
+        scores = inter = _softmax_reference(x)
+    else:
+        y = _score_reference(x, score_function)
+        inter = y if score_function == "sigmoid" else x
+        scores = y / (y.sum(-1, keepdim=True) + EPSILON)
+    index = _select_reference(scores, topk)
+    chosen = torch.zeros_like(x, dtype=torch.bool).scatter_(1, index, True)
+    routing = pack_bitmap(chosen) if routing_map_format == BITMAP_U8 else chosen
+    routing = routing.reshape(*shape[:-1], routing.shape[-1])
+    return scores.reshape(shape), routing, inter.reshape(shape)
+
+
+def _backward_math(
+    routed: torch.Tensor, act: torch.Tensor, g: torch.Tensor, spec: RouterSpec, normalize: bool
+) -> torch.Tensor:
+    """d loss / d logits from g = d loss / d probs (times the scaling factor), all (T, E)."""
+    if spec.score_function == "softmax":
+        if spec.pre_softmax:
+            g = torch.where(routed, g, 0.0)
+            return act * (g - (g * act).sum(-1, keepdim=True))
+        a = torch.where(routed, act, 0.0)
+        dot = torch.where(routed, g * a, 0.0).sum(-1, keepdim=True)
+        return torch.where(routed, a * (g - dot), 0.0)
+    v = act if spec.score_function == "sigmoid" else _score_reference(act, "sqrtsoftplus")
+    if normalize:
+        d = torch.where(routed, v, 0.0).sum(-1, keepdim=True) + EPSILON
+        dot = torch.where(routed, g * v, 0.0).sum(-1, keepdim=True)
+        g = torch.where(routed, g / d - dot / (d * d), 0.0)
+    else:
+        g = torch.where(routed, g, 0.0)
+    if spec.score_function == "sigmoid":
+        return g * act * (1.0 - act)
+    slope = torch.where(act > SOFTPLUS_THRESHOLD, 1.0, 1.0 / (1.0 + torch.exp(-act)))
+    return g * (slope / (2.0 * v + EPSILON))
+
+
+def topk_backward_reference(
+    routing_mask: torch.Tensor,
+    intermediate: torch.Tensor,
+    grad_probs: torch.Tensor,
+    spec: RouterSpec,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """Torch reference of topk_backward."""
+    e = grad_probs.shape[-1]
+    act = intermediate.reshape(-1, e)
+    g = grad_probs.reshape(-1, e).to(act.dtype) * spec.scaling_factor
+    routed = routing_mask.reshape(-1, e)
+    normalize = spec.score_function != "softmax" and spec.topk > 1
+    return _backward_math(routed, act, g, spec, normalize).to(dtype).reshape(grad_probs.shape)
+
+
+def aux_scores_backward_reference(
+    intermediate: torch.Tensor, grad_scores: torch.Tensor, score_function: str, dtype: torch.dtype
+) -> torch.Tensor:
+    """Torch reference of aux_scores_backward."""
+    e = grad_scores.shape[-1]
+    act = intermediate.reshape(-1, e)
+    g = grad_scores.reshape(-1, e).to(act.dtype)
+    routed = torch.ones_like(act, dtype=torch.bool)
+    out = _backward_math(routed, act, g, _aux_spec(score_function), True)
+    return out.to(dtype).reshape(grad_scores.shape)
