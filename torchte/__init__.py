@@ -7,7 +7,7 @@ unmodified Transformer Engine code, `import torchte.alias` (or set TORCHTE_ALIAS
 
 import os
 
-from . import constants, distributed, fp8, fsdp, offload, ops, recipe, utils
+from . import constants, distributed, fp8, fsdp, offload, ops, optimizers, recipe, utils
 from ._device import (
     get_device_compute_capability,
     is_bf16_available,
@@ -23,6 +23,7 @@ from .attention.rope import RotaryPositionEmbedding
 from .autocast import autocast, fp8_autocast
 from .checkpoint_compat import export_transformer_engine_state_dict
 from .constants import DType
+from .cross_entropy import parallel_cross_entropy
 from .graphs import make_graphed_callables
 from .module.fp8_padding import Fp8Padding, Fp8Unpadding
 from .module.grouped_linear import GroupedLinear
@@ -73,6 +74,8 @@ __all__ = [
     "make_graphed_callables",
     "offload",
     "ops",
+    "optimizers",
+    "parallel_cross_entropy",
     "quantized_model_init",
     "recipe",
     "utils",

@@ -4,7 +4,7 @@ Each path of `PATHS` becomes a module of that name (only while the alias is inst
 attributes are the public names of its `sources` (their `__all__`) and its `names`; a child
 path in the table is its attribute too (`transformer_engine.pytorch.fp8`). A name in neither is
 an AttributeError that says so (and `from path import name` an ImportError). Paths not in the
-table (attention, jit, optimizers, the C++ extensions, ...) are not importable:
+table (jit, the C++ extensions, ...) are not importable:
 docs/compat.md, section "The alias", lists both.
 """
 
@@ -115,7 +115,28 @@ PATHS: dict[str, AliasPath] = {
     ),
     "transformer_engine.pytorch.transformer": AliasPath(names=_one("torchte", "TransformerLayer")),
     "transformer_engine.pytorch.tensor": AliasPath(
-        names=_one("torchte", "Float8Tensor"), package=True
+        names=_one("torchte", "Float8Tensor", "QuantizedTensor"), package=True
+    ),
+    "transformer_engine.pytorch.tensor.utils": AliasPath(
+        sources=("torchte.quantization.param_utils",)
+    ),
+    "transformer_engine.pytorch.quantized_tensor": AliasPath(
+        names=_one("torchte", "QuantizedTensor")
+    ),
+    "transformer_engine.pytorch.router": AliasPath(sources=("torchte.moe.router",)),
+    "transformer_engine.pytorch.permutation": AliasPath(sources=("torchte.moe.permutation",)),
+    "transformer_engine.pytorch.cross_entropy": AliasPath(sources=("torchte.cross_entropy",)),
+    "transformer_engine.pytorch.optimizers": AliasPath(
+        sources=("torchte.optimizers",), package=True
+    ),
+    "transformer_engine.pytorch.optimizers.fused_adam": AliasPath(
+        names=_one("torchte.optimizers", "FusedAdam")
+    ),
+    "transformer_engine.pytorch.optimizers.fused_sgd": AliasPath(
+        names=_one("torchte.optimizers", "FusedSGD")
+    ),
+    "transformer_engine.pytorch.optimizers.multi_tensor_apply": AliasPath(
+        names=_one("torchte.optimizers", "MultiTensorApply", "multi_tensor_applier")
     ),
     "transformer_engine.pytorch.tensor.float8_tensor": AliasPath(
         names=_one("torchte", "Float8Tensor")

@@ -41,6 +41,7 @@ from torch.utils._pytree import tree_map_only
 from . import float8_fsdp
 from .base import QuantizedTensor, Quantizer
 from .float8 import Float8CurrentScalingQuantizer, Float8Storage
+from .float8_tensor_te import Float8TensorTENames
 
 __all__ = ["Float8Tensor"]
 
@@ -75,14 +76,15 @@ class _Dequantize(torch.autograd.Function):
         return grad.to(ctx.nominal_dtype), None
 
 
-class Float8Tensor(QuantizedTensor):
+class Float8Tensor(Float8TensorTENames, QuantizedTensor):
     """An FP8 value (Float8Storage) seen by torch as a tensor of its nominal dtype.
 
     Shape is the storage's shape, dtype the nominal high-precision dtype (fp32/bf16/fp16),
     device the storage's device. `_storage` holds the FP8 bytes (rowwise (M, N) and/or
     columnwise (N, Mp) data, scale_inv (1,) fp32); `_quantizer` requantizes it in place (None:
     current scaling in the storage's fp8 dtype). Works as an nn.Parameter; gradients are plain
-    tensors of the nominal dtype.
+    tensors of the nominal dtype. Transformer Engine's private-named members (`_data`,
+    `_transpose`, `make_like`, `_reset_caches`, ...) come from Float8TensorTENames.
     """
 
     _storage: Float8Storage
@@ -205,21 +207,6 @@ class Float8Tensor(QuantizedTensor):
             f"fp8_dtype={storage.fp8_dtype}, device={self.device}{grad}, "
             f"values={_repr_values(storage)})"
         )
-
-    @property
-    def _data(self) -> torch.Tensor | None:
-        """Transformer Engine's name for the FP8 bytes clients read: the rowwise data as uint8
-        (a view; None without rowwise data)."""
-        row = self._storage.rowwise_data
-        return None if row is None else row.view(torch.uint8)
-
-    @property
-    def _transpose(self) -> torch.Tensor | None:
-        """Transformer Engine's name for the transposed FP8 bytes: the columnwise data as a
-        uint8 view (N, M) of the value's last dim N by its M leading rows (the storage pads
-        the rows to a multiple of 16 underneath); None without columnwise data."""
-        cols = self._storage.columnwise_data
-        return None if cols is None else cols[:, : self._storage.num_rows].view(torch.uint8)
 
     # -- pickling and the traceable-subclass protocol -------------------------------------------
 
