@@ -272,8 +272,6 @@ def test_setattr_after_construction_warns_and_groups_do_not():
 
 
 def test_not_implemented_options_are_named():
-    with pytest.raises(NotImplementedError, match="softmax_type='off-by-one'"):
-        te.DotProductAttention(4, D, softmax_type="off-by-one")
     with pytest.raises(NotImplementedError, match="return_max_logit"):
         te.DotProductAttention(4, D, return_max_logit=True)
     module = te.DotProductAttention(4, D, qkv_format="bshd")

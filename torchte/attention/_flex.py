@@ -15,7 +15,7 @@ import warnings
 
 import torch
 
-__all__ = ["flex_function"]
+__all__ = ["flex_function", "lse_request", "split_lse"]
 
 _EAGER_SIGNATURES: set[tuple] = set()
 
@@ -65,3 +65,21 @@ def flex_function(device_type: str):
             return flex_attention(q, k, v, *args, **kwargs)
 
     return run
+
+
+@functools.cache
+def lse_request() -> dict:
+    """flex_attention's keyword arguments that make it return (out, aux) with aux.lse, or
+    (older torch, before AuxRequest) (out, lse); pair with `split_lse`."""
+    try:
+        from torch.nn.attention.flex_attention import AuxRequest
+    except ImportError:
+        return {"return_lse": True}
+    return {"return_aux": AuxRequest(lse=True)}
+
+
+def split_lse(result) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out [b, h, sq, dv], lse [b, h, sq] fp32, natural log) of a flex_attention call made
+    with `lse_request()`."""
+    out, extra = result
+    return out, extra if isinstance(extra, torch.Tensor) else extra.lse

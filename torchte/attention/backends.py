@@ -10,6 +10,10 @@ and returns [b, h, sq, dv] in q's dtype. A query row that sees no key gives zero
 The choice is made once per signature (see `BackendKey`) and cached; TORCHTE_ATTN_BACKEND
 (math, sdpa, flex or auto) or the module's `attention_backend` argument forces one. Each new
 choice is logged at DEBUG level on logging.getLogger("torchte.attention").
+
+Attention sinks (softmax_type "off-by-one" / "learnable", see _sinks.py): the math path adds
+the sink to its softmax's denominator; flex rescales its output by the logsumexp it returns;
+SDPA returns no logsumexp, so "auto" takes flex (CUDA, no dropout, no bias tensor) or math.
 """
 
 from __future__ import annotations
@@ -23,7 +27,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from ._flex import flex_function
+from ._flex import flex_function, lse_request, split_lse
+from ._sinks import rescale_by_sink, sink_softmax
 from .masks import MaskPlan, allowed_mask, mask_mod
 
 __all__ = [
@@ -67,19 +72,22 @@ class BackendKey(NamedTuple):
     shifted_diagonal: bool  # bottom-right alignment with sq != skv
     needs_grad: bool
     forced: str
+    sink: bool = False  # softmax_type "off-by-one" or "learnable"
 
 
 @dataclass(frozen=True)
 class AttentionInputs:
     """Everything but q, k, v: the mask plan, the additive post-scale bias (fp32
     [b|1, h|1, sq, skv], or None), ALiBi slopes for flex (fp32 [h] or [b, h], or None),
-    the softmax scale and the dropout probability in effect."""
+    the softmax scale, the dropout probability in effect, and the sink logits (fp32 [h], or
+    None for the vanilla softmax)."""
 
     plan: MaskPlan
     bias: torch.Tensor | None
     alibi_slopes: torch.Tensor | None
     scale: float
     dropout_p: float
+    sink: torch.Tensor | None = None
 
 
 _CHOICES: dict[BackendKey, str] = {}
@@ -99,16 +107,25 @@ def _choose(key: BackendKey) -> str:
     if key.forced == "flex":
         _check_flex(key)
         return "flex"
+    if key.forced == "sdpa" and key.sink:
+        raise NotImplementedError(
+            "attention_backend='sdpa' has no attention sinks (softmax_type 'off-by-one' or "
+            "'learnable'): scaled_dot_product_attention returns no logsumexp; use 'auto', "
+            "'flex' or 'math'"
+        )
     if key.forced != "auto":
         return key.forced
     wants_flex = (
         (key.window != (-1, -1) and key.window != (-1, 0))
         or key.shifted_diagonal
         or key.bias_type == "alibi"
+        or key.sink
     )
     flex_ok = key.device_type == "cuda" and not key.dropout and key.bias_type != "post_scale_bias"
     flex_ok = flex_ok and key.bias_type != "pre_scale_bias"
-    return "flex" if wants_flex and flex_ok else "sdpa"
+    if wants_flex and flex_ok:
+        return "flex"
+    return "math" if key.sink else "sdpa"
 
 
 def _check_flex(key: BackendKey) -> None:
@@ -163,7 +180,10 @@ def math_attention(q, k, v, inputs: AttentionInputs) -> torch.Tensor:
     keep, row_ok = _masks(q, inputs.plan)
     if keep is not None:
         scores = scores.masked_fill(~keep, float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
+    if inputs.sink is None:
+        probs = torch.softmax(scores, dim=-1)
+    else:
+        probs = sink_softmax(scores, inputs.sink.view(1, -1, 1, 1))
     if row_ok is not None:
         probs = probs.masked_fill(~row_ok, 0.0)
     if inputs.dropout_p > 0:
@@ -175,6 +195,8 @@ def sdpa_attention(q, k, v, inputs: AttentionInputs) -> torch.Tensor:
     """torch.nn.functional.scaled_dot_product_attention: is_causal for a plain top-left causal
     mask, else the mask (and bias) as one attn_mask tensor."""
     plan = inputs.plan
+    if inputs.sink is not None:
+        raise NotImplementedError("sdpa_attention has no attention sinks (see _choose)")
     common = dict(dropout_p=inputs.dropout_p, scale=inputs.scale, enable_gqa=_gqa(q, k))
     if inputs.bias is None and plan.is_empty:
         return F.scaled_dot_product_attention(q, k, v, **common)
@@ -196,7 +218,8 @@ def _gqa(q: torch.Tensor, k: torch.Tensor) -> bool:
 
 def flex_attention(q, k, v, inputs: AttentionInputs) -> torch.Tensor:
     """torch.nn.attention.flex_attention with the plan as a block mask and ALiBi as a score_mod
-    (no dropout, no bias tensor: the choice never sends those here)."""
+    (no dropout, no bias tensor: the choice never sends those here); with a sink, its output
+    rescaled by the logsumexp it returns."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     plan = inputs.plan
@@ -217,10 +240,11 @@ def flex_attention(q, k, v, inputs: AttentionInputs) -> torch.Tensor:
     flex = flex_function(q.device.type)
     if not torch.is_grad_enabled():  # flex refuses inputs that require grad on the CPU
         q, k, v = q.detach(), k.detach(), v.detach()
+    extra = {} if inputs.sink is None else lse_request()
     with warnings.catch_warnings():
         # Eager flex_attention (CPU) warns that it is unfused on every call.
         warnings.simplefilter("ignore", UserWarning)
-        return flex(
+        result = flex(
             q,
             k,
             v,
@@ -228,7 +252,12 @@ def flex_attention(q, k, v, inputs: AttentionInputs) -> torch.Tensor:
             block_mask=block_mask,
             scale=inputs.scale,
             enable_gqa=_gqa(q, k),
+            **extra,
         )
+    if inputs.sink is None:
+        return result
+    out, lse = split_lse(result)
+    return rescale_by_sink(out, lse, inputs.sink.view(1, -1, 1))
 
 
 def _alibi_score_mod(plan: MaskPlan, slopes: torch.Tensor):

@@ -9,6 +9,7 @@ d / dv head sizes (kv_channels), t total tokens of a packed (thd) batch.
 
 Backends (backends.py): SDPA, flex_attention and a math path, chosen once per signature.
 FP8 attention is not offered: under te.autocast the attention computes in the input dtype.
+Attention sinks (softmax_type "off-by-one" / "learnable", _sinks.py) run on flex or math.
 """
 
 from __future__ import annotations
@@ -21,8 +22,10 @@ from typing import Any
 
 import torch
 
+from .._device import default_device
 from ..module._setattr_guard import SetattrGuard
 from ..recompute import checkpoint
+from ._sinks import SOFTMAX_TYPES
 from .backends import (
     AttentionInputs,
     BackendKey,
@@ -50,7 +53,6 @@ __all__ = ["DotProductAttention"]
 
 _BIAS_TYPES = ("no_bias", "pre_scale_bias", "post_scale_bias", "alibi")
 _CP_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
-_SOFTMAX_TYPES = ("vanilla", "off-by-one", "learnable")
 
 
 # Plain attributes torch itself sets on a module after construction.
@@ -91,6 +93,10 @@ class DotProductAttention(SetattrGuard):
     docs/compat.md for what each does here); `attention_backend` (torchte only: "auto",
     "sdpa", "flex" or "math", default TORCHTE_ATTN_BACKEND or "auto") forces a backend.
     Heads are this rank's: num_attention_heads / tp_size and num_gqa_groups / tp_size.
+    softmax_type "off-by-one" or "learnable" adds a sink to every softmax denominator:
+    `softmax_offset` [heads of this rank] float32, zeros (a non-persistent buffer for
+    "off-by-one", a Parameter for "learnable", as Transformer Engine names it; None when
+    "vanilla").
     """
 
     def __init__(
@@ -154,6 +160,7 @@ class DotProductAttention(SetattrGuard):
         )
         self._check_unsupported(softmax_type, return_max_logit)
         self.softmax_type, self.return_max_logit, self.name = softmax_type, return_max_logit, name
+        self._make_softmax_offset(softmax_type)
         self.get_rng_state_tracker = get_rng_state_tracker
         self.rng_states_tracker = None
         if get_rng_state_tracker is not None and not sequence_parallel:
@@ -180,17 +187,45 @@ class DotProductAttention(SetattrGuard):
 
     @staticmethod
     def _check_unsupported(softmax_type: str, return_max_logit: bool) -> None:
-        if softmax_type not in _SOFTMAX_TYPES:
-            raise ValueError(f"softmax_type must be one of {_SOFTMAX_TYPES}, got {softmax_type!r}")
-        if softmax_type != "vanilla":
-            raise NotImplementedError(
-                f"DotProductAttention: softmax_type={softmax_type!r} (attention sinks) is not "
-                "implemented in torchte yet; use 'vanilla'"
-            )
+        if softmax_type not in SOFTMAX_TYPES:
+            raise ValueError(f"softmax_type must be one of {SOFTMAX_TYPES}, got {softmax_type!r}")
         if return_max_logit:
             raise NotImplementedError(
                 "DotProductAttention: return_max_logit=True is not implemented in torchte yet"
             )
+
+    def _make_softmax_offset(self, softmax_type: str) -> None:
+        """The sink logits of this rank's heads: zeros, float32 (torch's default dtype), on the
+        module's default device; a Parameter when learnable."""
+        if softmax_type == "vanilla":
+            self.softmax_offset = None
+            return
+        zeros = torch.zeros(
+            self.num_attention_heads_per_partition,
+            dtype=torch.get_default_dtype(),
+            device=default_device(None),
+        )
+        if softmax_type == "learnable":
+            self.softmax_offset = torch.nn.Parameter(zeros)
+        else:  # off-by-one: a fixed 0 logit, moved with the module, not in the state dict
+            self.register_buffer("softmax_offset", zeros, persistent=False)
+
+    def _sink(self, heads: int, q: torch.Tensor) -> torch.Tensor | None:
+        """softmax_offset as fp32 [heads] for the backends (None for "vanilla"), checked."""
+        offset = self.softmax_offset
+        if offset is None:
+            return None
+        if offset.shape != (heads,):
+            raise ValueError(
+                f"softmax_offset must have one logit per query head of this rank ({heads}), got "
+                f"shape {list(offset.shape)}"
+            )
+        if offset.device != q.device:
+            raise ValueError(
+                f"softmax_offset is on {offset.device}, query_layer on {q.device}: move the "
+                "module with .to()"
+            )
+        return offset.float()
 
     def set_context_parallel_group(
         self, cp_group, cp_global_ranks: list[int] | None, cp_stream, cp_comm_type: str = "p2p"
@@ -327,8 +362,9 @@ class DotProductAttention(SetattrGuard):
             query_layer.device,
         )
         q, k, v = (to_bhsd(x, fmt) for x in (query_layer, key_layer, value_layer))
+        sink = self._sink(shapes.h, query_layer)
         needs_grad = torch.is_grad_enabled() and any(
-            x is not None and x.requires_grad for x in (q, k, v, bias)
+            x is not None and x.requires_grad for x in (q, k, v, bias, sink)
         )
         shifted = plan.bottom_right and shapes.sq != shapes.skv
         shifted = shifted and (plan.windowed or core_attention_bias_type == "alibi")
@@ -345,9 +381,10 @@ class DotProductAttention(SetattrGuard):
                 shifted,
                 needs_grad,
                 forced,
+                sink is not None,
             )
         )
-        inputs = self._inputs(backend, plan, bias, slopes, dropout_p)
+        inputs = self._inputs(backend, plan, bias, slopes, dropout_p, sink)
         attend = partial(run_backend, backend, inputs=inputs)
         out = self._attend(attend, q, k, v, dropout_p, checkpoint_core_attention)
         return from_bhsd(out, fmt)
@@ -399,12 +436,12 @@ class DotProductAttention(SetattrGuard):
             return None, default_alibi_slopes(shapes.h, q.device)
         return None, check_alibi_slopes(alibi_slopes, shapes, q)
 
-    def _inputs(self, backend, plan, bias, slopes, dropout_p) -> AttentionInputs:
+    def _inputs(self, backend, plan, bias, slopes, dropout_p, sink) -> AttentionInputs:
         """What the backend takes besides q, k, v: flex computes ALiBi itself, the others
         take it as a bias tensor."""
         if slopes is not None and backend != "flex":
             bias, slopes = alibi_bias(plan, slopes), None
-        return AttentionInputs(plan, bias, slopes, self.softmax_scale, dropout_p)
+        return AttentionInputs(plan, bias, slopes, self.softmax_scale, dropout_p, sink)
 
     def _attend(self, fn, q, k, v, dropout_p: float, recompute: bool) -> torch.Tensor:
         """fn(q, k, v) inside the dropout RNG fork, recomputed in backward if asked."""
@@ -455,7 +492,10 @@ class DotProductAttention(SetattrGuard):
         plan = plan_mask(
             mask_type, window, sq, skv, step.pad_q, step.pad_kv, None, bottom_right_diagonal
         )
-        needs_grad = torch.is_grad_enabled() and q.requires_grad
+        sink = self._sink(step.q.shape[1], q)
+        needs_grad = torch.is_grad_enabled() and any(
+            x is not None and x.requires_grad for x in (q, sink)
+        )
         key = BackendKey(
             q.dtype,
             q.device.type,
@@ -468,8 +508,9 @@ class DotProductAttention(SetattrGuard):
             plan.bottom_right and plan.windowed,
             needs_grad,
             forced,
+            sink is not None,
         )
-        inputs = AttentionInputs(plan, None, None, self.softmax_scale, dropout_p)
+        inputs = AttentionInputs(plan, None, None, self.softmax_scale, dropout_p, sink)
         attend = partial(run_backend, choose_backend(key), inputs=inputs)
         out = self._attend(attend, step.q, step.k, step.v, dropout_p, recompute)
         return params.step_output(out, fmt, q.shape[0])
@@ -508,6 +549,7 @@ class DotProductAttention(SetattrGuard):
             cu_seqlens_q_padded=cu_q_padded,
             cu_seqlens_kv_padded=cu_kv_padded,
             backend=forced if forced in PACKED_BACKENDS else None,
+            softmax_offset=self._sink(q.shape[1], q),
         )
         attend = partial(_packed_call, (cu_q, cu_kv, *max_seqlens), options)
         out = self._attend(attend, q, k, v, dropout_p, recompute)

@@ -26,6 +26,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from torchte._device import default_device
 from torchte.autocast import autocast_state
 from torchte.module._linear_core import default_init_method
 from torchte.module.layernorm_linear import LayerNormLinear
@@ -164,6 +165,8 @@ class MultiheadAttention(nn.Module):
             attention_type=attention_type,
             softmax_type=softmax_type,
         )
+        if device is not None and self.core_attention.softmax_offset is not None:
+            self.core_attention.to(default_device(device))  # the sink logits go with the layer
         self.proj = Linear(
             shape.q_size,
             hidden_size,

@@ -21,6 +21,8 @@ or forced by `backend=` or the TORCHTE_ATTN_BACKEND environment variable ("auto"
 leave the choice here):
 "varlen" (torch's varlen_attn, CUDA fp16/bf16), "flex" (flex_attention with a document block
 mask, CUDA compiled, CPU eager) and "math" (fp32 softmax, runs everywhere; the CPU default).
+Attention sinks (`softmax_offset`, see _sinks.py) run on flex (its output rescaled by its
+logsumexp) or math (the sink in the softmax's denominator), not on varlen.
 """
 
 from __future__ import annotations
@@ -180,11 +182,13 @@ def _check_inputs(q, k, v, window, scale, dropout_p) -> None:
 
 def _unsupported(name: str, sig: tuple) -> str | None:
     """Why backend `name` cannot run signature `sig`, or None if it can."""
-    device_type, dtype, spec, padded, dropout, same_cu, d, dv, needs_grad = sig
+    device_type, dtype, spec, padded, dropout, same_cu, d, dv, needs_grad, sink = sig
     if name == "math":
         return None
     if dropout:
         return "dropout_p > 0"
+    if sink and name == "varlen":
+        return "attention sinks (softmax_offset)"
     if name == "flex":
         if device_type != "cuda" and needs_grad:
             return "backward off CUDA (flex_attention has no CPU backward)"
@@ -287,6 +291,7 @@ def packed_attention(
     cu_seqlens_q_padded: torch.Tensor | None = None,
     cu_seqlens_kv_padded: torch.Tensor | None = None,
     backend: str | None = None,
+    softmax_offset: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """softmax(scale * q k^T) v within each packed sequence (qkv_format "thd").
 
@@ -294,10 +299,13 @@ def packed_attention(
     `causal` masks keys after the query's diagonal, aligned to the top-left corner of each
     sequence's (len_q, len_kv) score matrix, or to its bottom-right one if `bottom_right`;
     `window` (left, right), -1 unbounded, keeps keys within [diag - left, diag + right] of
-    the same diagonal (right is 0 when causal). Returns (t, h, dv) in q's dtype; rows in the
-    padding between sequences, and queries that see no key, are 0.
+    the same diagonal (right is 0 when causal). softmax_offset: fp32 (h,) sink logits, one more
+    term exp(softmax_offset[h]) in each softmax denominator of head h (None: none). Returns
+    (t, h, dv) in q's dtype; rows in the padding between sequences, and queries that see no
+    key, are 0.
     """
     _check_inputs(q, k, v, window, scale, dropout_p)
+    sink = _check_sink(softmax_offset, q)
     host = _checked_host(
         q, k, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded
     )
@@ -307,9 +315,11 @@ def packed_attention(
         for p, c in ((cu_seqlens_q_padded, cu_seqlens_q), (cu_seqlens_kv_padded, cu_seqlens_kv))
     )
     same_cu = cu_seqlens_q is cu_seqlens_kv and cu_seqlens_q_padded is cu_seqlens_kv_padded
-    needs_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
+    needs_grad = torch.is_grad_enabled() and any(
+        x is not None and x.requires_grad for x in (q, k, v, sink)
+    )
     sig = (q.device.type, q.dtype, spec, padded, dropout_p > 0, same_cu, *q.shape[2:], v.shape[2])
-    sig = (*sig, needs_grad)
+    sig = (*sig, needs_grad, sink is not None)
     forced, source = backend, "backend"
     env = os.environ.get(ENV_BACKEND, "auto")
     if forced is None and env not in _ENV_AUTO:
@@ -324,7 +334,7 @@ def packed_attention(
             q, k, v, cu_seqlens_q, cu_seqlens_kv, max_q, max_kv, spec, float(scale)
         )
     if name == "math" and host is not None and q.shape[1] * q.shape[0] * k.shape[0] > _DENSE_LIMIT:
-        return loop_attention(q, k, v, host, spec, float(scale), dropout_p)
+        return loop_attention(q, k, v, host, spec, float(scale), dropout_p, sink)
     tensors = (cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded)
     layout = PackedLayout.build(
         cu_seqlens_q,
@@ -336,10 +346,22 @@ def packed_attention(
         spec.bottom_right,
     )
     if name == "math":
-        return dense_attention(q, k, v, layout, spec, float(scale), dropout_p)
+        return dense_attention(q, k, v, layout, spec, float(scale), dropout_p, sink)
     extra = (spec, q.shape[0], k.shape[0])
     block_mask = _BLOCK_MASKS.get(tensors, extra)
     if block_mask is None:
         block_mask = kernels.build_block_mask(layout, spec, q.shape[0], k.shape[0], q.device)
         _BLOCK_MASKS.put(tensors, block_mask, extra)
-    return kernels.flex_packed(q, k, v, block_mask, float(scale))
+    return kernels.flex_packed(q, k, v, block_mask, float(scale), sink)
+
+
+def _check_sink(softmax_offset: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor | None:
+    """softmax_offset as fp32 (h,), after checking its shape and device against q (t, h, d)."""
+    if softmax_offset is None:
+        return None
+    if not isinstance(softmax_offset, torch.Tensor) or softmax_offset.shape != (q.shape[1],):
+        got = getattr(softmax_offset, "shape", type(softmax_offset).__name__)
+        raise ValueError(f"softmax_offset must be a tensor ({q.shape[1]},) of q's heads, got {got}")
+    if softmax_offset.device != q.device:
+        raise ValueError(f"softmax_offset is on {softmax_offset.device}, q on {q.device}")
+    return softmax_offset.float()

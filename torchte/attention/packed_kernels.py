@@ -19,7 +19,8 @@ import warnings
 
 import torch
 
-from torchte.attention._flex import flex_function
+from torchte.attention._flex import flex_function, lse_request, split_lse
+from torchte.attention._sinks import rescale_by_sink
 from torchte.attention.packed_math import MaskSpec, PackedLayout, allowed
 
 __all__ = [
@@ -66,19 +67,33 @@ def build_block_mask(layout: PackedLayout, spec: MaskSpec, t: int, s: int, devic
 
 
 def flex_packed(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    block_mask,
+    scale: float,
+    sink: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Packed attention through flex_attention.
+    """Packed attention through flex_attention; with sink (fp32 (h,) logits), its output
+    rescaled by its logsumexp (_sinks.rescale_by_sink).
 
     q (t, h, d), k (s, hg, d), v (s, hg, dv); returns (t, h, dv) contiguous, q's dtype.
     """
     fn = flex_function(q.device.type)
+    if not torch.is_grad_enabled():  # flex refuses inputs that require grad on the CPU
+        q, k, v = q.detach(), k.detach(), v.detach()
     q_bhtd, k_bhsd, v_bhsd = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
     gqa = q.shape[1] != k.shape[1]
+    extra = {} if sink is None else lse_request()
     with warnings.catch_warnings():
         # The CPU (eager) path warns that it is unfused; that is what it is for here.
         warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
-        out = fn(q_bhtd, k_bhsd, v_bhsd, block_mask=block_mask, scale=scale, enable_gqa=gqa)
+        out = fn(
+            q_bhtd, k_bhsd, v_bhsd, block_mask=block_mask, scale=scale, enable_gqa=gqa, **extra
+        )
+    if sink is not None:
+        out, lse = split_lse(out)
+        out = rescale_by_sink(out, lse, sink.view(1, -1, 1))
     return out[0].transpose(0, 1).contiguous()
 
 

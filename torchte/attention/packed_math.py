@@ -13,7 +13,8 @@ scalar indices by flex's mask_mod:
 
 with off = len_kv - len_q of the sequence for bottom-right alignment and 0 for top-left.
 A query that sees no key (padding, an empty key sequence, a bottom-right causal row above the
-diagonal) gets output 0 and sends no gradient.
+diagonal) gets output 0 and sends no gradient. An attention sink (fp32 (h,) logits, _sinks.py)
+adds exp(sink[h]) to each softmax denominator of head h.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from ._sinks import sink_softmax
 
 __all__ = ["MaskSpec", "PackedLayout", "allowed", "dense_attention", "loop_attention"]
 
@@ -108,16 +111,23 @@ def _masked_softmax_av(
     visible: torch.Tensor,
     scale: float,
     dropout_p: float,
+    sink: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """softmax(scale * q k^T masked to `visible`) v in fp32; rows that see nothing give 0.
 
-    q (t, h, d), k (s, hg, d), v (s, hg, dv), visible (t, s) bool; returns (t, h, dv) fp32.
+    q (t, h, d), k (s, hg, d), v (s, hg, dv), visible (t, s) bool, sink fp32 (h,) or None;
+    returns (t, h, dv) fp32.
     """
     groups = q.shape[1] // k.shape[1]
     k32 = k.float().repeat_interleave(groups, dim=1)
     v32 = v.float().repeat_interleave(groups, dim=1)
     scores = torch.einsum("thd,shd->hts", q.float(), k32) * scale
     scores = scores.masked_fill(~visible, float("-inf"))
+    if sink is not None:  # the sink keeps every denominator positive: no row needs care
+        probs = sink_softmax(scores, sink.view(-1, 1, 1))
+        if dropout_p > 0.0:
+            probs = F.dropout(probs, p=dropout_p)
+        return torch.einsum("hts,shd->thd", probs, v32)
     if scores.shape[-1] == 0:  # no keys at all: amax has nothing to reduce
         row_max = scores.new_zeros((*scores.shape[:-1], 1))
     else:
@@ -139,10 +149,12 @@ def dense_attention(
     spec: MaskSpec,
     scale: float,
     dropout_p: float,
+    sink: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Whole-pack attention over the block-diagonal mask: no host sync, O(h t s) memory.
 
-    q (t, h, d), k (s, hg, d), v (s, hg, dv); returns (t, h, dv) in q's dtype.
+    q (t, h, d), k (s, hg, d), v (s, hg, dv), sink fp32 (h,) or None; returns (t, h, dv) in
+    q's dtype.
     """
     visible = allowed(
         layout.seq_q[:, None],
@@ -152,7 +164,7 @@ def dense_attention(
         layout.pos_kv[None, :],
         spec,
     )
-    return _masked_softmax_av(q, k, v, visible, scale, dropout_p).to(q.dtype)
+    return _masked_softmax_av(q, k, v, visible, scale, dropout_p, sink).to(q.dtype)
 
 
 def loop_attention(
@@ -163,10 +175,12 @@ def loop_attention(
     spec: MaskSpec,
     scale: float,
     dropout_p: float,
+    sink: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One sequence at a time, from host copies of (cu_q, cu_kv, starts_q, starts_kv).
 
-    q (t, h, d), k (s, hg, d), v (s, hg, dv); returns (t, h, dv) in q's dtype, 0 in padding.
+    q (t, h, d), k (s, hg, d), v (s, hg, dv), sink fp32 (h,) or None; returns (t, h, dv) in
+    q's dtype, 0 in padding.
     """
     cu_q, cu_kv, starts_q, starts_kv = host
     h, dv = q.shape[1], v.shape[2]
@@ -183,6 +197,7 @@ def loop_attention(
                     spec,
                     scale,
                     dropout_p,
+                    sink,
                 )
             )
         gap = starts_q[b + 1] - q0 - len_q
@@ -193,7 +208,7 @@ def loop_attention(
     return torch.cat(pieces, dim=0)
 
 
-def _one_sequence(q, k, v, spec: MaskSpec, scale: float, dropout_p: float) -> torch.Tensor:
+def _one_sequence(q, k, v, spec: MaskSpec, scale: float, dropout_p: float, sink) -> torch.Tensor:
     """Attention of one sequence: q (lq, h, d), k (lk, hg, d), v (lk, hg, dv) -> (lq, h, dv)."""
     len_q, len_kv = q.shape[0], k.shape[0]
     pos_q = torch.arange(len_q, device=q.device)[:, None]
@@ -201,4 +216,4 @@ def _one_sequence(q, k, v, spec: MaskSpec, scale: float, dropout_p: float) -> to
     off = len_kv - len_q if spec.bottom_right else 0
     zero = torch.zeros((), dtype=torch.long, device=q.device)
     visible = allowed(zero, pos_q, off, zero, pos_kv, spec)
-    return _masked_softmax_av(q, k, v, visible, scale, dropout_p).to(q.dtype)
+    return _masked_softmax_av(q, k, v, visible, scale, dropout_p, sink).to(q.dtype)

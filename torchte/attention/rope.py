@@ -1,25 +1,27 @@
 """Rotary position embeddings with Transformer Engine's names: RotaryPositionEmbedding makes the
-angles, apply_rotary_pos_emb turns the channels of queries or keys by them.
+angles, apply_rotary_pos_emb turns the channels of queries or keys by them, and
+apply_fused_qkv_rotary_pos_emb splits a fused QKV tensor and turns its queries and keys.
 
 Shape legend: s sequence, b batch, h heads, d head dim, t tokens of packed sequences (thd),
 s2 positions in freqs, d2 channels turned (d2 <= d, even).
 
 Formats: sbhd t (s, b, h, d), bshd t (b, s, h, d), thd t (t, h, d) with cu_seqlens (B + 1,)
-whose sequences each start again at position 0. The kernels (torchte/kernels/rope.py) see every
-format as (N0, N1, h, d) plus a table of positions where they are not simply 0, 1, 2, ...
+whose sequences each start again at position 0. The kernels (torchte/kernels/rope.py and
+rope_qkv.py) see every format as (N0, N1, h, d) plus a table of positions where they are not
+simply 0, 1, 2, ...
 """
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
 
 from .._device import default_device, graph_capturing
 from ..kernels import rope as kernels
+from ..kernels import rope_qkv
 
-__all__ = ["RotaryPositionEmbedding", "apply_rotary_pos_emb"]
+__all__ = ["RotaryPositionEmbedding", "apply_fused_qkv_rotary_pos_emb", "apply_rotary_pos_emb"]
 
 _FORMATS = ("sbhd", "bshd", "thd")
 
@@ -92,9 +94,17 @@ class _RopeSpec:
     fused: bool
 
 
-@functools.cache
+# Specs made once per setting; plain dicts, which torch.compile traces without a warning
+# (unlike functools.cache).
+_SPECS: dict[tuple, _RopeSpec] = {}
+
+
 def _spec(seq_first: bool, interleaved: bool, fused: bool) -> _RopeSpec:
-    return _RopeSpec(seq_first, interleaved, fused)
+    key = (seq_first, interleaved, fused)
+    spec = _SPECS.get(key)
+    if spec is None:
+        spec = _SPECS[key] = _RopeSpec(*key)
+    return spec
 
 
 class _RotaryFunction(torch.autograd.Function):
@@ -144,7 +154,7 @@ def apply_rotary_pos_emb(
         known = ", ".join(_FORMATS)
         raise ValueError(f"tensor_format must be one of {known}, got {tensor_format!r}")
     x, seq_first = _as_4d(t, tensor_format)
-    freqs_2d = _freqs_2d(freqs, t)
+    freqs_2d = _freqs_2d(freqs, t.shape[-1], t.device)
     _check_cp(cp_size, cp_rank, start_positions)
     cp = (cp_size, cp_rank)
     if tensor_format == "thd":
@@ -153,6 +163,114 @@ def apply_rotary_pos_emb(
         seq_pos, start = _padded_positions(x, seq_first, start_positions, freqs_2d, *cp)
     spec = _spec(seq_first, bool(interleaved), bool(fused))
     return _RotaryFunction.apply(x, freqs_2d, seq_pos, start, spec).view(t.shape)
+
+
+@dataclass(frozen=True)
+class _QKVSpec:
+    """What the fused-QKV Function needs besides tensors: the sequence dim, pair layout, and
+    the query heads per key/value group."""
+
+    seq_first: bool
+    interleaved: bool
+    per: int
+
+
+_QKV_SPECS: dict[tuple, _QKVSpec] = {}
+
+
+def _qkv_spec(seq_first: bool, interleaved: bool, per: int) -> _QKVSpec:
+    key = (seq_first, interleaved, per)
+    spec = _QKV_SPECS.get(key)
+    if spec is None:
+        spec = _QKV_SPECS[key] = _QKVSpec(*key)
+    return spec
+
+
+class _FusedQKVRotaryFunction(torch.autograd.Function):
+    """qkv (N0, N1, G, (per + 2) d) -> q (N0, N1, G per, d), k, v (N0, N1, G, d); the
+    gradient flows to qkv only."""
+
+    @staticmethod
+    def forward(ctx, qkv, q_freqs, k_freqs, seq_pos, start, spec: _QKVSpec):
+        q, k, v = rope_qkv.qkv_rope_forward(
+            qkv, q_freqs, k_freqs, seq_pos, start, spec.seq_first, spec.interleaved, spec.per
+        )
+        ctx.save_for_backward(q_freqs, k_freqs, seq_pos, start)
+        ctx.spec = spec
+        return q, k, v
+
+    @staticmethod
+    def backward(ctx, dq, dk, dv):
+        q_freqs, k_freqs, seq_pos, start = ctx.saved_tensors
+        spec = ctx.spec
+        dqkv = rope_qkv.qkv_rope_backward(
+            dq, dk, dv, q_freqs, k_freqs, seq_pos, start, spec.seq_first, spec.interleaved,
+            spec.per,
+        )  # fmt: skip
+        return dqkv, None, None, None, None, None
+
+
+def apply_fused_qkv_rotary_pos_emb(
+    qkv: torch.Tensor,
+    q_freqs: torch.Tensor,
+    k_freqs: torch.Tensor,
+    qkv_split_arg_list: list[int],
+    tensor_format: str = "sbhd",
+    start_positions: torch.Tensor | None = None,
+    interleaved: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    cp_size: int = 1,
+    cp_rank: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Split a fused QKV tensor into q, k and v, and turn q by q_freqs and k by k_freqs.
+
+    qkv: (s, b, g, c) sbhd or (b, s, g, c) bshd, fp32 / bf16 / fp16: per key/value group, its
+      query heads, its key head and its value head, concatenated along c (Megatron-Core's
+      layout of the QKV projection's output).
+    qkv_split_arg_list: [per * d, d, d], the channels of the group's queries, key and value
+      (they sum to c); per query heads of d channels share each key/value head.
+    q_freqs, k_freqs: (s2, 1, 1, d2) angles with the same d2 (even, <= d), taken as float32.
+    start_positions, interleaved, cp_size, cp_rank: as apply_rotary_pos_emb (start_positions
+      not with cp_size > 1). cu_seqlens is accepted and unused, as in Transformer Engine.
+    Returns q (s, b, g * per, d), k (s, b, g, d), v (s, b, g, d) (b first for bshd), contiguous,
+    in qkv's dtype; differentiable with respect to qkv. One Triton kernel on CUDA (forward, and
+    its transpose for the backward), the torch reference elsewhere.
+    """
+    if tensor_format == "thd":
+        raise NotImplementedError(
+            "apply_fused_qkv_rotary_pos_emb: tensor_format='thd' is not supported (as in "
+            "Transformer Engine); split qkv and use apply_rotary_pos_emb"
+        )
+    if tensor_format not in ("sbhd", "bshd"):
+        raise ValueError(f"tensor_format must be 'sbhd' or 'bshd', got {tensor_format!r}")
+    if not isinstance(qkv, torch.Tensor) or qkv.dim() != 4:
+        shape = tuple(qkv.shape) if isinstance(qkv, torch.Tensor) else type(qkv).__name__
+        raise ValueError(f"apply_fused_qkv_rotary_pos_emb: qkv must be 4-D, got {shape}")
+    per, d = _check_split(qkv_split_arg_list, qkv.shape[-1])
+    q_2d = _freqs_2d(q_freqs, d, qkv.device, "q_freqs", "qkv")
+    k_2d = _freqs_2d(k_freqs, d, qkv.device, "k_freqs", "qkv")
+    if q_2d.shape[1] != k_2d.shape[1]:
+        raise ValueError(
+            f"q_freqs and k_freqs must have the same d2, got {q_2d.shape[1]} and {k_2d.shape[1]}"
+        )
+    _check_cp(cp_size, cp_rank, start_positions)
+    seq_first = tensor_format == "sbhd"
+    shorter = q_2d if q_2d.shape[0] <= k_2d.shape[0] else k_2d
+    seq_pos, start = _padded_positions(qkv, seq_first, start_positions, shorter, cp_size, cp_rank)
+    spec = _qkv_spec(seq_first, bool(interleaved), per)
+    return _FusedQKVRotaryFunction.apply(qkv, q_2d, k_2d, seq_pos, start, spec)
+
+
+def _check_split(split, channels: int) -> tuple[int, int]:
+    """(query heads per group, head size d) of qkv_split_arg_list [per * d, d, d]."""
+    ok = isinstance(split, list | tuple) and len(split) == 3
+    ok = ok and all(isinstance(c, int) and not isinstance(c, bool) and c > 0 for c in split)
+    if not ok or sum(split) != channels or split[1] != split[2] or split[0] % split[1]:
+        raise ValueError(
+            "qkv_split_arg_list must be [per * d, d, d] (query, key and value channels of a "
+            f"group, per >= 1) summing to qkv's last dim {channels}, got {split!r}"
+        )
+    return split[0] // split[1], split[1]
 
 
 def _as_4d(t: torch.Tensor, tensor_format: str) -> tuple[torch.Tensor, bool]:
@@ -168,15 +286,21 @@ def _as_4d(t: torch.Tensor, tensor_format: str) -> tuple[torch.Tensor, bool]:
     return t, tensor_format == "sbhd"
 
 
-def _freqs_2d(freqs: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-    """freqs (s2, 1, 1, d2) as (s2, d2) float32, after checking it against t."""
+def _freqs_2d(
+    freqs: torch.Tensor, d: int, device: torch.device, name: str = "freqs", of: str = "t"
+) -> torch.Tensor:
+    """freqs (s2, 1, 1, d2) as (s2, d2) float32, after checking it against heads of d
+    channels on `device` (the tensor `of`'s)."""
+    if not isinstance(freqs, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(freqs).__name__}")
     if freqs.dim() != 4 or freqs.shape[1] != 1 or freqs.shape[2] != 1:
-        raise ValueError(f"freqs must be (s2, 1, 1, d2), got shape {tuple(freqs.shape)}")
-    d2, d = freqs.shape[3], t.shape[-1]
+        raise ValueError(f"{name} must be (s2, 1, 1, d2), got shape {tuple(freqs.shape)}")
+    d2 = freqs.shape[3]
     if d2 == 0 or d2 % 2 or d2 > d:
-        raise ValueError(f"freqs' last dim d2 must be even, positive and <= t's {d}, got {d2}")
-    if freqs.device != t.device:
-        raise ValueError(f"freqs is on {freqs.device}, t on {t.device}")
+        size = f"{of}'s" if of == "t" else f"the head size of {of},"
+        raise ValueError(f"{name}' last dim d2 must be even, positive and <= {size} {d}, got {d2}")
+    if freqs.device != device:
+        raise ValueError(f"{name} is on {freqs.device}, {of} on {device}")
     return freqs.reshape(freqs.shape[0], d2).float()
 
 
