@@ -177,7 +177,7 @@ def test_missing_names_and_paths_say_so(alias):
         te.initialize_ub  # noqa: B018
     with pytest.raises(ImportError, match=r"cannot import name 'initialize_ub'.*alias\.py"):
         exec("from transformer_engine.pytorch import initialize_ub", {})
-    for path in ("transformer_engine.pytorch.jit", "transformer_engine.pytorch.permutation"):
+    for path in ("transformer_engine.pytorch.jit", "transformer_engine.pytorch.cpp_extensions"):
         with pytest.raises(ModuleNotFoundError, match=path.replace(".", r"\.")):
             importlib.import_module(path)
     with pytest.raises(ModuleNotFoundError):

@@ -333,7 +333,12 @@ def test_triton_matches_reference_and_model(shape, per, d2, extra, dtype, interl
                                              [per * d, d, d], fmt, interleaved=interleaved,
                                              **{n: t.to(x.device) if isinstance(t, torch.Tensor)
                                                 else t for n, t in kw.items()})  # fmt: skip
-        grads = [representable(t.shape, dtype, scale=2.0).to(dtype).to(x.device) for t in out]
+        # The same upstream gradients for both devices: one seeded draw each time.
+        generator = torch.Generator().manual_seed(7)
+        grads = [
+            representable(t.shape, dtype, scale=2.0, generator=generator).to(dtype).to(x.device)
+            for t in out
+        ]
         torch.autograd.backward(out, grads)
         runs.append((out, x.grad))
     for got, ref in zip(runs[0][0], runs[1][0], strict=True):

@@ -22,6 +22,8 @@ A replay needs inputs of the sample arguments' shapes and dtypes; its outputs ar
 static buffers, valid until the next replay of the same pass. The module's training flag at
 capture is kept: a module switched to the other mode runs eagerly under the same autocast.
 `reset()` on a returned callable frees its graphs (a module gets its own forward back).
+While it runs, is_graph_capturing() is True (graphs_state.py, with Transformer Engine's other
+helpers of `transformer_engine.pytorch.graph`: save_fp8_tensors, restore_fp8_tensors, ...).
 On a machine without a GPU the modules run eagerly under the autocast arguments (nothing is
 captured, the warm-up and capture-time hooks are not called), so code using this runs
 unchanged.
@@ -41,10 +43,27 @@ from .autocast import autocast, default_recipe
 from .graphs_capture import PassGraphs, capture, state_kept, warm_up
 from .graphs_hooks import capture_hooks
 from .graphs_schedule import Schedule, pipeline_schedule, plain_schedule, reused_samples
+from .graphs_state import (
+    capture_window,
+    graph_pool_handle,
+    is_graph_capturing,
+    restore_fp8_tensors,
+    save_fp8_tensors,
+    set_capture_end,
+    set_capture_start,
+)
 from .module.base import TransformerEngineBaseModule
 from .recipe import Recipe
 
-__all__ = ["make_graphed_callables"]
+__all__ = [
+    "graph_pool_handle",
+    "is_graph_capturing",
+    "make_graphed_callables",
+    "restore_fp8_tensors",
+    "save_fp8_tensors",
+    "set_capture_end",
+    "set_capture_start",
+]
 
 
 @dataclass(frozen=True)
@@ -149,21 +168,33 @@ def make_graphed_callables(
     )  # fmt: skip
     if fp8_weight_caching:
         _note_weight_caching()
+    with capture_window():
+        return _graphed_callables(
+            modules, sample_args, sample_kwargs, fp8_enabled, fp8_calibrating, fp8_recipe,
+            fp8_group, _order, _num_layers_per_chunk, capture_time_hooks,
+            _settings(
+                num_warmup_iters, allow_unused_input, retain_graph_in_backward, clone,
+                _reuse_graph_input_output_buffers, (pre_warmup_hook, post_warmup_hook),
+                capture_stream, pool,
+            ),
+        )  # fmt: skip
+
+
+def _graphed_callables(
+    modules, sample_args, sample_kwargs, fp8_enabled, fp8_calibrating, fp8_recipe, fp8_group,
+    order, layers_per_chunk, capture_time_hooks, settings: _Capture,
+):  # fmt: skip
+    """make_graphed_callables past its argument names (inside the capture window)."""
     single = not isinstance(modules, tuple)
     callables = (modules,) if single else modules
     if not all(isinstance(c, nn.Module) for c in callables):
         raise TypeError("make_graphed_callables takes nn.Modules (their parameters get grads)")
     per_module = _per_module(fp8_enabled, len(callables))
-    schedule = _schedule(_order, _num_layers_per_chunk, callables, sample_args)
-    samples = _samples(sample_args, sample_kwargs, single and _order is None, schedule)
+    schedule = _schedule(order, layers_per_chunk, callables, sample_args)
+    samples = _samples(sample_args, sample_kwargs, single and order is None, schedule)
     hooks = capture_hooks(capture_time_hooks, len(callables))
-    settings = _settings(
-        num_warmup_iters, allow_unused_input, retain_graph_in_backward, clone,
-        _reuse_graph_input_output_buffers, (pre_warmup_hook, post_warmup_hook),
-        capture_stream, pool,
-    )  # fmt: skip
     if settings.reuse_buffers:
-        _check_reuse(_order, callables)
+        _check_reuse(order, callables)
         samples = reused_samples(schedule, samples)
     recipe = fp8_recipe if fp8_recipe is not None else default_recipe()
     if isinstance(recipe, Recipe):  # the snapshot te.autocast takes (recipe.py)
@@ -173,7 +204,7 @@ def make_graphed_callables(
         for c, on in zip(callables, per_module, strict=True)
     ]
     if not _on_gpu(samples):
-        return _eager_result(modules, callables, eager, schedule, _order is not None)
+        return _eager_result(modules, callables, eager, schedule, order is not None)
     for root, on in zip(callables, per_module, strict=True):
         _prepare(root, recipe if on or fp8_calibrating else None)
     passes = [
@@ -181,7 +212,7 @@ def make_graphed_callables(
         for p, c in enumerate(schedule.callable_of)
     ]
     _warm_up_and_capture(passes, callables, schedule, settings)
-    return _graphed_result(modules, passes, eager, schedule, _order is not None)
+    return _graphed_result(modules, passes, eager, schedule, order is not None)
 
 
 def _per_module(enabled, count: int) -> tuple[bool, ...]:

@@ -198,9 +198,7 @@ _ALLOWED: dict[tuple[str, str], Any] = {
     ("torch._utils", "_rebuild_tensor_v2"): _rebuild_tensor,
     ("torch.storage", "_load_from_bytes"): _storage_from_bytes,
     ("megatron.core.safe_globals", "safe_load_from_bytes"): _storage_from_bytes,
-    ("megatron.core.extensions.transformer_engine", "TEDelayedScaling"): _RECORDS[
-        "DelayedScaling"
-    ],
+    ("megatron.core.extensions.transformer_engine", "TEDelayedScaling"): _RECORDS["DelayedScaling"],
     ("collections", "OrderedDict"): collections.OrderedDict,
     ("_codecs", "encode"): codecs.encode,  # bytes under pickle protocol 2 (torch.save's)
     (TE_RECIPE_MODULE, "Format"): _format_of,

@@ -47,13 +47,14 @@ def _fuse(ops: list[BasicOperation], fusions, settings) -> list:
 
 
 class _Call:
-    """The one non-tensor argument of the Function: the pipeline and how the flat tensor
-    arguments split into extra inputs and parameters per basic op."""
+    """The one non-tensor argument of the Function: the pipeline, how the flat tensor
+    arguments split into extra inputs and parameters per basic op, and the keyword arguments
+    of each basic op (None: none given)."""
 
-    __slots__ = ("extra_counts", "fuser", "param_counts", "pipeline")
+    __slots__ = ("extra_counts", "fuser", "op_kwargs", "param_counts", "pipeline")
 
-    def __init__(self, fuser: OperationFuser, pipeline: Pipeline) -> None:
-        self.fuser, self.pipeline = fuser, pipeline
+    def __init__(self, fuser: OperationFuser, pipeline: Pipeline, op_kwargs=None) -> None:
+        self.fuser, self.pipeline, self.op_kwargs = fuser, pipeline, op_kwargs
         self.extra_counts, self.param_counts = fuser.extra_counts, fuser.param_counts
 
 
@@ -65,10 +66,16 @@ def _split(flat, counts: list[int]) -> list[tuple]:
     return out
 
 
-def _run_forward(pipeline: Pipeline, ops, x, extra_inputs: list[tuple], x_requires_grad: bool):
-    """(y, extra outputs per basic op, contexts per basic op): the forward list run in order."""
+def _run_forward(
+    pipeline: Pipeline, ops, x, extra_inputs: list[tuple], x_requires_grad: bool, op_kwargs=None
+):
+    """(y, extra outputs per basic op, contexts per basic op): the forward list run in order;
+    op_kwargs: a dict per basic op (ctx.kwargs), or None."""
     settings = pipeline.settings
     ctxs = [OperationContext() for _ in ops]
+    if op_kwargs is not None:
+        for ctx, kwargs in zip(ctxs, op_kwargs, strict=True):
+            ctx.kwargs = kwargs
     extra_outputs: list[tuple] = [() for _ in ops]
     needs_grad = x_requires_grad
     for op, indices in pipeline.forward:
@@ -95,7 +102,7 @@ class _FuserFunction(torch.autograd.Function):
         num_extra = sum(call.extra_counts)
         extra_inputs = _split(tensors[:num_extra], call.extra_counts)
         y, extra_outputs, ctxs = _run_forward(
-            pipeline, ops, x, extra_inputs, autograd_ctx.needs_input_grad[0]
+            pipeline, ops, x, extra_inputs, autograd_ctx.needs_input_grad[0], call.op_kwargs
         )
         saved = [value for ctx in ctxs for value in ctx.saved]
         save_for_backward(autograd_ctx, *saved)
@@ -203,9 +210,9 @@ class OperationFuser:
             op.check_extra_inputs(extra, rows)
             rows = op.output_rows(rows)
 
-    def __call__(self, x: torch.Tensor, extra_inputs: tuple) -> tuple:
-        """(y, extra outputs in op order)."""
-        params = [p for op in self.ops for p in op.op_parameters()]
+    def __call__(self, x: torch.Tensor, extra_inputs: tuple, op_kwargs=None) -> tuple:
+        """(y, extra outputs in op order); op_kwargs: None, or a dict per op (its ctx.kwargs)."""
+        params = [p for op in self.ops for p in op.params_for_call()]
         requires_grad = torch.is_grad_enabled() and (
             x.requires_grad
             or any(p.requires_grad for p in params)
@@ -216,13 +223,14 @@ class OperationFuser:
         if self.num_extra_inputs:
             self._check_extra_inputs(x, extra_inputs)
         try:
+            call = _Call(self, pipeline, op_kwargs)
             if requires_grad and transforms_active():
-                out = _transformed(x, _Call(self, pipeline), extra_inputs, params, settings)
+                out = _transformed(x, call, extra_inputs, params, settings)
             elif requires_grad:
-                out = _FuserFunction.apply(x, _Call(self, pipeline), *extra_inputs, *params)
+                out = _FuserFunction.apply(x, call, *extra_inputs, *params)
             else:
                 extra = _split(extra_inputs, self.extra_counts)
-                y, extra_outputs, _ = _run_forward(pipeline, self.ops, x, extra, False)
+                y, extra_outputs, _ = _run_forward(pipeline, self.ops, x, extra, False, op_kwargs)
                 out = (y, *[t for ex in extra_outputs for t in ex])
         except BaseException:
             for op in self.ops:

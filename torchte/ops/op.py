@@ -10,17 +10,27 @@ hot-path setattr guard).
 Per call, each basic op gets one OperationContext (what its backward needs) and the run's
 RunSettings (the autocast state and compute dtype, read once by the fuser, never by an op).
 Extra inputs and outputs: an op declares how many it takes (`num_extra_inputs`) and makes
-(`num_extra_outputs`); the Sequential's call hands them out in op order.
+(`num_extra_outputs`); the Sequential's call hands them out in op order. Keyword arguments for
+one op's forward (`Sequential(...)(x, op_kwargs={op: {...}})`) reach it as `ctx.kwargs`.
+
+Parameters a client assigns (Megatron-Core builds ops on the meta device and sets its own
+parameters on them: `op.weight = ...`, `op.register_parameter(...)`, `load_state_dict(...,
+assign=True)`) carry the op along: its device, dtype and plans follow them, and a call checks
+that they are still where the op thinks (a parameter moved in place by its owner). Parameters
+still on the meta device at the first call are materialized on the default device and
+initialized, as Transformer Engine's ops do.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 import torch
 
-from torchte.module.base import TransformerEngineBaseModule
+from torchte._device import default_device
+from torchte.module.base import SUPPORTED_DTYPES, TransformerEngineBaseModule
 from torchte.recipe import Recipe
 
 __all__ = [
@@ -51,12 +61,17 @@ class RunSettings:
     """Whether a backward will run (grad mode on and some input or parameter needs grad)."""
 
 
+_NO_KWARGS: MappingProxyType = MappingProxyType({})
+
+
 class OperationContext:
     """What one basic op's backward needs from its forward: `saved` (tensors or quantized
-    storages, given to save_for_backward) and any attributes the op sets."""
+    storages, given to save_for_backward) and any attributes the op sets; `kwargs`, the
+    keyword arguments the call gave this op (Sequential's op_kwargs; empty by default)."""
 
     def __init__(self) -> None:
         self.saved: tuple = ()
+        self.kwargs = _NO_KWARGS
 
     def save_for_backward(self, *values) -> None:
         """Keep these tensors (or Storages, or None) for backward."""
@@ -90,9 +105,96 @@ class BasicOperation(FusibleOperation, TransformerEngineBaseModule):
     num_extra_outputs = 0
     # The input's last dimension this op needs (None: any); see output_features.
     input_features: int | None = None
+    # Plain attributes a client sets on an op once, after construction, as a hint (Megatron-Core
+    # marks ops it builds): written to __dict__ without the hot-path setattr warning.
+    client_attributes: frozenset[str] = frozenset()
 
     def __init__(self, device=None, dtype: torch.dtype | None = None, num_gemms: int = 0) -> None:
         super().__init__(device, dtype, num_gemms)
+        # An op makes no FP8 parameters (quantized_model_init): its weights are quantized per
+        # call under te.autocast, so it keeps no model-init recipe to reattach quantizers for.
+        self._model_init_recipe = None
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in self.client_attributes:
+            self.__dict__[name] = value
+            return
+        super().__setattr__(name, value)
+
+    # -- parameters a client assigns ------------------------------------------------------------
+
+    def register_parameter(self, name: str, param: torch.nn.Parameter | None) -> None:
+        """nn.Module's; after construction the parameter is checked first (_check_parameter)
+        and the op then follows it (_parameter_assigned). `op.weight = p` and
+        load_state_dict(assign=True) come here too."""
+        initialized = self.__dict__.get("_initialized", False)
+        if initialized and param is not None:
+            self._check_parameter(name, param)
+        super().register_parameter(name, param)
+        if initialized:
+            self._parameter_assigned(name, param)
+
+    def _check_parameter(self, name: str, param: torch.nn.Parameter) -> None:
+        """Raise (before it is registered) when `param` cannot be this op's `name` (subclasses
+        check shapes)."""
+
+    def _parameter_assigned(self, name: str, param: torch.nn.Parameter | None) -> None:
+        """A parameter was set after construction: the op takes its device and dtype from its
+        parameters and forgets what it built from the old ones."""
+        self._follow_parameters()
+
+    def _follow_parameters(self) -> None:
+        """Device (the one device of the parameters not on the meta device, or the meta device
+        when all are) and params_dtype from the parameters where they agree; plans and FP8
+        weight copies made from the old ones dropped."""
+        params = [p for p in self._parameters.values() if p is not None]
+        devices = {p.device for p in params}
+        real = {d for d in devices if d.type != "meta"}
+        target = real.pop() if len(real) == 1 else devices.pop() if len(devices) == 1 else None
+        if target is not None and target != self.device:
+            self._move_state(target)
+        dtypes = {p.dtype for p in params if p.dtype in SUPPORTED_DTYPES}
+        if dtypes:  # all the same; else the first one's (the one a call compares)
+            first = next(p.dtype for p in params if p.dtype in SUPPORTED_DTYPES)
+            self.__dict__["params_dtype"] = dtypes.pop() if len(dtypes) == 1 else first
+        self._parameters_replaced()
+
+    def params_for_call(self) -> list[torch.nn.Parameter]:
+        """op_parameters() at the start of a call, after checking that the op's device and
+        dtype are its first parameter's (two comparisons): a parameter moved or cast in place by
+        its owner (`.data` replaced, as nn.Module.to does) is followed; parameters all still on
+        the meta device are materialized on the default device and initialized (Transformer
+        Engine's ops do so before their first forward)."""
+        params = self.op_parameters()
+        if params and (
+            params[0].device != self.device
+            or (params[0].dtype != self.params_dtype and params[0].dtype in SUPPORTED_DTYPES)
+        ):
+            present = [(n, p) for n, p in self._parameters.items() if p is not None]
+            meta = [n for n, p in present if p.is_meta]
+            if meta and len(meta) < len(present):
+                raise RuntimeError(
+                    f"te.ops.{type(self).__name__}: parameter(s) {', '.join(meta)} are still on "
+                    "the meta device while the others are not: assign them too, or call "
+                    "reset_parameters() to initialize them all"
+                )
+            if meta:
+                self.reset_parameters()
+            else:
+                self._follow_parameters()
+            params = self.op_parameters()
+        return params
+
+    def reset_parameters(self, defer_init: bool | None = False) -> None:
+        """Initialize the parameters again (see TransformerEngineBaseModule.reset_parameters);
+        parameters on the meta device are first made on the op's device, or on the default
+        device when that is the meta device too (Transformer Engine's rule)."""
+        if defer_init:
+            return
+        if any(p is not None and p.is_meta for p in self._parameters.values()):
+            device = self.device if self.device.type != "meta" else default_device(None)
+            self.to_empty(device=device)
+        super().reset_parameters()
 
     def output_features(self, features: int | None) -> int | None:
         """The last dimension of the output for an input of `features` (None: unknown); the

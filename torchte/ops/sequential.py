@@ -8,11 +8,15 @@ It holds basic ops, composite ops (te.ops.Linear: BasicLinear then Bias) and pla
 Each run of consecutive basic ops is one OperationFuser (one autograd Function); a plain module
 runs as itself between runs. Extra inputs are handed to the ops that take them in op order, and
 the call returns y alone, or (y, extra outputs in op order) when some op makes one.
+`op_kwargs={op or its index: {name: value}}` hands keyword arguments to basic ops (as
+Transformer Engine's: e.g. te.ops.GroupedLinear's caller-provided output buffer).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -54,6 +58,9 @@ class Sequential(nn.Module):
     def __getitem__(self, index: int) -> nn.Module:
         return list(self._modules.values())[index]
 
+    def __iter__(self) -> Iterator[nn.Module]:
+        return iter(self._modules.values())
+
     def append(self, module: nn.Module) -> Sequential:
         """Add an operation at the end."""
         self.add_module(str(len(self._modules)), module)
@@ -81,12 +88,19 @@ class Sequential(nn.Module):
             stages.append(OperationFuser(run))
         return stages
 
-    def forward(self, x: torch.Tensor, *extra_inputs: torch.Tensor):
-        """x (..., features) and the extra inputs in op order -> y [, extra outputs]."""
+    def forward(
+        self,
+        x: torch.Tensor,
+        *extra_inputs: torch.Tensor,
+        op_kwargs: dict[nn.Module | int, dict[str, Any]] | None = None,
+    ):
+        """x (..., features) and the extra inputs in op order -> y [, extra outputs].
+        op_kwargs: keyword arguments per basic op, keyed by the op or its index here."""
         stages = self._stages
         if stages is None:
             stages = self._build_stages()
             self.__dict__["_stages"] = stages
+        stage_kwargs = self._resolve_op_kwargs(op_kwargs, stages) if op_kwargs else {}
         for composite in self.__dict__["_composites"]:
             composite.sync_op_parameters()
         expected = sum(s.num_extra_inputs for s in stages if isinstance(s, OperationFuser))
@@ -97,16 +111,40 @@ class Sequential(nn.Module):
             )
         extra_outputs: list[torch.Tensor] = []
         start = 0
-        for stage in stages:
+        for index, stage in enumerate(stages):
             if isinstance(stage, OperationFuser):
                 count = stage.num_extra_inputs
-                out = stage(x, extra_inputs[start : start + count])
+                out = stage(x, extra_inputs[start : start + count], stage_kwargs.get(index))
                 start += count
                 x = out[0]
                 extra_outputs += out[1:]
             else:
                 x = stage(x)
         return (x, *extra_outputs) if extra_outputs else x
+
+    def _resolve_op_kwargs(self, op_kwargs: dict, stages: list) -> dict[int, list[dict]]:
+        """{stage index: [kwargs of each basic op of that run]} from {op or index: kwargs}:
+        ValueError for a key that is no basic op of this Sequential."""
+        wanted: dict[int, dict] = {}
+        for key, kwargs in op_kwargs.items():
+            module = self[key] if isinstance(key, int) else key
+            if not isinstance(module, BasicOperation):
+                raise ValueError(
+                    f"te.ops.Sequential: op_kwargs go to basic operations only, got a key for "
+                    f"{type(module).__name__}"
+                )
+            if not isinstance(kwargs, dict):
+                raise TypeError(
+                    f"te.ops.Sequential: op_kwargs values must be dicts, got {kwargs!r}"
+                )
+            wanted[id(module)] = kwargs
+        resolved = {}
+        for index, stage in enumerate(stages):
+            if isinstance(stage, OperationFuser) and any(id(op) in wanted for op in stage.ops):
+                resolved[index] = [wanted.pop(id(op), {}) for op in stage.ops]
+        if wanted:
+            raise ValueError("te.ops.Sequential: op_kwargs has a key for an op not in it")
+        return resolved
 
     @staticmethod
     def _run_ops(ops: list[BasicOperation], x: torch.Tensor, extra_inputs: tuple):

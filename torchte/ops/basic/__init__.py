@@ -15,6 +15,8 @@ from .activation import (
     SwiGLU,
 )
 from .add_extra_input import AddExtraInput
+from .all_gather import AllGather
+from .all_reduce import AllReduce
 from .basic_linear import BasicLinear
 from .bias import Bias
 from .constant_scale import ConstantScale
@@ -25,8 +27,10 @@ from .linear import Linear
 from .make_extra_output import MakeExtraOutput
 from .norm import LayerNorm, RMSNorm
 from .quantize import Quantize
+from .reduce_scatter import ReduceScatter
 from .reshape import Reshape
 from .scaled_activation import (
+    ScaledClampedQGeGLU,
     ScaledClampedSwiGLU,
     ScaledGEGLU,
     ScaledGELU,
@@ -48,6 +52,8 @@ __all__ = [
     "QGEGLU",
     "QGELU",
     "AddExtraInput",
+    "AllGather",
+    "AllReduce",
     "BasicLinear",
     "Bias",
     "ClampedSwiGLU",
@@ -62,9 +68,11 @@ __all__ = [
     "RMSNorm",
     "ReGLU",
     "ReLU",
+    "ReduceScatter",
     "Reshape",
     "SReGLU",
     "SReLU",
+    "ScaledClampedQGeGLU",
     "ScaledClampedSwiGLU",
     "ScaledGEGLU",
     "ScaledGELU",

@@ -6,7 +6,12 @@ W_g (N, K), b_g (N,), y (..., N) with y[rows of g] = x[rows of g] W_g^T + b_g.
 
 The GEMMs are te.GroupedLinear's (module/grouped_linear.py): the same plans, paths ("grouped"
 bf16 grouped GEMMs, "fp8" grouped quantization, "per_group" te.Linear per group), FP8 weight
-cache and kernels, so the op and the module give the same bits.
+cache, parameter layouts (module/_grouped_params.py) and deferred weight gradients, so the op
+and the module give the same bits.
+
+Keyword arguments of a call (Sequential's op_kwargs, Transformer Engine's keys):
+OUTPUT_BUFFER_KEY, a (T, N) tensor the output is written to (and returned as);
+GRAD_INPUT_BUFFER_KEY, a (T, K) tensor the input gradient is written to in backward.
 """
 
 from __future__ import annotations
@@ -16,8 +21,10 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from torchte._device import default_device
 from torchte._group_splits import GroupSplits, group_splits
 from torchte.gemm import hp_mm
+from torchte.module._grouped_params import add_deferred_group_grads, packed_grads, per_group_init
 from torchte.module._lifecycle import ParameterInit, fill
 from torchte.module._linear_core import default_init_method
 from torchte.module.base import PlanKey
@@ -36,25 +43,36 @@ from torchte.quantization.model_init import model_init_settings
 from ..op import BasicOperation, OperationContext, RunSettings
 from ._row_scales import check_row_scales
 
-__all__ = ["GroupedLinear"]
+__all__ = ["GRAD_INPUT_BUFFER_KEY", "OUTPUT_BUFFER_KEY", "GroupedLinear"]
 
-_NOT_YET = ("single_grouped_weight", "single_grouped_bias", "delay_wgrad_compute")
+OUTPUT_BUFFER_KEY = "output"
+GRAD_INPUT_BUFFER_KEY = "grad_input"
 
 
 class GroupedLinear(BasicOperation):
     """y_g = x_g W_g^T (+ b_g) for G groups of rows; extra input: the split sizes.
 
     Parameters weight0..weight{G-1} (out_features, in_features) and bias0..bias{G-1}, views
-    of one (G, N, K) and one (G, N) buffer, so grouped GEMMs read them in place.
+    of one (G, N, K) and one (G, N) buffer, so grouped GEMMs read them in place; with
+    single_grouped_weight one `weight` (G, N, K), with single_grouped_bias one `bias` (G, N)
+    instead (the per-group names then hold None, as in Transformer Engine). A client may
+    register its own parameters under these names (Megatron-Core gives the op its
+    te.GroupedLinear's).
     accumulate_into_main_grad: each weight's gradient is added to its `main_grad` (fp32)
     instead of being returned, as te.GroupedLinear's fuse_wgrad_accumulation.
+    delay_wgrad_compute: backward leaves the weight gradients to backward_dw().
     scale_bias (with bias): a second extra input s (one value per row) scales the bias, y_t =
     x_t W_g^T + s_t b_g, as an MoE layer whose router probabilities were applied before the
     GEMM needs to stay p (x W^T + b).
+    On the meta device nothing is initialized; init_method (torchte's) is each weight's init,
+    default te.GroupedLinear's (normal, std 0.023; Transformer Engine's op draws kaiming-uniform
+    values instead).
     """
 
     num_extra_inputs = 1
     _slot_major = True
+    # Megatron-Core marks the first GEMM of an MLP whose gated activation is interleaved.
+    client_attributes = frozenset({"_glu_interleave_size"})
 
     def __init__(
         self,
@@ -73,61 +91,119 @@ class GroupedLinear(BasicOperation):
         scale_bias: bool = False,
         init_method: Callable[[torch.Tensor], None] | None = None,
     ) -> None:
-        if not isinstance(num_groups, int) or num_groups <= 0:
-            raise ValueError(f"num_groups must be a positive int, got {num_groups!r}")
-        if in_features <= 0 or out_features <= 0:
-            raise ValueError(
-                f"in_features and out_features must be positive, got {in_features}, {out_features}"
-            )
-        given = (single_grouped_weight, single_grouped_bias, delay_wgrad_compute)
-        asked = [name for name, on in zip(_NOT_YET, given, strict=True) if on]
-        if asked:
-            raise NotImplementedError(
-                f"te.ops.GroupedLinear: {', '.join(asked)} not implemented in torchte yet"
-            )
-        if model_init_settings() is not None:
+        _check_args(
+            num_groups, in_features, out_features, single_grouped_weight, single_grouped_bias
+        )
+        if model_init_settings() is not None and default_device(device).type != "meta":
             raise NotImplementedError(
                 "quantized_model_init is not implemented for te.ops.GroupedLinear yet: build it "
-                "outside the context (its weights are quantized per call under te.autocast)"
+                "outside the context (its weights are quantized per call under te.autocast), or "
+                "on the meta device to be given high-precision weights"
             )
         super().__init__(device, dtype, num_gemms=num_groups)
         self.num_groups, self.in_features, self.out_features = num_groups, in_features, out_features
         self.use_bias = bias
+        self.single_grouped_weight = single_grouped_weight
+        self.single_grouped_bias = single_grouped_bias and bias
         self.scale_bias = scale_bias and bias
         if self.scale_bias:
             self.num_extra_inputs = 2  # the split sizes, then the scales of the bias
-        self.fuse_wgrad_accumulation = accumulate_into_main_grad
+        self.fuse_wgrad_accumulation = self._accumulate_into_main_grad = accumulate_into_main_grad
+        self._rng_state_tracker_function = rng_state_tracker_function
         self._init_method = init_method or default_init_method
-        kw = {"dtype": self.params_dtype, "device": self.device}
-        weights = torch.empty(num_groups, out_features, in_features, **kw)
-        for g in range(num_groups):
-            if rng_state_tracker_function is not None:
-                with rng_state_tracker_function().fork():
-                    self._init_method(weights[g])
-            else:
-                self._init_method(weights[g])
-            self.register_parameter(f"weight{g}", nn.Parameter(weights[g]))
-        biases = torch.zeros(num_groups, out_features, **kw)
-        for g in range(num_groups):
-            self.register_parameter(f"bias{g}", nn.Parameter(biases[g]) if bias else None)
-        self.weight_names = [f"weight{g}" for g in range(num_groups)]
-        self.bias_names = [f"bias{g}" for g in range(num_groups)] if bias else []
+        self._make_parameters()
+        self._defer_wgrad(delay_wgrad_compute, self.weight_names)
         self._finish_init()
+
+    def _make_parameters(self) -> None:
+        """One (G, N, K) and one (G, N) buffer, registered whole or as G views each."""
+        num_groups, kw = self.num_groups, {"dtype": self.params_dtype, "device": self.device}
+        weights = torch.empty(num_groups, self.out_features, self.in_features, **kw)
+        if not weights.is_meta:
+            per_group_init(self._init_weight)(weights)
+        biases = torch.zeros(num_groups, self.out_features, **kw) if self.use_bias else None
+        single_w, single_b = self.single_grouped_weight, self.single_grouped_bias
+        if single_w:
+            self.register_parameter("weight", nn.Parameter(weights))
+        for g in range(num_groups):
+            self.register_parameter(f"weight{g}", None if single_w else nn.Parameter(weights[g]))
+        if single_b:
+            self.register_parameter("bias", nn.Parameter(biases))
+        for g in range(num_groups):
+            per_group_bias = None if single_b or biases is None else nn.Parameter(biases[g])
+            self.register_parameter(f"bias{g}", per_group_bias)
+        groups = range(num_groups)
+        self.weight_names = ["weight"] if single_w else [f"weight{g}" for g in groups]
+        self.bias_names = (
+            [] if not self.use_bias else ["bias"] if single_b else [f"bias{g}" for g in groups]
+        )
+
+    def _init_weight(self, weight: torch.Tensor) -> None:
+        """init_method on one group's (N, K), inside the RNG tracker's fork when one was given."""
+        if self._rng_state_tracker_function is None:
+            self._init_method(weight)
+            return
+        with self._rng_state_tracker_function().fork():
+            self._init_method(weight)
 
     @property
     def input_features(self) -> int:
         return self.in_features
 
+    @property
+    def has_bias(self) -> bool:
+        """Whether an additive bias is applied (Transformer Engine's name)."""
+        return self.use_bias
+
     def output_features(self, features: int | None) -> int:
         return self.out_features
 
     def _parameter_inits(self) -> list[ParameterInit]:
-        inits = [ParameterInit((name,), self._init_method) for name in self.weight_names]
+        if self.single_grouped_weight:
+            inits = [ParameterInit(("weight",), per_group_init(self._init_weight))]
+        else:
+            inits = [
+                ParameterInit((name,), self._init_weight, gemm=g)
+                for g, name in enumerate(self.weight_names)
+            ]
         return inits + [ParameterInit((name,), fill(0.0)) for name in self.bias_names]
+
+    def _check_parameter(self, name: str, param) -> None:
+        expected = self._expected_shape(name)
+        if expected is not None and tuple(param.shape) != expected:
+            raise ValueError(
+                f"te.ops.GroupedLinear: {name} must have shape {expected}, got {tuple(param.shape)}"
+            )
+
+    def _parameter_assigned(self, name: str, param) -> None:
+        if param is not None and self._wgrad_store is not None and name in self.weight_names:
+            param.skip_backward_post_hook = True  # its gradient comes from backward_dw
+        super()._parameter_assigned(name, param)
+
+    def _expected_shape(self, name: str) -> tuple[int, ...] | None:
+        """The shape of the parameter `name` in this op's layout (None: not one of its)."""
+        g, n, k = self.num_groups, self.out_features, self.in_features
+        if name in self.weight_names:
+            return (g, n, k) if self.single_grouped_weight else (n, k)
+        if name in self.bias_names:
+            return (g, n) if self.single_grouped_bias else (n,)
+        return None
 
     def op_parameters(self) -> list[nn.Parameter]:
         p = self._parameters
-        return [p[name] for name in (*self.weight_names, *self.bias_names)]
+        params = [p[name] for name in (*self.weight_names, *self.bias_names)]
+        if any(param is None for param in params):
+            missing = [n for n in (*self.weight_names, *self.bias_names) if p[n] is None]
+            raise RuntimeError(
+                f"te.ops.GroupedLinear: parameter(s) {', '.join(missing)} are None; this op's "
+                f"layout (single_grouped_weight={self.single_grouped_weight}, "
+                f"single_grouped_bias={self.single_grouped_bias}) needs them"
+            )
+        return params
+
+    def weight_params(self) -> list[nn.Parameter]:
+        """The weight parameters: G (N, K), or the one (G, N, K) of single_grouped_weight."""
+        return self.op_parameters()[: len(self.weight_names)]
 
     def check_settings(self, settings: RunSettings) -> None:
         self.grouped_plan(settings)  # FP8 dims checked here, before any kernel runs
@@ -158,24 +234,76 @@ class GroupedLinear(BasicOperation):
             splits = group_splits(split_sizes, self.num_groups, x2d.shape[0], self.device)
         plan = self.grouped_plan(settings)
         params = self.op_parameters()
-        weights = params[: self.num_groups]
-        w_fp8 = grouped_weights_fp8(self, plan, weights, None, need_dgrad)
+        weights = params[: len(self.weight_names)]
+        if self.single_grouped_weight:  # its G groups, cached by the parameter's version
+            groups = list(weights[0].detach().unbind(0))
+            w_fp8 = grouped_weights_fp8(self, plan, groups, None, need_dgrad, weights)
+        else:
+            w_fp8 = grouped_weights_fp8(self, plan, weights, None, need_dgrad)
+        single = (self.single_grouped_weight, self.single_grouped_bias)
         exact = exact_requested()  # as te.GroupedLinear: te.Linear's GEMMs when deterministic
-        return GroupedCall(plan, splits, w_fp8, len(self.bias_names), exact=exact), params
+        call = GroupedCall(plan, splits, w_fp8, len(self.bias_names), *single, exact=exact)
+        return call, params
 
     def gemm_forward(self, ctx: OperationContext, x, split_sizes, settings, scales=None):
         """y (T, N) from x (T, K) (a tensor, or a GroupedStorage a fused producer wrote under
-        FP8); ctx filled for op_backward. scales: the (T,) bias scales (scale_bias only)."""
+        FP8); ctx filled for gemm_backward. scales: the (T,) bias scales (scale_bias only)."""
         need_dgrad = settings.requires_grad and ctx.input_requires_grad
+        if ctx.kwargs:
+            self._check_buffers(ctx.kwargs, x, settings.dtype)
         call, params = self.grouped_call(x, split_sizes, settings, need_dgrad)
         if self.scale_bias:
-            call.num_bias, params = 0, params[: self.num_groups]  # the bias is added below
+            call.num_bias, params = 0, params[: len(self.weight_names)]  # the bias: below
         target = ctx if settings.requires_grad else NoGradContext()
         grads = (need_dgrad, False, *(p.requires_grad and settings.requires_grad for p in params))
         y = grouped_linear_forward(target, x, call, params, grads)
         if self.scale_bias:
             y = self._add_scaled_bias(ctx, y, call.splits, scales, settings)
-        return y
+        return _into_buffer(ctx.kwargs.get(OUTPUT_BUFFER_KEY), y)
+
+    def _check_buffers(self, kwargs: dict, x, dtype: torch.dtype) -> None:
+        """ValueError (before any kernel runs) unless the caller's buffers are the output's and
+        the input gradient's shape, dtype and device; TypeError for an unknown keyword."""
+        unknown = set(kwargs) - {OUTPUT_BUFFER_KEY, GRAD_INPUT_BUFFER_KEY}
+        if unknown:
+            raise TypeError(
+                f"te.ops.GroupedLinear: unknown op_kwargs {sorted(unknown)}; it takes "
+                f"{OUTPUT_BUFFER_KEY!r} and {GRAD_INPUT_BUFFER_KEY!r}"
+            )
+        rows = x.shape[0]
+        for key, features in ((OUTPUT_BUFFER_KEY, self.out_features),
+                              (GRAD_INPUT_BUFFER_KEY, self.in_features)):  # fmt: skip
+            buffer = kwargs.get(key)
+            want = ((rows, features), dtype, self.device)
+            if buffer is None:
+                continue
+            if (
+                not isinstance(buffer, torch.Tensor)
+                or (tuple(buffer.shape), buffer.dtype, buffer.device) != want
+            ):
+                got = (
+                    f"{tuple(buffer.shape)} {buffer.dtype} on {buffer.device}"
+                    if isinstance(buffer, torch.Tensor)
+                    else repr(buffer)
+                )
+                raise ValueError(
+                    f"te.ops.GroupedLinear: the {key!r} buffer must be a {want[0]} {dtype} "
+                    f"tensor on {self.device}, got {got}"
+                )
+
+    def gemm_backward(self, ctx: OperationContext, dy, dbias: torch.Tensor | None = None):
+        """(dx (T, K) or None, the gradients of the weight and bias parameters in op_parameters
+        order, the bias ones only without scale_bias) of gemm_forward's GEMMs. dy (T, N), or
+        a GroupedStorage a fused producer wrote with the bias gradients it summed (dbias)."""
+        store = self._wgrad_store
+        if store is None:
+            dx, dws, dbs = grouped_linear_backward(ctx, dy, dbias)
+        else:
+            with store.one_backward():  # the groups' deferred wgrads: one backward_dw
+                dx, dws, dbs = grouped_linear_backward(ctx, dy, dbias)
+        if dx is not None:
+            dx = _into_buffer(ctx.kwargs.get(GRAD_INPUT_BUFFER_KEY), dx)
+        return dx, tuple(packed_grads(ctx, dws, dbs))
 
     def _add_scaled_bias(self, ctx, y, splits: GroupSplits, scales, settings: RunSettings):
         """y += s[:, None] * b[group of each row] as one GEMM of K = G: (s_t where row t is in
@@ -195,7 +323,9 @@ class GroupedLinear(BasicOperation):
 
     def _biases(self, dtype: torch.dtype) -> torch.Tensor:
         """(G, N) in dtype."""
-        return torch.stack([self._parameters[name] for name in self.bias_names]).to(dtype)
+        params = [self._parameters[name] for name in self.bias_names]
+        stacked = params[0] if self.single_grouped_bias else torch.stack(params)
+        return stacked.to(dtype)
 
     @staticmethod
     def _scaled_one_hot(splits: GroupSplits, s: torch.Tensor, dtype) -> torch.Tensor:
@@ -210,36 +340,73 @@ class GroupedLinear(BasicOperation):
 
     def op_backward(self, ctx, dy, extra_output_grads):
         dy2d = dy.reshape(-1, self.out_features)
-        dx, dws, dbs = grouped_linear_backward(ctx, dy2d)
+        dx, grads = self.gemm_backward(ctx, dy2d)
         if dx is not None:
             dx = dx.view(*dy.shape[:-1], self.in_features)
         if not self.scale_bias:
-            return dx, (None,), (*dws, *dbs)
+            return dx, (None,), grads
         dbs, ds = self._scaled_bias_grads(ctx, dy2d)
-        return dx, (None, ds), (*dws, *dbs)
+        return dx, (None, ds), (*grads, *dbs)
 
     def _scaled_bias_grads(self, ctx, dy2d):
-        """([db_g] (N,) each, ds (the scales' shape) or None) of y += s b[group], as GEMMs
-        with fp32 sums: db = (s one-hot) (G, T) @ dy, ds_t = (dy @ b^T)[t, group of t]."""
+        """(the bias parameters' gradients (G of (N,), or one (G, N)), ds (the scales' shape)
+        or None) of y += s b[group], as GEMMs with fp32 sums: db = (s one-hot) (G, T) @ dy,
+        ds_t = (dy @ b^T)[t, group of t]."""
         s, splits = ctx.bias_scales, ctx.splits
-        dtype = dy2d.dtype
+        dtype, num_groups = dy2d.dtype, self.num_groups
         params = [self._parameters[name] for name in self.bias_names]
         dbs = [None] * len(params)
         if any(b.requires_grad for b in params):
-            sums = torch.empty(len(params), dy2d.shape[1], dtype=torch.float32, device=s.device)
+            sums = torch.empty(num_groups, dy2d.shape[1], dtype=torch.float32, device=s.device)
             hp_mm(self._scaled_one_hot(splits, s, dtype), dy2d, out=sums)
-            dbs = list(sums.to(params[0].dtype).unbind(0))
+            sums = sums.to(params[0].dtype)
+            dbs = [sums] if self.single_grouped_bias else list(sums.unbind(0))
         ds = None
         if ctx.scales_grad:
-            per_group = torch.empty(dy2d.shape[0], len(params), dtype=torch.float32,
+            per_group = torch.empty(dy2d.shape[0], num_groups, dtype=torch.float32,
                                     device=s.device)  # fmt: skip
             hp_mm(dy2d, self._biases(dtype).t(), out=per_group)
             rows = splits.row_groups()[:, None]
             ds = per_group.gather(1, rows).to(s.dtype).view(ctx.scales_shape)
         return dbs, ds
 
+    def _take_deferred_wgrad(self, gemm: int, wgrad) -> None:
+        add_deferred_group_grads(self, gemm, wgrad)
+
+    def _trigger_wgrad_accumulation_and_reduce_hooks(self) -> None:
+        """Call the hooks given to register_wgrad_accumulation_and_reduce_hooks (Transformer
+        Engine's name; backward_dw calls them after its GEMMs)."""
+        for hook in self._wgrad_hooks:
+            hook()
+
     def extra_repr(self) -> str:
+        single = ""
+        if self.single_grouped_weight or self.single_grouped_bias:
+            single = (
+                f", single_grouped_weight={self.single_grouped_weight}, "
+                f"single_grouped_bias={self.single_grouped_bias}"
+            )
         return (
             f"num_groups={self.num_groups}, in_features={self.in_features}, "
-            f"out_features={self.out_features}, bias={self.use_bias}"
+            f"out_features={self.out_features}, bias={self.use_bias}{single}"
         )
+
+
+def _check_args(num_groups, in_features, out_features, single_weight, single_bias) -> None:
+    """ValueError / TypeError for sizes and layout flags GroupedLinear cannot take."""
+    if isinstance(num_groups, bool) or not isinstance(num_groups, int) or num_groups <= 0:
+        raise ValueError(f"num_groups must be a positive int, got {num_groups!r}")
+    if in_features <= 0 or out_features <= 0:
+        raise ValueError(
+            f"in_features and out_features must be positive, got {in_features}, {out_features}"
+        )
+    flags = (("single_grouped_weight", single_weight), ("single_grouped_bias", single_bias))
+    for name, value in flags:
+        if not isinstance(value, bool):
+            raise TypeError(f"te.ops.GroupedLinear: {name} must be a bool, got {value!r}")
+
+
+def _into_buffer(buffer: torch.Tensor | None, t: torch.Tensor) -> torch.Tensor:
+    """t written into the caller's buffer (checked by _check_buffers) and the buffer returned,
+    or t where none was given."""
+    return t if buffer is None else buffer.copy_(t)

@@ -2,7 +2,10 @@
 computes as one GEMM with the bias in its epilogue (ops/fused/linear_bias.py).
 
 The module shows the two ops' parameters as its own `weight` and `bias` (Transformer Engine's
-names) and passes moves and extra state through to them.
+names) and passes moves and extra state through to them. With tensor parallelism the
+BasicLinear runs the collectives; the bias is this rank's part of the output (column), or the
+whole bias added once after the reduction (row: unlike Transformer Engine's te.ops.Linear,
+whose ranks each add a bias before the reduction, so that their sum is the layer's bias).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ class Linear(nn.Module):
         sequence_parallel: bool = False,
         rng_state_tracker_function: Callable | None = None,
         accumulate_into_main_grad: bool = False,
+        userbuffers_options: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
         linear = BasicLinear(
@@ -43,10 +47,16 @@ class Linear(nn.Module):
             sequence_parallel=sequence_parallel,
             rng_state_tracker_function=rng_state_tracker_function,
             accumulate_into_main_grad=accumulate_into_main_grad,
+            userbuffers_options=userbuffers_options,
         )  # fmt: skip
         ops: list[nn.Module] = [linear]
         if bias:
-            ops.append(Bias(out_features, device=linear.device, dtype=linear.params_dtype))
+            column = linear.tensor_parallel_mode == "column"
+            bias_op = Bias(
+                out_features, device=device, dtype=linear.params_dtype,
+                tensor_parallel=column, tensor_parallel_group=linear.tensor_parallel_group,
+            )  # fmt: skip
+            ops.append(bias_op)
         # A plain list, not submodules: the parameters are this module's (weight, bias).
         self.__dict__["basic_ops"] = ops
         self.in_features, self.out_features = in_features, out_features
@@ -63,6 +73,12 @@ class Linear(nn.Module):
         module's entries, not the ops'): a few identity checks per call."""
         params, ops = self._parameters, self.basic_ops
         weight = params["weight"]
+        if weight.is_meta and not ops[0]._parameters["weight"].is_meta:
+            self._register_op_parameters()  # the ops were given parameters: show them
+            return
+        if weight.is_meta:  # never given values: made on the default device (as the ops do)
+            self.reset_parameters()
+            return
         if ops[0]._parameters["weight"] is not weight:
             ops[0]._parameters["weight"] = weight
         if len(ops) > 1 and ops[1]._parameters["bias"] is not params["bias"]:
@@ -86,9 +102,11 @@ class Linear(nn.Module):
     def set_extra_state(self, state: dict[str, Any] | None) -> None:
         self.basic_ops[0].set_extra_state(state)
 
-    def reset_parameters(self) -> None:
+    def reset_parameters(self, defer_init: bool | None = False) -> None:
+        """The ops' reset_parameters (parameters on the meta device are made first)."""
         for op in self.basic_ops:
-            op.reset_parameters()
+            op.reset_parameters(defer_init)
+        self._register_op_parameters()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (..., in_features) -> (..., out_features)."""

@@ -4,7 +4,10 @@ it (added in the GEMM's epilogue) and, under FP8 where the GEMM's input quantize
 FP8 input itself (one launch instead of a high-precision write, a read and a cast).
 
 Each basic op's context is filled as its own op_forward would fill it, so backward runs the
-basic ops (or a backward fusion) unchanged.
+basic ops (or a backward fusion) unchanged. Not fused: a bias after a row-parallel GEMM (it
+goes in after the reduction), a producer before a GEMM that gathers its input (column +
+sequence parallel: the gather takes a tensor), a producer with extra inputs (a scaled
+activation), an interleaved or input-caching activation.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ __all__ = ["ForwardLinear", "producer_fusable"]
 
 def producer_fusable(linear: BasicLinear, settings: RunSettings) -> bool:
     """Whether a norm or activation before `linear` may write its FP8 input under settings."""
-    if not settings.fp8:
+    if not settings.fp8 or linear.gathers_input:
         return False
     quantizer = linear.linear_plan(settings).input_quantizer()
     return quantizer is not None and quantizer.fusable
@@ -83,7 +86,7 @@ def _match(ops, settings, producers):
         ops = ops[: next(k for k, op in enumerate(ops) if op.is_fused_op)]
     producer = None
     if producers:
-        if len(ops) < 2 or not isinstance(ops[0], producers):
+        if len(ops) < 2 or not isinstance(ops[0], producers) or not _plain_producer(ops[0]):
             return None
         producer, ops = ops[0], ops[1:]
     if not ops or not isinstance(ops[0], BasicLinear):
@@ -92,10 +95,21 @@ def _match(ops, settings, producers):
     if producer is not None and not producer_fusable(linear, settings):
         return None
     bias = ops[1] if len(ops) > 1 and isinstance(ops[1], Bias) else None
-    if bias is not None and bias.size != linear.out_features:
+    if bias is not None and (
+        bias.local_size != linear.local_out_features or linear.tensor_parallel_mode == "row"
+    ):
         bias = None
     count = (producer is not None) + 1 + (bias is not None)
     return ForwardLinear(producer, linear, bias), count
+
+
+def _plain_producer(op: BasicOperation) -> bool:
+    """Whether a producer writes the GEMM's input from x alone, in the standard layout."""
+    return (
+        op.num_extra_inputs == 0
+        and getattr(op, "glu_interleave_size", None) is None
+        and not getattr(op, "cache_quantized_input", False)
+    )
 
 
 NORM_PRODUCERS = (_NormOp,)

@@ -6,12 +6,12 @@ te.LayerNormMLP's backward, instead of three: the activation's backward, the bia
 cast.
 
 Legend: x (..., K) the GEMM's input, h (..., M) its output (plus the bias), a = act(h),
-da the gradient of a.
+da the gradient of a. Not fused: a row-parallel GEMM with sequence parallelism (its output
+gradient is gathered before the GEMMs), an interleaved or input-caching activation.
 """
 
 from __future__ import annotations
 
-from torchte.module._linear_core import linear_backward
 from torchte.module._norm_spec import rows_of
 from torchte.quantization.fused import activation_grad_to_fp8
 
@@ -45,8 +45,7 @@ class BackwardActivationLinear(FusedOperation):
         dh_fp8, dbias = activation_grad_to_fp8(
             quantizer, da2d, h2d, *self.activation.activation(), usage, shape
         )
-        x_saved, w_saved = ctx_linear.saved
-        dx, dw, _ = linear_backward(record, None, x_saved, w_saved, dy_fp8=dh_fp8)
+        dx, dw = self.linear.gemm_backward(ctx_linear, None, dy_fp8=dh_fp8)
         param_grads = [(dw,)]
         if self.bias is not None:
             wanted = self.bias.bias.requires_grad
@@ -67,10 +66,14 @@ def _match(ops, settings):
     if len(ops) < 2 or not isinstance(ops[0], BasicLinear):
         return None
     linear, bias = ops[0], None
+    if linear.tensor_parallel_mode == "row" and linear.sequence_parallel:
+        return None
     rest = ops[1:]
-    if isinstance(rest[0], Bias) and rest[0].size == linear.out_features:
+    if isinstance(rest[0], Bias) and rest[0].local_size == linear.local_out_features:
         bias, rest = rest[0], rest[1:]
     if not rest or not isinstance(rest[0], _Activation) or rest[0].num_extra_inputs:
+        return None
+    if rest[0].glu_interleave_size is not None or rest[0].cache_quantized_input:
         return None
     quantizer = linear.linear_plan(settings).grad_output_quantizer()
     if quantizer is None or not quantizer.fusable:

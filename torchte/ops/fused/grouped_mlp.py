@@ -13,7 +13,9 @@ one kernel computes the activation's gradient dh, writes it in FP8 group by grou
 GEMMs (current scaling: an amax pass first, which also makes the sums), ds = d(scales) and
 FC1's bias gradients (each group's column sums of dh); then FC1's grouped FP8 dgrad and wgrad.
 Each basic op's context is filled as its own op_forward would fill it, so either direction
-also runs the basic ops unchanged.
+also runs the basic ops unchanged. An activation with glu_interleave_size gets its input
+reordered to [a, b] first (forward only: its backward then runs unfused, since the fused
+gradient would come out in the reordered layout, not FC1's).
 """
 
 from __future__ import annotations
@@ -21,7 +23,6 @@ from __future__ import annotations
 import torch
 
 from torchte._group_splits import group_splits
-from torchte.module.grouped_linear import grouped_linear_backward
 from torchte.quantization.fused import (
     scaled_activation_grad_to_grouped_fp8,
     scaled_activation_to_grouped_fp8,
@@ -55,9 +56,9 @@ class GroupedMLP(FusedOperation):
             s = act.scales_of(h.view(*x.shape[:-1], h.shape[-1]), extra_inputs[1][0])
         else:
             s = torch.ones(tokens, dtype=torch.float32, device=h.device)  # times 1: exact
+        h = act.kernel_input(h, h.dtype)  # [a, b] halves (an interleaved input reordered)
         quantizer = fc2.grouped_plan(settings).gemms[0].setup.grouped_input
-        weights = fc2.op_parameters()[: fc2.num_groups]
-        columnwise = settings.requires_grad and any(w.requires_grad for w in weights)
+        columnwise = settings.requires_grad and any(w.requires_grad for w in fc2.weight_params())
         name, limit, alpha = act.activation()
         a_fp8 = scaled_activation_to_grouped_fp8(
             quantizer, h, s, name, limit, alpha, splits, columnwise
@@ -65,8 +66,7 @@ class GroupedMLP(FusedOperation):
         if settings.requires_grad:
             if scaled:
                 ctx_act.save_for_backward(h, s)
-                ctx_act.scales_grad = extra_inputs[1][0].requires_grad
-                ctx_act.scales_shape = extra_inputs[1][0].shape
+                act.save_scales(ctx_act, extra_inputs[1][0])
             else:
                 ctx_act.save_for_backward(h)
         y = fc2.gemm_forward(ctx2, a_fp8, splits, settings, *extra_inputs[2][1:])
@@ -96,13 +96,11 @@ class GroupedMLP(FusedOperation):
             quantizer, da.reshape(h.shape[0], -1), h, s, name, limit, alpha,
             ctx1.splits, usage, need,
         )  # fmt: skip
-        dx, dws, dbs = grouped_linear_backward(ctx1, dh_fp8, dbias)
+        dx, grads1 = fc1.gemm_backward(ctx1, dh_fp8, dbias)
         if dx is not None:
             dx = dx.view(*dy.shape[:-1], fc1.in_features)
-        extra_act = ()
-        if scaled:
-            extra_act = (None if ds is None else ds.view(ctx_act.scales_shape),)
-        return dx, [(None,), extra_act, extra2], [(*dws, *dbs), (), grads2]
+        extra_act = (act.scales_grad(ctx_act, ds),) if scaled else ()
+        return dx, [(None,), extra_act, extra2], [grads1, (), grads2]
 
 
 def fuse_grouped_mlp(steps: list, settings: RunSettings) -> list:
@@ -133,6 +131,8 @@ def _matches(fc1, act, fc2, settings: RunSettings, backward: bool) -> bool:
         return False
     if not isinstance(act, _Activation) or fc1.num_groups != fc2.num_groups:
         return False
-    if fc2.grouped_plan(settings).mode != "fp8":
+    if act.cache_quantized_input or fc1.scale_bias or fc2.grouped_plan(settings).mode != "fp8":
         return False
-    return not backward or fc1.grouped_plan(settings).mode == "fp8"
+    if not backward:
+        return True
+    return act.glu_interleave_size is None and fc1.grouped_plan(settings).mode == "fp8"

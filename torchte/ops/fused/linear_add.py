@@ -2,7 +2,8 @@
 the residual itself (torch.addmm, cuBLAS's beta = 1), so y = x W^T + residual is one launch
 instead of a GEMM and an add. On the CPU that is also one rounding instead of two; cuBLAS in
 bf16 (measured on an H100) rounds the product before adding, the same bits as unfused. Under
-FP8 (where the scaled GEMM takes no addend) and calibration the ops run unfused. Backward is
+FP8 (where the scaled GEMM takes no addend) and calibration the ops run unfused, and so do
+tensor-parallel GEMMs (their output is reduced or gathered after the GEMM). Backward is
 unchanged: the GEMM's as BasicLinear's, the residual's gradient dy itself."""
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ class ForwardLinearAdd(FusedOperation):
 
     def fuser_forward(self, ctxs, x, extra_inputs, settings):
         (residual,) = extra_inputs[1]
-        out_shape = (*x.shape[:-1], self.linear.out_features)
+        out_shape = (*x.shape[:-1], self.linear.local_out_features)
         if residual.shape != out_shape:
             raise ValueError(
                 f"te.ops.AddExtraInput: the extra input has shape {tuple(residual.shape)}, but "
@@ -46,6 +47,8 @@ def fuse_linear_add(steps: list, settings: RunSettings) -> list:
 
 
 def _match(ops):
-    if len(ops) >= 2 and type(ops[0]) is BasicLinear and isinstance(ops[1], AddExtraInput):
+    if len(ops) < 2 or type(ops[0]) is not BasicLinear or not isinstance(ops[1], AddExtraInput):
+        return None
+    if ops[0].tensor_parallel_mode is None:
         return ForwardLinearAdd(ops[0], ops[1]), 2
     return None
