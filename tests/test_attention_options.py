@@ -271,9 +271,38 @@ def test_setattr_after_construction_warns_and_groups_do_not():
             set_as_torchte(module, "attention_dropout", 0.1)
 
 
+@pytest.mark.parametrize("mask_type", ["no_mask", "causal", "padding"])
+@pytest.mark.parametrize("fmt", ["bshd", "sbhd"])
+def test_return_max_logit_is_the_largest_masked_logit_per_head(mask_type, fmt):
+    q, k, v = _inputs(b=2, sq=5, skv=6, h=4, hg=2)
+    module = te.DotProductAttention(4, D, num_gqa_groups=2, qkv_format=fmt, attn_mask_type=mask_type,
+                                    return_max_logit=True)  # fmt: skip
+    lengths = [3, 6]
+    kwargs = {}
+    if mask_type == "padding":
+        kwargs["attention_mask"] = (padding([5, 5], 5).view(2, 1, 1, 5),
+                                    padding(lengths, 6).view(2, 1, 1, 6))  # fmt: skip
+    args = [x.transpose(0, 1).contiguous() if fmt == "sbhd" else x for x in (q, k, v)]
+    out, max_logit = module(*args, **kwargs)
+    plain = te.DotProductAttention(4, D, num_gqa_groups=2, qkv_format=fmt, attn_mask_type=mask_type)
+    assert torch.equal(out, plain(*args, **kwargs))
+    # fp64 reference: [b, h, sq, skv] logits, masked, max over all but the head.
+    q64, k64 = q.double().transpose(1, 2), k.double().repeat_interleave(2, dim=2).transpose(1, 2)
+    logits = q64 @ k64.transpose(-1, -2) * D**-0.5
+    if mask_type == "causal":
+        logits = logits.masked_fill(torch.ones(5, 6, dtype=torch.bool).triu(1), float("-inf"))
+    if mask_type == "padding":
+        for b, n in enumerate(lengths):
+            logits[b, :, :, n:] = float("-inf")
+    assert max_logit.dtype == torch.float32 and max_logit.shape == (4,)
+    assert_close(max_logit, logits.amax(dim=(0, 2, 3)), torch.float32)
+    with pytest.raises(NotImplementedError, match="return_max_logit=True with qkv_format='thd'"):
+        te.DotProductAttention(4, D, 2, qkv_format="thd", return_max_logit=True)(
+            q[0], k[0], v[0], cu_seqlens_q=torch.tensor([0, 6], dtype=torch.int32),
+            cu_seqlens_kv=torch.tensor([0, 6], dtype=torch.int32))  # fmt: skip
+
+
 def test_not_implemented_options_are_named():
-    with pytest.raises(NotImplementedError, match="return_max_logit"):
-        te.DotProductAttention(4, D, return_max_logit=True)
     module = te.DotProductAttention(4, D, qkv_format="bshd")
     q, k, v = _inputs(hg=4)
     with pytest.raises(NotImplementedError, match="fp8_output"):

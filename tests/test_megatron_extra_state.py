@@ -269,3 +269,11 @@ def test_save_original_input_set_after_construction(make):
     with te.autocast(recipe=DelayedScaling()), pytest.raises(NotImplementedError):
         layer(*args)
     assert not hasattr(te.LayerNormLinear(16, 16), "save_original_input")
+
+
+def test_trigger_wgrad_hooks_runs_the_registered_hooks():
+    layer = te.GroupedLinear(2, 32, 16)
+    calls = []
+    layer.register_wgrad_accumulation_and_reduce_hooks(lambda: calls.append("reduce"))
+    layer._trigger_wgrad_accumulation_and_reduce_hooks()  # Megatron's fused-experts backward_dw
+    assert calls == ["reduce"]

@@ -263,7 +263,7 @@ def test_scaled_activation_refuses_bad_scales():
         op(torch.randn(4, 8), [1.0] * 4)
     with pytest.raises(ValueError, match="takes 1 extra input"):
         op(torch.randn(4, 8))
-    with pytest.raises(NotImplementedError, match="gate_interleave_size"):
+    with pytest.raises(TypeError, match="gate_interleave_size"):  # glu_interleave_size, as TE
         te.ops.ScaledSwiGLU(gate_interleave_size=32)
 
 

@@ -445,7 +445,7 @@ def test_activation_arguments_are_checked():
         te.ops.ScaledSReLU(activation_recompute_in_mlp=True)
     with pytest.raises(NotImplementedError, match="glu_linear_offset"):
         te.ops.ClampedSwiGLU(glu_linear_offset=0.0)
-    with pytest.raises(NotImplementedError, match="glu_interleave_size"):
+    with pytest.raises(TypeError, match="gate_interleave_size"):
         te.ops.ScaledSwiGLU(gate_interleave_size=32)
     with pytest.raises(ValueError, match="glu_interleave_size must be a positive int"):
         te.ops.SwiGLU(glu_interleave_size=0)

@@ -147,6 +147,9 @@ PATHS: dict[str, AliasPath] = {
     "transformer_engine.pytorch.graph": AliasPath(sources=("torchte.graphs",)),
     "transformer_engine.pytorch.ops": AliasPath(sources=("torchte.ops",), package=True),
     "transformer_engine.pytorch.ops.basic": AliasPath(sources=("torchte.ops.basic",), package=True),
+    "transformer_engine.pytorch.ops.basic.grouped_linear": AliasPath(
+        sources=("torchte.ops.basic.grouped_linear",)
+    ),
     "transformer_engine.pytorch.ops.op": AliasPath(
         names=_one(
             "torchte.ops",

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from ._flex import flex_function, lse_request, split_lse
 from ._sinks import rescale_by_sink, sink_softmax
-from .masks import MaskPlan, allowed_mask, mask_mod
+from .masks import MaskPlan, alibi_bias, allowed_mask, mask_mod
 
 __all__ = [
     "BACKENDS",
@@ -189,6 +189,28 @@ def math_attention(q, k, v, inputs: AttentionInputs) -> torch.Tensor:
     if inputs.dropout_p > 0:
         probs = F.dropout(probs, inputs.dropout_p)
     return torch.matmul(probs, v32).to(q.dtype)
+
+
+@torch.no_grad()
+def max_logits(q, k, inputs: AttentionInputs) -> torch.Tensor:
+    """max over batch, query and key of the masked logits Q K^T * scale + bias, per head:
+    q [b, h, sq, d], k [b, hg, skv, d] -> fp32 [h] (-inf for a head whose every logit is
+    masked). Transformer Engine's return_max_logit (qk-clip); no gradient, one batch row at a
+    time so that no [b, h, sq, skv] tensor is made."""
+    group = q.shape[1] // k.shape[1]
+    keep, _ = _masks(q, inputs.plan)
+    slopes = inputs.alibi_slopes
+    bias = inputs.bias if slopes is None else alibi_bias(inputs.plan, slopes)
+    best = torch.full((q.shape[1],), float("-inf"), device=q.device)
+    for i in range(q.shape[0]):
+        k32 = k[i].float().repeat_interleave(group, dim=0)
+        scores = torch.matmul(q[i].float(), k32.transpose(-1, -2)) * inputs.scale
+        if bias is not None:
+            scores = scores + bias[i if bias.shape[0] > 1 else 0]
+        if keep is not None:
+            scores = scores.masked_fill(~keep[i if keep.shape[0] > 1 else 0], float("-inf"))
+        best = torch.maximum(best, scores.amax(dim=(1, 2)))
+    return best
 
 
 def sdpa_attention(q, k, v, inputs: AttentionInputs) -> torch.Tensor:

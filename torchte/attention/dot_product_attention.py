@@ -32,6 +32,7 @@ from .backends import (
     check_backend,
     choose_backend,
     env_backend,
+    max_logits,
     run_backend,
 )
 from .formats import Shapes, check_qkv, check_qkv_format, from_bhsd, to_bhsd
@@ -189,10 +190,8 @@ class DotProductAttention(SetattrGuard):
     def _check_unsupported(softmax_type: str, return_max_logit: bool) -> None:
         if softmax_type not in SOFTMAX_TYPES:
             raise ValueError(f"softmax_type must be one of {SOFTMAX_TYPES}, got {softmax_type!r}")
-        if return_max_logit:
-            raise NotImplementedError(
-                "DotProductAttention: return_max_logit=True is not implemented in torchte yet"
-            )
+        if not isinstance(return_max_logit, bool):
+            raise TypeError(f"return_max_logit must be a bool, got {return_max_logit!r}")
 
     def _make_softmax_offset(self, softmax_type: str) -> None:
         """The sink logits of this rank's heads: zeros, float32 (torch's default dtype), on the
@@ -285,7 +284,7 @@ class DotProductAttention(SetattrGuard):
         bottom_right_diagonal: bool | None = None,
         *,
         attention_backend: str | None = None,
-    ) -> torch.Tensor:
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Attention of query_layer over key_layer / value_layer.
 
         sbhd: q [sq, b, h, d], k [skv, b, hg, d], v [skv, b, hg, dv] -> [sq, b, h * dv];
@@ -296,6 +295,8 @@ class DotProductAttention(SetattrGuard):
         core_attention_bias: [1|b, 1|h, sq, skv]; alibi_slopes: fp32 [h] or [b, h].
         Query rows that see no key (padding) give zeros. fast_zero_fill and num_splits are
         accepted with no effect; pad_between_seqs follows from cu_seqlens_*_padded.
+        With return_max_logit (sbhd, bshd): (out, max_logit), max_logit fp32 [h] the largest
+        masked logit Q K^T * scale + bias of each head over the batch (no gradient).
         inference_params (te.InferenceParams, after its pre_step): q, k, v are the step's new
         tokens; k, v join the cache of layer_number, whose tokens the queries attend to
         (cu_seqlens_*, max_seqlen_* and attention_mask then come from the cache).
@@ -320,6 +321,12 @@ class DotProductAttention(SetattrGuard):
         bias, slopes = self._check_bias(
             core_attention_bias_type, core_attention_bias, alibi_slopes, shapes, query_layer
         )
+        if self.return_max_logit and (inference_params is not None or fmt == "thd"):
+            where = "a KV cache" if inference_params is not None else "qkv_format='thd'"
+            raise NotImplementedError(
+                f"DotProductAttention: return_max_logit=True with {where} is not implemented "
+                "in torchte yet (sbhd and bshd are)"
+            )
         if inference_params is not None:
             return self._forward_cached(
                 inference_params,
@@ -386,8 +393,10 @@ class DotProductAttention(SetattrGuard):
         )
         inputs = self._inputs(backend, plan, bias, slopes, dropout_p, sink)
         attend = partial(run_backend, backend, inputs=inputs)
-        out = self._attend(attend, q, k, v, dropout_p, checkpoint_core_attention)
-        return from_bhsd(out, fmt)
+        out = from_bhsd(self._attend(attend, q, k, v, dropout_p, checkpoint_core_attention), fmt)
+        if self.return_max_logit:
+            return out, max_logits(q, k, inputs)
+        return out
 
     def _check_call(self, inference_params, fp8_output, core_attention_bias_type) -> None:
         if inference_params is not None and not isinstance(inference_params, InferenceParams):

@@ -134,6 +134,13 @@ class TransformerEngineBaseModule(TEMetadataMixin, SetattrGuard):
             raise TypeError(f"hook must be callable, got {type(hook).__name__}")
         self._wgrad_hooks.append(hook)
 
+    def _trigger_wgrad_accumulation_and_reduce_hooks(self) -> None:
+        """Call the hooks given to register_wgrad_accumulation_and_reduce_hooks, as backward_dw
+        does after its GEMMs (Transformer Engine's name; Megatron-Core calls it on the modules
+        whose GEMMs its te.ops experts ran)."""
+        for hook in self._wgrad_hooks:
+            hook()
+
     def _wgrad_parameters(self, gemm: int) -> list[nn.Parameter]:
         """The weight parameters of GEMM number `gemm` (rows stacked: its weight gradient)."""
         raise NotImplementedError

@@ -373,12 +373,6 @@ class GroupedLinear(BasicOperation):
     def _take_deferred_wgrad(self, gemm: int, wgrad) -> None:
         add_deferred_group_grads(self, gemm, wgrad)
 
-    def _trigger_wgrad_accumulation_and_reduce_hooks(self) -> None:
-        """Call the hooks given to register_wgrad_accumulation_and_reduce_hooks (Transformer
-        Engine's name; backward_dw calls them after its GEMMs)."""
-        for hook in self._wgrad_hooks:
-            hook()
-
     def extra_repr(self) -> str:
         single = ""
         if self.single_grouped_weight or self.single_grouped_bias:

@@ -133,9 +133,8 @@ class _ScaledGated(_Scaled):
         *,
         activation_recompute_in_mlp: bool = False,
         device=None,
-        gate_interleave_size: int | None = None,
     ) -> None:
-        _check_gated_options(type(self).__name__, activation_recompute_in_mlp, gate_interleave_size)
+        _check_gated_options(type(self).__name__, activation_recompute_in_mlp)
         super().__init__(glu_interleave_size=glu_interleave_size, device=device)
 
 
@@ -152,18 +151,12 @@ class _ScaledUnary(_Scaled):
         super().__init__(device=device)
 
 
-def _check_gated_options(name: str, recompute: bool, gate_interleave_size) -> None:
-    """Transformer Engine's refusal of activation_recompute_in_mlp for its scaled GLUs; and
-    torchte's former name of glu_interleave_size, refused with the name to use."""
+def _check_gated_options(name: str, recompute: bool) -> None:
+    """Transformer Engine's refusal of activation_recompute_in_mlp for its scaled GLUs."""
     if recompute:
         raise ValueError(
             f"te.ops.{name} does not support activation recomputation in the fused grouped MLP "
             "(activation_recompute_in_mlp must be False)"
-        )
-    if gate_interleave_size is not None:
-        raise NotImplementedError(
-            f"te.ops.{name}: gate_interleave_size is not an argument of Transformer Engine's "
-            "op (torchte's earlier name): pass glu_interleave_size"
         )
 
 
