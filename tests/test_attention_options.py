@@ -275,8 +275,8 @@ def test_setattr_after_construction_warns_and_groups_do_not():
 @pytest.mark.parametrize("fmt", ["bshd", "sbhd"])
 def test_return_max_logit_is_the_largest_masked_logit_per_head(mask_type, fmt):
     q, k, v = _inputs(b=2, sq=5, skv=6, h=4, hg=2)
-    module = te.DotProductAttention(4, D, num_gqa_groups=2, qkv_format=fmt, attn_mask_type=mask_type,
-                                    return_max_logit=True)  # fmt: skip
+    options = dict(num_gqa_groups=2, qkv_format=fmt, attn_mask_type=mask_type)
+    module = te.DotProductAttention(4, D, return_max_logit=True, **options)
     lengths = [3, 6]
     kwargs = {}
     if mask_type == "padding":
@@ -284,7 +284,7 @@ def test_return_max_logit_is_the_largest_masked_logit_per_head(mask_type, fmt):
                                     padding(lengths, 6).view(2, 1, 1, 6))  # fmt: skip
     args = [x.transpose(0, 1).contiguous() if fmt == "sbhd" else x for x in (q, k, v)]
     out, max_logit = module(*args, **kwargs)
-    plain = te.DotProductAttention(4, D, num_gqa_groups=2, qkv_format=fmt, attn_mask_type=mask_type)
+    plain = te.DotProductAttention(4, D, **options)
     assert torch.equal(out, plain(*args, **kwargs))
     # fp64 reference: [b, h, sq, skv] logits, masked, max over all but the head.
     q64, k64 = q.double().transpose(1, 2), k.double().repeat_interleave(2, dim=2).transpose(1, 2)
