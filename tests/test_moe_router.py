@@ -543,7 +543,7 @@ for score in ["softmax", "sigmoid", "sqrtsoftplus"]:
         for a, b in zip(out, ref):
             same(a, b, (score, t, e))
         grad = torch.randn(t, e)
-        same(R._backward_triton(None, ref[2], grad, R._aux_spec(score), torch.bfloat16, tile=256),
+        same(R._backward_triton(None, ref[2], grad, R.aux_spec(score), torch.bfloat16, tile=256),
              R.aux_scores_backward_reference(ref[2], grad, score, torch.bfloat16), score)
 for rows_, cols, experts, tokens in [(37, 13, 13, torch.randint(0, 50, (13,))),
                                      (0, 8, 4, torch.zeros(8, dtype=torch.int32)),

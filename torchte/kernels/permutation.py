@@ -9,7 +9,8 @@ whose row is -1 or not below the number of permuted rows is dropped: permute doe
 it, unpermute reads it as zero. `pad_offsets` (E,) shifts expert e's rows by pad_offsets[e]
 (mask maps), leaving zero rows between the experts' blocks.
 
-Launchers (each with a torch reference `<name>_reference` of the same signature below):
+Launchers (each with a torch reference `<name>_reference` of the same signature, in
+permutation_reference.py):
   permute_rows      rows scattered to their routes' rows (+ probs); rows nothing writes are 0
   unpermute_rows    each token's routes gathered and summed in fp32 (times merging probs)
   unpermute_rows_backward  the gradients of unpermute_rows with merging probs
@@ -36,6 +37,12 @@ from .permutation_maps import (
     index_row_id_map_reference,
     mask_row_id_map,
     mask_row_id_map_reference,
+)
+from .permutation_reference import (
+    permute_rows_reference,
+    routes_of,
+    unpermute_rows_backward_reference,
+    unpermute_rows_reference,
 )
 
 __all__ = [
@@ -264,11 +271,6 @@ if triton is not None:
 # ----------------------------------------------------------------------------------------------
 
 
-def _routes_of(row_id_map: torch.Tensor, index_topk: int) -> int:
-    """E of a mask map (N, 2E+1), or K of an index map."""
-    return index_topk if index_topk else (row_id_map.shape[1] - 1) // 2
-
-
 _PERMUTE_SCHEMA = (
     "(Tensor inp, Tensor row_id_map, Tensor? probs, Tensor? pad_offsets, Tensor? valid_rows, "
     "int num_out_tokens, int index_topk) -> (Tensor, Tensor)"
@@ -339,7 +341,7 @@ def _permute_triton(
     grid = (n + tail, max(1, -(-h // block_h)), 1)
     if grid[0] == 0:
         return out, out_probs
-    routes = _routes_of(row_id_map, index_topk)
+    routes = routes_of(row_id_map, index_topk)
     probs_arg = probs if probs is not None else row_id_map  # unread pointers when absent
     s_p0, s_p1 = probs.stride() if probs is not None else (0, 0)
     pad_arg = pad_offsets if pad_offsets is not None else row_id_map
@@ -392,7 +394,7 @@ def _unpermute_triton(
     r_rows, h = inp.shape
     if inp.stride(1) != 1:
         inp = inp.contiguous()
-    routes = _routes_of(row_id_map, index_topk)
+    routes = routes_of(row_id_map, index_topk)
     n = row_id_map.numel() // index_topk if index_topk else row_id_map.shape[0]
     out = torch.empty((n, h), dtype=inp.dtype, device=inp.device)
     up = None
@@ -462,7 +464,7 @@ def _unpermute_bwd_triton(
     r_rows = fwd_input.shape[0]
     grad = grad if grad.stride(1) == 1 else grad.contiguous()
     fwd_input = fwd_input if fwd_input.stride(1) == 1 else fwd_input.contiguous()
-    routes = _routes_of(row_id_map, index_topk)
+    routes = routes_of(row_id_map, index_topk)
     alloc = torch.zeros if pad_offsets is not None else torch.empty
     d_input = alloc((r_rows, h), dtype=grad.dtype, device=grad.device)
     d_probs = torch.empty((n, routes), dtype=merging_probs.dtype, device=grad.device)
@@ -485,145 +487,3 @@ def _unpermute_bwd_triton(
     grid = (n + tail, 1, 1)
     _launch_unpermute_bwd(_key(consts, tensors, ints), grid, 4, *tensors, *ints, *consts)
     return d_input, d_probs
-
-
-# ----------------------------------------------------------------------------------------------
-# Torch references: the same functions, used on CPU and in tests
-# ----------------------------------------------------------------------------------------------
-
-
-def _routes_reference(
-    row_id_map: torch.Tensor, n: int, index_topk: int, pad_offsets: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(rows, experts, routed), (N, slots) each, slots in the kernels' route order: the row of
-    each route (padding added; int64), its expert (or k; 0 where unrouted), whether it is one
-    of the token's routes."""
-    if index_topk:
-        rows = row_id_map.reshape(index_topk, n).t().long()
-        experts = torch.arange(index_topk, device=rows.device).expand(n, index_topk)
-        return rows, experts, torch.ones_like(rows, dtype=torch.bool)
-    e = (row_id_map.shape[1] - 1) // 2
-    slots = e
-    if n and not (row_id_map.is_meta or _is_fake(row_id_map)):
-        slots = int(row_id_map[:, 2 * e].max())  # no slot past the most routes holds one
-    rows = row_id_map[:, :slots].long()
-    experts = row_id_map[:, e : e + slots].long().clamp(min=0)
-    routed = torch.arange(slots, device=rows.device) < row_id_map[:, 2 * e :]
-    if pad_offsets is not None:
-        rows = torch.where(routed, rows + pad_offsets.long()[experts], rows)
-    return rows, experts, routed
-
-
-def _acc_dtype(x: torch.Tensor) -> torch.dtype:
-    """What sums run in: fp64 for fp64 rows, else fp32."""
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
-
-
-def _is_fake(t: torch.Tensor) -> bool:
-    from torch._subclasses.fake_tensor import is_fake
-
-    return is_fake(t)
-
-
-def permute_rows_reference(
-    inp: torch.Tensor,
-    row_id_map: torch.Tensor,
-    probs: torch.Tensor | None,
-    pad_offsets: torch.Tensor | None,
-    valid_rows: torch.Tensor | None,
-    num_out_tokens: int,
-    index_topk: int,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Torch reference of permute_rows (valid_rows is not needed: every row starts at zero).
-    Shapes never depend on values (it is also the fake of the op under torch.compile): a
-    dropped route writes an extra row at the end, cut off."""
-    n, h = inp.shape
-    rows, experts, routed = _routes_reference(row_id_map, n, index_topk, pad_offsets)
-    keep = routed & (rows >= 0) & (rows < num_out_tokens)
-    dst = torch.where(keep, rows, num_out_tokens).reshape(-1)
-    values = inp[:, None, :].expand(n, rows.shape[1], h)
-    out_probs = None
-    if probs is not None:
-        token = torch.arange(n, device=inp.device)[:, None]
-        p = probs[token, experts]
-        out_probs = probs.new_zeros((num_out_tokens + 1,))
-        out_probs[dst] = p.reshape(-1)
-        out_probs = out_probs[:num_out_tokens]
-        if not index_topk:
-            values = torch.where((p == 0)[:, :, None], torch.zeros_like(values), values)
-    out = inp.new_zeros((num_out_tokens + 1, h))
-    out[dst] = values.reshape(-1, h)
-    return out[:num_out_tokens], out_probs
-
-
-def unpermute_rows_reference(
-    inp: torch.Tensor,
-    row_id_map: torch.Tensor,
-    merging_probs: torch.Tensor | None,
-    permuted_probs: torch.Tensor | None,
-    pad_offsets: torch.Tensor | None,
-    index_topk: int,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Torch reference of unpermute_rows: routes added in the kernel's order, in fp32."""
-    r_rows, h = inp.shape
-    n = row_id_map.numel() // index_topk if index_topk else row_id_map.shape[0]
-    rows, experts, routed = _routes_reference(row_id_map, n, index_topk, pad_offsets)
-    keep = routed & (rows >= 0) & (rows < r_rows)
-    src = torch.where(keep, rows, r_rows)  # r_rows: an appended zero row
-    x = torch.cat([inp, inp.new_zeros((1, h))])
-    token = torch.arange(n, device=inp.device)
-    if index_topk == 1 and merging_probs is None:
-        out = x[src[:, 0]]
-    else:
-        acc_dtype = _acc_dtype(inp)
-        acc = torch.zeros((n, h), dtype=acc_dtype, device=inp.device)
-        for j in range(rows.shape[1]):
-            v = x[src[:, j]].to(acc_dtype)
-            if merging_probs is not None:
-                p = merging_probs[token, experts[:, j]].to(acc_dtype)
-                v = torch.where(keep[:, j, None], v * p[:, None], 0.0)
-            acc = acc + v
-        out = acc.to(inp.dtype)
-    unpermuted = None
-    if permuted_probs is not None:
-        pp = torch.cat([permuted_probs.reshape(-1), permuted_probs.new_zeros(1)])
-        unpermuted = _per_route(pp[src], experts, routed, _routes_of(row_id_map, index_topk))
-    return out, unpermuted
-
-
-def _per_route(
-    values: torch.Tensor, experts: torch.Tensor, routed: torch.Tensor, routes: int
-) -> torch.Tensor:
-    """(N, routes): values (N, slots) put at their routes' experts (or k), zero elsewhere."""
-    n = values.shape[0]
-    out = values.new_zeros((n, routes + 1))
-    out.scatter_(1, torch.where(routed, experts, routes), values)  # unrouted: a cut column
-    return out[:, :routes]
-
-
-def unpermute_rows_backward_reference(
-    grad: torch.Tensor,
-    row_id_map: torch.Tensor,
-    fwd_input: torch.Tensor,
-    merging_probs: torch.Tensor,
-    pad_offsets: torch.Tensor | None,
-    valid_rows: torch.Tensor | None,
-    index_topk: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Torch reference of unpermute_rows_backward (valid_rows is not needed)."""
-    n, h = grad.shape
-    r_rows = fwd_input.shape[0]
-    rows, experts, routed = _routes_reference(row_id_map, n, index_topk, pad_offsets)
-    keep = routed & (rows >= 0) & (rows < r_rows)
-    src = torch.where(keep, rows, r_rows)  # r_rows: an extra row, zero in x, cut from d_input
-    acc_dtype = _acc_dtype(grad)
-    g = grad.to(acc_dtype)[:, None, :]
-    token = torch.arange(n, device=grad.device)[:, None]
-    p = merging_probs[token, experts].to(acc_dtype)
-    d_input = grad.new_zeros((r_rows + 1, h))
-    d_input[src.reshape(-1)] = (g * p[:, :, None]).to(grad.dtype).reshape(-1, h)
-    x = torch.cat([fwd_input, fwd_input.new_zeros((1, h))])
-    dots = torch.where(keep, (x[src].to(acc_dtype) * g).sum(-1), 0.0)
-    routes = _routes_of(row_id_map, index_topk)
-    d_probs = _per_route(dots.to(merging_probs.dtype), experts, routed, routes)
-    return d_input[:r_rows], d_probs
