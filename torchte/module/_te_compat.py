@@ -19,7 +19,12 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["TEMetadataMixin", "te_extra_state_format", "use_te_extra_state_format"]
+__all__ = [
+    "SaveOriginalInputMixin",
+    "TEMetadataMixin",
+    "te_extra_state_format",
+    "use_te_extra_state_format",
+]
 
 _TE_FORMAT = [False]
 
@@ -78,3 +83,21 @@ class TEMetadataMixin:
                 f"init_fp8_metadata: num_gemms={num_gemms}, but te.{type(self).__name__} has "
                 f"{self.num_gemms} GEMMs"
             )
+
+
+class SaveOriginalInputMixin:
+    """Transformer Engine's public `save_original_input` attribute (Linear, GroupedLinear), which
+    Megatron-Core sets after construction: the plans are made anew, and a module with a
+    `_plain_path()` (te.Linear's nn.Linear shortcut) decides its shortcut again."""
+
+    @property
+    def save_original_input(self) -> bool:
+        """Whether backward casts the input kept as given again instead of saving it in FP8."""
+        return self._save_original_input
+
+    @save_original_input.setter
+    def save_original_input(self, value: bool) -> None:
+        self.__dict__.update(_save_original_input=bool(value), _plans={}, _last_plan=None)
+        plain_path = getattr(self, "_plain_path", None)
+        if plain_path is not None:
+            self.__dict__["_plain"] = plain_path()

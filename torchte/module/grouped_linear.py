@@ -85,6 +85,7 @@ from ._linear_core import (
     linear_backward,
     linear_forward,
 )
+from ._te_compat import SaveOriginalInputMixin
 from ._tensor_parallel import check_divides, forked_init, set_group, tensor_parallel
 from .base import PlanKey, TransformerEngineBaseModule, check_fp8_dims
 
@@ -339,7 +340,7 @@ class _GroupedLinearFunction(torch.autograd.Function):
         return dx, None, *packed_grads(ctx, dws, dbs)
 
 
-class GroupedLinear(TransformerEngineBaseModule):
+class GroupedLinear(SaveOriginalInputMixin, TransformerEngineBaseModule):
     """G Linear layers applied to the consecutive row groups of one input, with Transformer
     Engine's arguments; FP8 under te.autocast.
 
@@ -423,16 +424,6 @@ class GroupedLinear(TransformerEngineBaseModule):
         self._defer_wgrad(delay_wgrad_compute, self.weight_names)
         self._save_original_input = bool(save_original_input)
         self._finish_init()
-
-    @property
-    def save_original_input(self) -> bool:
-        """Whether backward casts the input kept as given again (Transformer Engine's public
-        attribute; Megatron-Core sets it after construction)."""
-        return self._save_original_input
-
-    @save_original_input.setter
-    def save_original_input(self, value: bool) -> None:
-        self.__dict__.update(_save_original_input=bool(value), _plans={}, _last_plan=None)
 
     def _take_deferred_wgrad(self, gemm: int, wgrad) -> None:
         add_deferred_group_grads(self, gemm, wgrad)

@@ -33,6 +33,7 @@ from ._linear_core import (
     linear_backward,
     linear_forward,
 )
+from ._te_compat import SaveOriginalInputMixin
 from ._tensor_parallel import check_divides, forked_init, tensor_parallel
 
 __all__ = ["Linear"]
@@ -138,7 +139,7 @@ class _LinearFunction(torch.autograd.Function):
         return gemm_dgrad if dgrad is None else dgrad, wgrad, dbias, None, None
 
 
-class Linear(LinearCore):
+class Linear(SaveOriginalInputMixin, LinearCore):
     """y = x W^T + b with Transformer Engine's arguments; FP8 under `te.autocast`.
 
     x (..., in_features) -> y (..., out_features). Parameters: `weight` (out_features,
@@ -208,17 +209,6 @@ class Linear(LinearCore):
             and not self.delay_wgrad_compute
             and not self._save_original_input
         )
-
-    @property
-    def save_original_input(self) -> bool:
-        """Whether backward casts the input kept as given again (Transformer Engine's public
-        attribute; Megatron-Core sets it after construction)."""
-        return self._save_original_input
-
-    @save_original_input.setter
-    def save_original_input(self, value: bool) -> None:
-        self.__dict__.update(_save_original_input=bool(value), _plans={}, _last_plan=None)
-        self.__dict__["_plain"] = self._plain_path()
 
     def _build_plan(self, key):
         if self._save_original_input:
