@@ -204,7 +204,8 @@ def test_moe_fused_ops_equal_the_layers_they_stand_for(device, recipe_name, sing
     """The fused ops of TEGroupedMLP equal Megatron's unfused path (its te.GroupedLinear layers
     with the scaled activation between them) bit for bit: forward, dx, d(probs) and the weight
     gradients (those of delay_wgrad_compute after backward_dw); under FP8 the ops run the fused
-    grouped MLP. Split sizes in a device tensor on the GPU."""
+    grouped MLP (whose d(probs) on the GPU equals to fp32 rounding). Split sizes in a device
+    tensor on the GPU."""
     kw = {"bias": False, "params_dtype": torch.bfloat16, "device": device,
           "single_grouped_weight": single}  # fmt: skip
     layers = [te.GroupedLinear(3, H, 2 * F_, delay_wgrad_compute=delay, **kw),
@@ -238,8 +239,14 @@ def test_moe_fused_ops_equal_the_layers_they_stand_for(device, recipe_name, sing
             children[0].backward_dw()
         grads = [p.grad for layer in (layers if run == "ops" else ref) for p in layer.parameters()]
         results.append([y, xi.grad, pi.grad, *grads])
-    for got, want in zip(*results, strict=True):
-        assert got.shape == want.shape and torch.equal(got, want)
+    for i, (got, want) in enumerate(zip(*results, strict=True)):
+        assert got.shape == want.shape
+        if i == 2 and recipe_name == "current" and device == "cuda":
+            # d(probs): a sum over the features, which the fused FP8 kernel on the GPU adds in
+            # another order than the unfused activation's backward (fp32 rounding apart).
+            assert_close(got, want, torch.float32)
+        else:
+            assert torch.equal(got, want), i
 
 
 def _grad_stacked(layer, name):

@@ -218,7 +218,7 @@ class ScaledClampedSwiGLU(_Scaled, ClampedSwiGLU):
         glu_linear_offset: float = 1.0,
         device=None,
     ) -> None:
-        _check_gated_options(type(self).__name__, activation_recompute_in_mlp, None)
+        _check_gated_options(type(self).__name__, activation_recompute_in_mlp)
         check_clamp(type(self).__name__, limit, glu_linear_offset)
         super().__init__(
             limit=limit,
