@@ -41,6 +41,8 @@ class Case:
     spec: dict = field(default_factory=dict)
     check: str = "train"
     env: dict = field(default_factory=dict)
+    # Megatron's distributed optimizer with FP8 parameters gathered as FP8 (--fp8-param-gather).
+    fp8_param_gather: bool = False
 
 
 CASES = [
@@ -94,6 +96,11 @@ CASES = [
             "apply_rope_fusion": True,
         },
         {"num_experts": 4, "moe_grouped_gemm": True},
+    ),
+    Case(
+        "fp8-param-gather",
+        {"bf16": True, "fp8": "hybrid", "fp8_recipe": "delayed", "fp8_param": True},
+        fp8_param_gather=True,
     ),
     Case("dist-ckpt", {"bf16": True, "fp8": "hybrid", "fp8_recipe": "delayed"}, check="ckpt"),
     Case(
@@ -181,7 +188,9 @@ def _batch(step: int, device: torch.device) -> dict[str, torch.Tensor]:
     }
 
 
-def _train(model, config, steps: int, device: torch.device) -> list[float]:
+def _train(
+    model, config, steps: int, device: torch.device, fp8_param_gather: bool = False
+) -> list[float]:
     """Megatron's DDP, optimizer and forward-backward schedule for `steps` steps."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -189,7 +198,11 @@ def _train(model, config, steps: int, device: torch.device) -> list[float]:
 
     ddp = DistributedDataParallel(
         config,
-        DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=False),
+        DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True,
+            use_distributed_optimizer=fp8_param_gather,
+            fp8_param_gather=fp8_param_gather,
+        ),
         model,
     )
     if device.type == "cpu":
@@ -202,7 +215,7 @@ def _train(model, config, steps: int, device: torch.device) -> list[float]:
                 lr=1e-3,
                 bf16=config.bf16,
                 params_dtype=config.params_dtype,
-                use_distributed_optimizer=False,
+                use_distributed_optimizer=fp8_param_gather,
                 clip_grad=1.0,
             ),
             [ddp],
@@ -309,7 +322,17 @@ def run_case(case: Case, steps: int, device: torch.device, cpu: bool) -> str:
         experts = [m for m in model.modules() if hasattr(m, "_with_fused_impl")]
         if not experts or not all(m._with_fused_impl for m in experts):
             raise AssertionError("Megatron did not build its te.ops experts (the op fuser path)")
-    losses = _train(model, config, steps, device)
+    fp8_weights = []
+    if case.fp8_param_gather:
+        from transformer_engine.pytorch import QuantizedTensor
+
+        fp8_weights = [p for p in model.parameters() if isinstance(p, QuantizedTensor)]
+        if not fp8_weights:
+            raise AssertionError("fp8_param=True built no FP8 parameters")
+    before = [w.dequantize().clone() for w in fp8_weights]
+    losses = _train(model, config, steps, device, case.fp8_param_gather)
+    if any(torch.equal(b, w.dequantize()) for b, w in zip(before, fp8_weights, strict=True)):
+        raise AssertionError("an FP8 parameter kept its value: the cast from the masters missed it")
     if not all(map(torch.isfinite, torch.tensor(losses))):
         raise AssertionError(f"non-finite loss: {losses}")
     if case.check == "ckpt":

@@ -389,104 +389,54 @@ def multi_tensor_adam_fp8(
         scale_inv.copy_(fresh.scale_inv.reshape(scale_inv.shape))
 
 
-def _capturable(
-    tensor_lists,
-    count,
-    lr,
-    beta1,
-    beta2,
-    epsilon,
-    step,
-    mode,
-    bias_correction,
-    weight_decay,
-    inv_scale,
-    noop_flag,
-    name,
-) -> None:
-    """The capturable functions: lr and step tensors, grads unscaled by inv_scale, a set
-    noop_flag skips the step."""
-    check_flag(noop_flag, name)
-    lists = _adam_lists(tensor_lists, (count,), name)
-    _check_adam_dtypes(lists, name)
-    for arg, value in (("lr", lr), ("step", step), ("inv_scale", inv_scale)):
-        if not isinstance(value, torch.Tensor) or value.numel() != 1:
-            raise TypeError(f"{name}: {arg} must be a one-element tensor")
-    hyper = AdamHyper.of(lr, beta1, beta2, epsilon, step, mode, bias_correction, weight_decay, name)
-    if not lists[0]:
-        return
-    found_inf = noop_flag.to(device=lists[0][0].device, dtype=torch.float32).reshape(1)
-    grads, params, exp_avgs, exp_avg_sqs = lists[:4]
-    targets = lists[4] if count == 5 else params
-    adam_update_(targets, grads, exp_avgs, exp_avg_sqs, hyper, found_inf, inv_scale)
-    if count == 5:
-        torch._foreach_copy_(params, targets)
+def _make_capturable(count: int, name: str, doc: str):
+    """A capturable function of Transformer Engine's signature on `count` tensor lists: lr and
+    step tensors, grads unscaled by inv_scale, a set noop_flag skips the step."""
+
+    @torch.no_grad()
+    def capturable(
+        chunk_size: int,
+        noop_flag: torch.Tensor,
+        tensor_lists: Sequence[Sequence[torch.Tensor]],
+        lr: torch.Tensor,
+        beta1: float,
+        beta2: float,
+        epsilon: float,
+        step: torch.Tensor,
+        mode: int,
+        bias_correction: int,
+        weight_decay: float,
+        inv_scale: torch.Tensor,
+    ) -> None:
+        for arg, value in (("lr", lr), ("step", step), ("inv_scale", inv_scale)):
+            if not isinstance(value, torch.Tensor) or value.numel() != 1:
+                raise TypeError(f"{name}: {arg} must be a one-element tensor")
+        hyper_args = (lr, beta1, beta2, epsilon, step, mode, bias_correction, weight_decay)
+        lists, hyper = _checked(noop_flag, tensor_lists, (count,), hyper_args, name)
+        if not lists[0]:
+            return
+        found_inf = noop_flag.to(device=lists[0][0].device, dtype=torch.float32).reshape(1)
+        grads, params, exp_avgs, exp_avg_sqs = lists[:4]
+        targets = lists[4] if count == 5 else params
+        adam_update_(targets, grads, exp_avgs, exp_avg_sqs, hyper, found_inf, inv_scale)
+        if count == 5:
+            torch._foreach_copy_(params, targets)
+
+    capturable.__name__ = capturable.__qualname__ = name
+    capturable.__doc__ = doc
+    return capturable
 
 
-@torch.no_grad()
-def multi_tensor_adam_capturable(
-    chunk_size: int,
-    noop_flag: torch.Tensor,
-    tensor_lists: Sequence[Sequence[torch.Tensor]],
-    lr: torch.Tensor,
-    beta1: float,
-    beta2: float,
-    epsilon: float,
-    step: torch.Tensor,
-    mode: int,
-    bias_correction: int,
-    weight_decay: float,
-    inv_scale: torch.Tensor,
-) -> None:
+multi_tensor_adam_capturable = _make_capturable(
+    4,
+    "multi_tensor_adam_capturable",
     """Adam on [grads, params, exp_avgs, exp_avg_sqs] with lr and step read from tensors,
     grads multiplied by inv_scale (and written back), and nothing changed when noop_flag is
-    set: no synchronization, for CUDA-graph capture."""
-    _capturable(
-        tensor_lists,
-        4,
-        lr,
-        beta1,
-        beta2,
-        epsilon,
-        step,
-        mode,
-        bias_correction,
-        weight_decay,
-        inv_scale,
-        noop_flag,
-        "multi_tensor_adam_capturable",
-    )
-
-
-@torch.no_grad()
-def multi_tensor_adam_capturable_master(
-    chunk_size: int,
-    noop_flag: torch.Tensor,
-    tensor_lists: Sequence[Sequence[torch.Tensor]],
-    lr: torch.Tensor,
-    beta1: float,
-    beta2: float,
-    epsilon: float,
-    step: torch.Tensor,
-    mode: int,
-    bias_correction: int,
-    weight_decay: float,
-    inv_scale: torch.Tensor,
-) -> None:
+    set: no synchronization, for CUDA-graph capture.""",
+)
+multi_tensor_adam_capturable_master = _make_capturable(
+    5,
+    "multi_tensor_adam_capturable_master",
     """multi_tensor_adam_capturable on [grads, params, exp_avgs, exp_avg_sqs, fp32 masters]:
-    the masters are updated and the params get their values."""
-    _capturable(
-        tensor_lists,
-        5,
-        lr,
-        beta1,
-        beta2,
-        epsilon,
-        step,
-        mode,
-        bias_correction,
-        weight_decay,
-        inv_scale,
-        noop_flag,
-        "multi_tensor_adam_capturable_master",
-    )
+    the masters are updated and the params get their values.""",
+)
