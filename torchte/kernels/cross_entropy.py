@@ -247,7 +247,9 @@ def check_logits(x: torch.Tensor, target: torch.Tensor, name: str = "cross_entro
         raise ValueError(f"{name}: target is on {target.device}, logits on {x.device}")
 
 
-def _check_stats(x: torch.Tensor, stats_all: torch.Tensor) -> None:
+def _check_loss_inputs(x: torch.Tensor, target: torch.Tensor, stats_all: torch.Tensor) -> None:
+    """check_logits, then every rank's stats (W, 4, N) in the math dtype on x's device."""
+    check_logits(x, target)
     want = math_dtype(x.dtype)
     if stats_all.dim() != 3 or stats_all.shape[1:] != (4, x.shape[0]) or stats_all.shape[0] < 1:
         raise ValueError(
@@ -320,8 +322,7 @@ def _loss_grad_triton(
     max_block: int = MAX_BLOCK,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch _loss_grad_kernel: -> (loss (N,) fp32, grad (N, V) fp32, or (0, V))."""
-    check_logits(x, target)
-    _check_stats(x, stats_all)
+    _check_loss_inputs(x, target, stats_all)
     n_rows, n_cols = x.shape
     loss = torch.empty(n_rows, dtype=torch.float32, device=x.device)
     grad_rows = n_rows if write_grad else 0
@@ -402,8 +403,7 @@ def cross_entropy_loss_and_grad_reference(
     write_grad: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Torch reference of cross_entropy_loss_and_grad: -> (loss (N,), grad (N, V) or (0, V))."""
-    check_logits(x, target)
-    _check_stats(x, stats_all)
+    _check_loss_inputs(x, target, stats_all)
     n_cols = x.shape[1]
     m, shift, d, x_t, s = _combine_reference(stats_all)
     y = target.long()

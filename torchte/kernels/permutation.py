@@ -41,6 +41,7 @@ from .permutation_maps import (
 from .permutation_reference import (
     permute_rows_reference,
     routes_of,
+    tokens_of,
     unpermute_rows_backward_reference,
     unpermute_rows_reference,
 )
@@ -310,6 +311,29 @@ def _valid_rows(row_id_map: torch.Tensor) -> torch.Tensor:
     return row_id_map[:, -1].sum(dtype=torch.int32).reshape(1)
 
 
+def _tail(
+    row_id_map: torch.Tensor,
+    index_topk: int,
+    pad_offsets: torch.Tensor | None,
+    valid_rows: torch.Tensor | None,
+    outs: tuple[torch.Tensor, ...],
+    n: int,
+    tail_programs: int,
+) -> tuple[int, torch.Tensor | None]:
+    """(tail programs, valid_rows) of a launch writing outs (R, ...), one row per route: under
+    an index map the rows past its N K routes are zeroed here; under a mask map without
+    padding `tail_programs` extra programs zero the rows past valid_rows (counted from the map
+    when None); else none."""
+    rows = outs[0].shape[0]
+    if index_topk and rows > n * index_topk:
+        for t in outs:
+            t[n * index_topk :].zero_()
+    elif not index_topk and pad_offsets is None and rows:
+        valid_rows = _valid_rows(row_id_map) if valid_rows is None else valid_rows
+        return tail_programs, valid_rows
+    return 0, valid_rows
+
+
 def _permute_triton(
     inp: torch.Tensor,
     row_id_map: torch.Tensor,
@@ -329,14 +353,10 @@ def _permute_triton(
     out_probs = None
     if probs is not None:
         out_probs = alloc((num_out_tokens,), dtype=probs.dtype, device=inp.device)
-    tail = 0
-    if index_topk and num_out_tokens > n * index_topk:
-        out[n * index_topk :].zero_()
-        if out_probs is not None:
-            out_probs[n * index_topk :].zero_()
-    elif not index_topk and pad_offsets is None and num_out_tokens:
-        tail = tail_programs
-        valid_rows = _valid_rows(row_id_map) if valid_rows is None else valid_rows
+    outs = (out,) if out_probs is None else (out, out_probs)
+    tail, valid_rows = _tail(
+        row_id_map, index_topk, pad_offsets, valid_rows, outs, n, tail_programs
+    )
     block_h = _block_h(h, max_block_h)
     grid = (n + tail, max(1, -(-h // block_h)), 1)
     if grid[0] == 0:
@@ -395,7 +415,7 @@ def _unpermute_triton(
     if inp.stride(1) != 1:
         inp = inp.contiguous()
     routes = routes_of(row_id_map, index_topk)
-    n = row_id_map.numel() // index_topk if index_topk else row_id_map.shape[0]
+    n = tokens_of(row_id_map, index_topk)
     out = torch.empty((n, h), dtype=inp.dtype, device=inp.device)
     up = None
     if permuted_probs is not None:
@@ -468,12 +488,9 @@ def _unpermute_bwd_triton(
     alloc = torch.zeros if pad_offsets is not None else torch.empty
     d_input = alloc((r_rows, h), dtype=grad.dtype, device=grad.device)
     d_probs = torch.empty((n, routes), dtype=merging_probs.dtype, device=grad.device)
-    tail = 0
-    if index_topk and r_rows > n * index_topk:
-        d_input[n * index_topk :].zero_()
-    elif not index_topk and pad_offsets is None and r_rows:
-        tail = tail_programs
-        valid_rows = _valid_rows(row_id_map) if valid_rows is None else valid_rows
+    tail, valid_rows = _tail(
+        row_id_map, index_topk, pad_offsets, valid_rows, (d_input,), n, tail_programs
+    )
     if n + tail == 0:
         return d_input, d_probs
     block_h = _block_h(h, max_block_h)

@@ -42,6 +42,17 @@ TILE = 4096  # elements of a (tokens, experts) or (tokens, chunks) tile
 if triton is not None:
 
     @triton.jit
+    def _map_tile(rm_ptr, b, n, e, s_t, s_e, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr):
+        """(t (BLOCK_T,) tokens, x (BLOCK_E,) experts, mask (BLOCK_T, BLOCK_E) in range, m
+        (BLOCK_T, BLOCK_E) int32): block b's tokens of the routing map (N, E) as 0 / 1, zero
+        outside it."""
+        t = b * BLOCK_T + tl.arange(0, BLOCK_T)
+        x = tl.arange(0, BLOCK_E)
+        mask = (t < n)[:, None] & (x < e)[None, :]
+        m = tl.load(rm_ptr + t.to(tl.int64)[:, None] * s_t + x[None, :] * s_e, mask=mask, other=0)
+        return t, x, mask, (m != 0).to(tl.int32)
+
+    @triton.jit
     def _map_count_kernel(
         rm_ptr,  # (N, E) routing map, any integer or bool dtype, strides (s_t, s_e)
         ws_ptr,  # (n_blocks, E) int32: tokens of each block routed to each expert
@@ -53,11 +64,7 @@ if triton is not None:
         BLOCK_E: tl.constexpr,
     ):
         b = tl.program_id(0)
-        t = b * BLOCK_T + tl.arange(0, BLOCK_T)
-        x = tl.arange(0, BLOCK_E)
-        mask = (t < n)[:, None] & (x < e)[None, :]
-        m = tl.load(rm_ptr + t.to(tl.int64)[:, None] * s_t + x[None, :] * s_e, mask=mask, other=0)
-        m = (m != 0).to(tl.int32)
+        _t, x, _mask, m = _map_tile(rm_ptr, b, n, e, s_t, s_e, BLOCK_T, BLOCK_E)
         tl.store(ws_ptr + b * e + x, tl.sum(m, axis=0), mask=x < e)
 
     @triton.jit
@@ -94,11 +101,7 @@ if triton is not None:
         BLOCK_E: tl.constexpr,
     ):
         b = tl.program_id(0)
-        t = b * BLOCK_T + tl.arange(0, BLOCK_T)
-        x = tl.arange(0, BLOCK_E)
-        mask = (t < n)[:, None] & (x < e)[None, :]
-        m = tl.load(rm_ptr + t.to(tl.int64)[:, None] * s_t + x[None, :] * s_e, mask=mask, other=0)
-        m = (m != 0).to(tl.int32)
+        t, x, mask, m = _map_tile(rm_ptr, b, n, e, s_t, s_e, BLOCK_T, BLOCK_E)
         totals = tl.load(counts_ptr + x, mask=x < e, other=0)
         if b == 0:
             tl.store(counts_ptr + e, tl.sum(totals, axis=0))

@@ -9,6 +9,7 @@ import torch
 __all__ = [
     "permute_rows_reference",
     "routes_of",
+    "tokens_of",
     "unpermute_rows_backward_reference",
     "unpermute_rows_reference",
 ]
@@ -17,6 +18,20 @@ __all__ = [
 def routes_of(row_id_map: torch.Tensor, index_topk: int) -> int:
     """E of a mask map (N, 2E+1), or K of an index map."""
     return index_topk if index_topk else (row_id_map.shape[1] - 1) // 2
+
+
+def tokens_of(row_id_map: torch.Tensor, index_topk: int) -> int:
+    """N of a mask map (N, 2E+1), or of an index map (K N,)."""
+    return row_id_map.numel() // index_topk if index_topk else row_id_map.shape[0]
+
+
+def _kept(
+    rows: torch.Tensor, routed: torch.Tensor, limit: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(keep, index), like rows: the routes whose row is in [0, limit), and their rows with
+    `limit` (an extra row, cut off or zero) for the others."""
+    keep = routed & (rows >= 0) & (rows < limit)
+    return keep, torch.where(keep, rows, limit)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -71,8 +86,7 @@ def permute_rows_reference(
     dropped route writes an extra row at the end, cut off."""
     n, h = inp.shape
     rows, experts, routed = _routes_reference(row_id_map, n, index_topk, pad_offsets)
-    keep = routed & (rows >= 0) & (rows < num_out_tokens)
-    dst = torch.where(keep, rows, num_out_tokens).reshape(-1)
+    dst = _kept(rows, routed, num_out_tokens)[1].reshape(-1)
     values = inp[:, None, :].expand(n, rows.shape[1], h)
     out_probs = None
     if probs is not None:
@@ -98,10 +112,9 @@ def unpermute_rows_reference(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Torch reference of unpermute_rows: routes added in the kernel's order, in fp32."""
     r_rows, h = inp.shape
-    n = row_id_map.numel() // index_topk if index_topk else row_id_map.shape[0]
+    n = tokens_of(row_id_map, index_topk)
     rows, experts, routed = _routes_reference(row_id_map, n, index_topk, pad_offsets)
-    keep = routed & (rows >= 0) & (rows < r_rows)
-    src = torch.where(keep, rows, r_rows)  # r_rows: an appended zero row
+    keep, src = _kept(rows, routed, r_rows)  # r_rows: an appended zero row
     x = torch.cat([inp, inp.new_zeros((1, h))])
     token = torch.arange(n, device=inp.device)
     if index_topk == 1 and merging_probs is None:
@@ -146,8 +159,7 @@ def unpermute_rows_backward_reference(
     n, h = grad.shape
     r_rows = fwd_input.shape[0]
     rows, experts, routed = _routes_reference(row_id_map, n, index_topk, pad_offsets)
-    keep = routed & (rows >= 0) & (rows < r_rows)
-    src = torch.where(keep, rows, r_rows)  # r_rows: an extra row, zero in x, cut from d_input
+    keep, src = _kept(rows, routed, r_rows)  # r_rows: an extra row, zero in x, cut from d_input
     acc_dtype = _acc_dtype(grad)
     g = grad.to(acc_dtype)[:, None, :]
     token = torch.arange(n, device=grad.device)[:, None]

@@ -64,30 +64,9 @@ if triton is not None:
         BLOCK_P: tl.constexpr,  # power of two >= D - D2, or 0 when nothing passes through
     ):
         tok = tl.program_id(0).to(tl.int64)
-        i0 = tok // n1
-        i1 = tok - i0 * n1
-        if SEQ_FIRST:
-            i_seq, i_batch = i0, i1
-        else:
-            i_seq, i_batch = i1, i0
-        p = tl.load(pos_ptr + i_seq).to(tl.int64) if HAS_POS else i_seq
-        if HAS_START:
-            p += tl.load(start_ptr + i_batch).to(tl.int64)
-        in_range = (p >= 0) & (p < s2)
-
-        k = tl.arange(0, BLOCK_K)
-        k_mask = k < half
-        if INTERLEAVED:
-            col_a = 2 * k
-            col_b = col_a + 1
-        else:
-            col_a = k
-            col_b = k + half
-        f_row = freqs_ptr + p * (2 * half)
-        t_a = tl.load(f_row + col_a, mask=k_mask & in_range, other=0.0)
-        t_b = tl.load(f_row + col_b, mask=k_mask & in_range, other=0.0)
-        t_a = tl.where(in_range, t_a, float("nan"))
-        t_b = tl.where(in_range, t_b, float("nan"))
+        i0, i1, p = token_position(tok, n1, pos_ptr, start_ptr, SEQ_FIRST, HAS_POS, HAS_START)
+        k_mask, col_a, col_b = pair_columns(half, INTERLEAVED, BLOCK_K)
+        t_a, t_b = pair_angles(freqs_ptr, p, s2, half, col_a, col_b, k_mask)
         cos_a, sin_a = tl.cos(t_a)[None, :], tl.sin(t_a)[None, :]
         cos_b, sin_b = tl.cos(t_b)[None, :], tl.sin(t_b)[None, :]
 
@@ -112,6 +91,53 @@ if triton is not None:
             c_mask = h_mask & (c < d)[None, :]
             v = tl.load(x_row + c[None, :], mask=c_mask, other=0.0)
             tl.store(y_row + c[None, :], v, mask=c_mask)
+
+    @triton.jit
+    def token_position(
+        tok,  # the program's token: i0 * N1 + i1, int64
+        n1,
+        pos_ptr,
+        start_ptr,
+        SEQ_FIRST: tl.constexpr,
+        HAS_POS: tl.constexpr,
+        HAS_START: tl.constexpr,
+    ):
+        """(i0, i1, p): the token's indices along N0 and N1 and its position (int64)."""
+        i0 = tok // n1
+        i1 = tok - i0 * n1
+        if SEQ_FIRST:
+            i_seq, i_batch = i0, i1
+        else:
+            i_seq, i_batch = i1, i0
+        p = tl.load(pos_ptr + i_seq).to(tl.int64) if HAS_POS else i_seq
+        if HAS_START:
+            p += tl.load(start_ptr + i_batch).to(tl.int64)
+        return i0, i1, p
+
+    @triton.jit
+    def pair_columns(half, INTERLEAVED: tl.constexpr, BLOCK_K: tl.constexpr):
+        """(k_mask, col_a, col_b), each (BLOCK_K,): the channels of pair k < D2 / 2."""
+        k = tl.arange(0, BLOCK_K)
+        k_mask = k < half
+        if INTERLEAVED:
+            col_a = 2 * k
+            col_b = col_a + 1
+        else:
+            col_a = k
+            col_b = k + half
+        return k_mask, col_a, col_b
+
+    @triton.jit
+    def pair_angles(freqs_ptr, p, s2, half, col_a, col_b, k_mask):
+        """(t_a, t_b), fp32 (BLOCK_K,): row p of freqs (S2, D2) at the pairs' channels; NaN
+        when p is outside [0, S2)."""
+        in_range = (p >= 0) & (p < s2)
+        f_row = freqs_ptr + p * (2 * half)
+        t_a = tl.load(f_row + col_a, mask=k_mask & in_range, other=0.0)
+        t_b = tl.load(f_row + col_b, mask=k_mask & in_range, other=0.0)
+        t_a = tl.where(in_range, t_a, float("nan"))
+        t_b = tl.where(in_range, t_b, float("nan"))
+        return t_a, t_b
 
     _launch = FastLaunch(_rope_kernel)
 
@@ -189,6 +215,16 @@ def check_inputs(
         raise ValueError(f"rope: freqs is on {freqs.device}, x on {x.device}")
 
 
+def block_sizes(rows: int, d: int, half: int, tile: int) -> tuple[int, int, int]:
+    """(BLOCK rows, BLOCK_K, BLOCK_P) of a program turning `rows` heads of D channels whose
+    first 2 half turn: powers of two, BLOCK rows x BLOCK_K within `tile` elements."""
+    block_k = 1 << (half - 1).bit_length()
+    block_rows = min(1 << (rows - 1).bit_length(), max(1, tile // block_k))
+    n_pass = d - 2 * half
+    block_p = 1 << (n_pass - 1).bit_length() if n_pass else 0
+    return block_rows, block_k, block_p
+
+
 def _rope_triton(
     x: torch.Tensor,
     freqs: torch.Tensor,
@@ -210,10 +246,7 @@ def _rope_triton(
     if y.numel() == 0:
         return y
     half = freqs.shape[1] // 2
-    block_k = 1 << (half - 1).bit_length()
-    block_h = min(1 << (heads - 1).bit_length(), max(1, tile // block_k))
-    n_pass = d - 2 * half
-    block_p = 1 << (n_pass - 1).bit_length() if n_pass else 0
+    block_h, block_k, block_p = block_sizes(heads, d, half, tile)
     sx0, sx1, sxh = x.stride(0), x.stride(1), x.stride(2)
     grid = (n0 * n1, -(-heads // block_h), 1)
     pos_arg = seq_pos if seq_pos is not None else freqs  # an unread pointer when absent

@@ -21,7 +21,7 @@ import torch
 
 from ._compile import compiled_as_op
 from ._triton import FastLaunch, int_key, ptr_key, tl, triton, triton_available
-from .rope import NUM_WARPS, TILE, _rotate_reference, check_inputs
+from .rope import NUM_WARPS, TILE, _rotate_reference, block_sizes, check_inputs
 
 __all__ = [
     "check_qkv_inputs",
@@ -32,6 +32,7 @@ __all__ = [
 ]
 
 if triton is not None:
+    from .rope import pair_angles, pair_columns, token_position
 
     @triton.jit
     def _qkv_rope_kernel(
@@ -72,32 +73,10 @@ if triton is not None:
         BLOCK_P: tl.constexpr,  # power of two >= D - D2, or 0 when nothing passes through
     ):
         tok = tl.program_id(0).to(tl.int64)
-        i0 = tok // n1
-        i1 = tok - i0 * n1
-        if SEQ_FIRST:
-            i_seq, i_batch = i0, i1
-        else:
-            i_seq, i_batch = i1, i0
-        p = tl.load(pos_ptr + i_seq).to(tl.int64) if HAS_POS else i_seq
-        if HAS_START:
-            p += tl.load(start_ptr + i_batch).to(tl.int64)
-        in_q = (p >= 0) & (p < s2_q)
-        in_k = (p >= 0) & (p < s2_k)
-
-        k = tl.arange(0, BLOCK_K)
-        k_mask = k < half
-        if INTERLEAVED:
-            col_a = 2 * k
-            col_b = col_a + 1
-        else:
-            col_a = k
-            col_b = k + half
-        fq = q_freqs_ptr + p * (2 * half)
-        fk = k_freqs_ptr + p * (2 * half)
-        tq_a = tl.where(in_q, tl.load(fq + col_a, mask=k_mask & in_q, other=0.0), float("nan"))
-        tq_b = tl.where(in_q, tl.load(fq + col_b, mask=k_mask & in_q, other=0.0), float("nan"))
-        tk_a = tl.where(in_k, tl.load(fk + col_a, mask=k_mask & in_k, other=0.0), float("nan"))
-        tk_b = tl.where(in_k, tl.load(fk + col_b, mask=k_mask & in_k, other=0.0), float("nan"))
+        i0, i1, p = token_position(tok, n1, pos_ptr, start_ptr, SEQ_FIRST, HAS_POS, HAS_START)
+        k_mask, col_a, col_b = pair_columns(half, INTERLEAVED, BLOCK_K)
+        tq_a, tq_b = pair_angles(q_freqs_ptr, p, s2_q, half, col_a, col_b, k_mask)
+        tk_a, tk_b = pair_angles(k_freqs_ptr, p, s2_k, half, col_a, col_b, k_mask)
 
         n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         g = (n // (per + 2)).to(tl.int64)
@@ -289,10 +268,7 @@ def _qkv_rope_triton(
     if n0 * n1 * rows == 0:
         return
     half = q_freqs.shape[1] // 2
-    block_k = 1 << (half - 1).bit_length()
-    block_n = min(1 << (rows - 1).bit_length(), max(1, tile // block_k))
-    n_pass = d - 2 * half
-    block_p = 1 << (n_pass - 1).bit_length() if n_pass else 0
+    block_n, block_k, block_p = block_sizes(rows, d, half, tile)
     strides = (*qkv.stride()[:3], *q.stride()[:3], *k.stride()[:3], *v.stride()[:3])
     grid = (n0 * n1, -(-rows // block_n), 1)
     pos_arg = seq_pos if seq_pos is not None else q_freqs  # an unread pointer when absent

@@ -242,6 +242,14 @@ def _check_adam_dtypes(lists, name) -> None:
         _check_dtypes(lists[4], (torch.float32,), "master param", name)
 
 
+def _checked_lists(noop_flag, tensor_lists, counts, name):
+    """The checked flag, lists (see _adam_lists) and their dtypes; the lists."""
+    check_flag(noop_flag, name)
+    lists = _adam_lists(tensor_lists, counts, name)
+    _check_adam_dtypes(lists, name)
+    return lists
+
+
 @torch.no_grad()
 def multi_tensor_adam(
     chunk_size: int,
@@ -263,9 +271,7 @@ def multi_tensor_adam(
     Transformer Engine, infs and NaNs propagate).
     """
     name = "multi_tensor_adam"
-    check_flag(noop_flag, name)
-    lists = _adam_lists(tensor_lists, (4, 5), name)
-    _check_adam_dtypes(lists, name)
+    lists = _checked_lists(noop_flag, tensor_lists, (4, 5), name)
     hyper = AdamHyper.of(lr, beta1, beta2, epsilon, step, mode, bias_correction, weight_decay, name)
     if not lists[0]:
         return
@@ -295,9 +301,7 @@ def multi_tensor_adam_param_remainder(
     of each param is its bf16 bits (rounded to nearest, ties away from zero) and the int16
     remainder of the low 16 bits (see masters_from_remainders); both are written back."""
     name = "multi_tensor_adam_param_remainder"
-    check_flag(noop_flag, name)
-    lists = _adam_lists(tensor_lists, (5,), name)
-    _check_adam_dtypes(lists, name)
+    lists = _checked_lists(noop_flag, tensor_lists, (5,), name)
     _check_dtypes(lists[1], (torch.bfloat16,), "param", name)
     _check_dtypes(lists[4], (torch.int16,), "param remainder", name)
     hyper = AdamHyper.of(lr, beta1, beta2, epsilon, step, mode, bias_correction, weight_decay, name)
@@ -408,11 +412,13 @@ def _make_capturable(count: int, name: str, doc: str):
         weight_decay: float,
         inv_scale: torch.Tensor,
     ) -> None:
+        lists = _checked_lists(noop_flag, tensor_lists, (count,), name)
         for arg, value in (("lr", lr), ("step", step), ("inv_scale", inv_scale)):
             if not isinstance(value, torch.Tensor) or value.numel() != 1:
                 raise TypeError(f"{name}: {arg} must be a one-element tensor")
-        hyper_args = (lr, beta1, beta2, epsilon, step, mode, bias_correction, weight_decay)
-        lists, hyper = _checked(noop_flag, tensor_lists, (count,), hyper_args, name)
+        hyper = AdamHyper.of(
+            lr, beta1, beta2, epsilon, step, mode, bias_correction, weight_decay, name
+        )
         if not lists[0]:
             return
         found_inf = noop_flag.to(device=lists[0][0].device, dtype=torch.float32).reshape(1)

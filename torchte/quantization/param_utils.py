@@ -129,23 +129,8 @@ def quantize_master_weights(
             torch.autograd.graph.increment_version(cast.weight)
 
 
-def cast_master_weights_to_fp8(
-    model_weights: Sequence[torch.Tensor],
-    master_weights: Sequence[torch.Tensor | None],
-    start_offsets: Sequence[int | None],
-    group,
-    fsdp_shard_model_weights: Sequence[torch.Tensor | None] | None = None,
-    manual_post_all_gather_processing: bool = False,
-) -> None:
-    """Transformer Engine's older name of quantize_master_weights (the same arguments)."""
-    quantize_master_weights(
-        model_weights,
-        master_weights,
-        start_offsets,
-        group,
-        fsdp_shard_model_weights,
-        manual_post_all_gather_processing,
-    )
+# Transformer Engine's older name of quantize_master_weights (the same arguments).
+cast_master_weights_to_fp8 = quantize_master_weights
 
 
 def post_all_gather_processing(model_weights: torch.Tensor | Sequence[torch.Tensor]) -> None:
