@@ -171,15 +171,9 @@ def math_attention(q, k, v, inputs: AttentionInputs) -> torch.Tensor:
     """softmax(Q K^T * scale + bias + mask) V with fp32 matmuls and softmax, then dropout on the
     probabilities: the reference every other backend is held to."""
     group = q.shape[1] // k.shape[1]
-    q32 = q.float()
-    k32 = k.float().repeat_interleave(group, dim=1)
     v32 = v.float().repeat_interleave(group, dim=1)
-    scores = torch.matmul(q32, k32.transpose(-1, -2)) * inputs.scale
-    if inputs.bias is not None:
-        scores = scores + inputs.bias
     keep, row_ok = _masks(q, inputs.plan)
-    if keep is not None:
-        scores = scores.masked_fill(~keep, float("-inf"))
+    scores = _logits(q, k, inputs.scale, inputs.bias, keep)
     if inputs.sink is None:
         probs = torch.softmax(scores, dim=-1)
     else:
@@ -197,20 +191,35 @@ def max_logits(q, k, inputs: AttentionInputs) -> torch.Tensor:
     q [b, h, sq, d], k [b, hg, skv, d] -> fp32 [h] (-inf for a head whose every logit is
     masked). Transformer Engine's return_max_logit (qk-clip); no gradient, one batch row at a
     time so that no [b, h, sq, skv] tensor is made."""
-    group = q.shape[1] // k.shape[1]
     keep, _ = _masks(q, inputs.plan)
     slopes = inputs.alibi_slopes
     bias = inputs.bias if slopes is None else alibi_bias(inputs.plan, slopes)
     best = torch.full((q.shape[1],), float("-inf"), device=q.device)
     for i in range(q.shape[0]):
-        k32 = k[i].float().repeat_interleave(group, dim=0)
-        scores = torch.matmul(q[i].float(), k32.transpose(-1, -2)) * inputs.scale
-        if bias is not None:
-            scores = scores + bias[i if bias.shape[0] > 1 else 0]
-        if keep is not None:
-            scores = scores.masked_fill(~keep[i if keep.shape[0] > 1 else 0], float("-inf"))
-        best = torch.maximum(best, scores.amax(dim=(1, 2)))
+        row = slice(i, i + 1)
+        scores = _logits(q[row], k[row], inputs.scale, _batch_row(bias, i), _batch_row(keep, i))
+        best = torch.maximum(best, scores.amax(dim=(0, 2, 3)))
     return best
+
+
+def _logits(q, k, scale: float, bias, keep) -> torch.Tensor:
+    """fp32 Q K^T * scale + bias, -inf where `keep` is False: q [b, h, sq, d], k [b, hg, skv, d]
+    -> [b, h, sq, skv] (bias and keep broadcast to it, either may be None)."""
+    k32 = k.float().repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+    scores = torch.matmul(q.float(), k32.transpose(-1, -2)) * scale
+    if bias is not None:
+        scores = scores + bias
+    if keep is not None:
+        scores = scores.masked_fill(~keep, float("-inf"))
+    return scores
+
+
+def _batch_row(t: torch.Tensor | None, i: int) -> torch.Tensor | None:
+    """Batch row i of a [b|1, ...] tensor, kept 4-D (row 0 of a broadcast one)."""
+    if t is None:
+        return None
+    j = i if t.shape[0] > 1 else 0
+    return t[j : j + 1]
 
 
 def sdpa_attention(q, k, v, inputs: AttentionInputs) -> torch.Tensor:
