@@ -135,10 +135,12 @@ def test_is_fp8_available_returns_a_bool_and_a_reason_on_request():
 @pytest.mark.parametrize(
     "check", ["is_mxfp8_available", "is_fp8_block_scaling_available", "is_nvfp4_available"]
 )
-def test_recipes_not_implemented_are_not_available(check):
-    assert getattr(te, check)() is False
+def test_block_recipes_say_whether_they_run_natively_or_emulated(check):
+    assert getattr(te, check)() is True
     available, reason = getattr(te, check)(return_reason=True)
-    assert available is False and "not implemented in torchte" in reason
+    assert available is True and reason.startswith(("native: ", "emulated: "))
+    if not torch.cuda.is_available():
+        assert reason.startswith("emulated: ") and "CPU" in reason
 
 
 def test_bf16_and_compute_capability():

@@ -29,6 +29,10 @@ FP8_KERNELS = (
     "torchte.kernels.scaling",
     "torchte.kernels._fp8_codec",
     "torchte.kernels.cast_spec",
+    "torchte.kernels.block_cast",
+    "torchte.kernels.mxfp8_cast",
+    "torchte.kernels.nvfp4_cast",
+    "torchte.kernels._fp4_codec",
 )
 RECIPE_CLASSES = {
     "DelayedScaling",

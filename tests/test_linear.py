@@ -20,9 +20,9 @@ from torchte.autocast import autocast_state
 from torchte.quantization.setup import check_recipe
 from torchte.recipe import (
     DelayedScaling,
-    Float8BlockScaling,
     Float8CurrentScaling,
-    MXFP8BlockScaling,
+    MXFP4QATFloat8BlockScaling,
+    MXFP4QATMXFP8BlockScaling,
     NVFP4BlockScaling,
     Recipe,
 )
@@ -312,10 +312,17 @@ def test_unknown_recipe_subclass_not_implemented():
         layer(torch.randn(2, 16))
 
 
-@pytest.mark.parametrize("recipe", [Float8BlockScaling(), MXFP8BlockScaling(), NVFP4BlockScaling()])
-def test_block_recipes_not_implemented(recipe):
+@pytest.mark.parametrize(
+    "recipe",
+    [
+        MXFP4QATFloat8BlockScaling(),
+        MXFP4QATMXFP8BlockScaling(),
+        NVFP4BlockScaling(row_scaled_activation=True),
+    ],
+)
+def test_block_recipe_options_not_implemented(recipe):
     layer = te.Linear(32, 16)
-    match = type(recipe).__name__
+    match = type(recipe).__name__.split("(")[0]
     with pytest.raises(NotImplementedError, match=match), te.autocast(recipe=recipe):
         layer(torch.randn(4, 32))
     assert autocast_state().depth == 0

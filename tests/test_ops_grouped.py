@@ -420,8 +420,8 @@ def test_grouped_mlp_bad_input_is_refused_before_any_kernel(monkeypatch):
         te.ops.Sequential(te.ops.GroupedLinear(2, 8, 64), te.ops.SwiGLU(),
                           te.ops.GroupedLinear(2, 48, 8))  # fmt: skip
     assert te.ops.GroupedLinear(2, 8, 8, delay_wgrad_compute=True).delay_wgrad_compute
-    mxfp8 = te.autocast(recipe=recipe.MXFP8BlockScaling())
-    with pytest.raises(NotImplementedError, match="MXFP8BlockScaling"), mxfp8:
+    qat = te.autocast(recipe=recipe.MXFP4QATMXFP8BlockScaling())
+    with pytest.raises(NotImplementedError, match="MXFP4QATMXFP8BlockScaling"), qat:
         mlp(x, SPLITS, probs, SPLITS)
 
 

@@ -313,7 +313,7 @@ def test_bad_fsdp_options_are_refused_before_training(
     err = _error([*args, "--fsdp", "--batch-size", "2", "--seq-len", "24"], capsys)
     assert "--batch-size 2 / 2 --fsdp ranks x --seq-len 24 = 24 tokens" in err
     err = _error([*args, "--fsdp", "--fp8-all-gather", "--recipe", "bf16"], capsys)
-    assert "needs an FP8 --recipe" in err
+    assert "it needs --recipe delayed or current" in err
     err = _error([*args, "--fsdp", "--fsdp-gather-dtype", "fp16"], capsys)
     assert "invalid choice: 'fp16'" in err
     monkeypatch.delenv("WORLD_SIZE")

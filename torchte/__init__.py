@@ -33,6 +33,7 @@ from .module.linear import Linear
 from .module.norm import LayerNorm, RMSNorm
 from .offload import get_cpu_offload_context
 from .quantization.base import QuantizedTensor
+from .quantization.block_tensor import Float8BlockwiseQTensor, MXFP8Tensor, NVFP4Tensor
 from .quantization.float8_tensor import Float8Tensor
 from .quantization.model_init import fp8_model_init, quantized_model_init
 from .recompute import checkpoint
@@ -41,6 +42,7 @@ from .transformer import TransformerLayer
 __all__ = [
     "DType",
     "DotProductAttention",
+    "Float8BlockwiseQTensor",
     "Float8Tensor",
     "Fp8Padding",
     "Fp8Unpadding",
@@ -50,7 +52,9 @@ __all__ = [
     "LayerNormLinear",
     "LayerNormMLP",
     "Linear",
+    "MXFP8Tensor",
     "MultiheadAttention",
+    "NVFP4Tensor",
     "QuantizedTensor",
     "RMSNorm",
     "RotaryPositionEmbedding",

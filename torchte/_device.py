@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 __all__ = [
+    "block_gemm_native",
     "default_device",
     "fp8_support",
     "get_device_compute_capability",
@@ -78,24 +79,80 @@ def is_fp8_available(return_reason: bool = False) -> bool | tuple[bool, str]:
     return _answer(*fp8_support(default_device(None)), return_reason)
 
 
-def _not_implemented(recipe: str, return_reason: bool) -> bool | tuple[bool, str]:
-    reason = f"{recipe} recipes are not implemented in torchte yet (on any device)"
-    return _answer(False, reason, return_reason)
+# The block-scaled recipes, by the name their availability functions use: (the compute
+# capability range whose tensor cores run their GEMMs natively, what the GEMM is).
+_BLOCK_NATIVE = {
+    "Float8BlockScaling": ((9, 0), (10, 0), "cuBLAS 1x128/128x128 block-scaled FP8 (Hopper)"),
+    "MXFP8BlockScaling": ((10, 0), None, "MX-scaled FP8 (Blackwell)"),
+    "NVFP4BlockScaling": ((10, 0), None, "NVFP4 (Blackwell)"),
+}
+
+
+def block_gemm_native(recipe: str, device: torch.device) -> tuple[bool, str]:
+    """(native, how) for the GEMMs of block-scaled `recipe` ("Float8BlockScaling",
+    "MXFP8BlockScaling", "NVFP4BlockScaling") on `device`: native where torch runs them on
+    this GPU's tensor cores (Float8BlockScaling on compute capability 9.x; the MX formats'
+    native path, compute capability 10+, is not implemented in this release), else emulated:
+    the operands dequantized exactly and multiplied in bf16/fp32 (the format's numerics, not
+    its speed). Computed once per (recipe, device)."""
+    key = (recipe, device)
+    answer = _BLOCK_GEMM.get(key)
+    if answer is None:
+        answer = _BLOCK_GEMM[key] = _block_gemm_native(recipe, device)
+    return answer
+
+
+_BLOCK_GEMM: dict[tuple[str, torch.device], tuple[bool, str]] = {}
+
+
+def _block_gemm_native(recipe: str, device: torch.device) -> tuple[bool, str]:
+    low, high, what = _BLOCK_NATIVE[recipe]
+    if device.type == "cpu":
+        return False, f"{recipe} is emulated on the CPU (same bytes, GEMMs in fp32)"
+    supported, reason = fp8_support(device)
+    if not supported:
+        return False, reason
+    capability = torch.cuda.get_device_capability(device)
+    if recipe == "Float8BlockScaling" and low <= capability < high:
+        import torch.nn.functional as F
+
+        if hasattr(F, "scaled_mm") and hasattr(F, "ScalingType"):
+            return True, f"{what} through torch.nn.functional.scaled_mm"
+        return False, f"this torch has no torch.nn.functional.scaled_mm; {recipe} is emulated"
+    major, minor = capability
+    return False, (
+        f"{recipe}: native {what} GEMMs are not implemented for compute capability "
+        f"{major}.{minor} in torchte; emulated (dequantized operands, bf16 GEMM, fp32 "
+        "accumulation): the format's numerics, not its speed"
+    )
+
+
+def _block_available(recipe: str, return_reason: bool) -> bool | tuple[bool, str]:
+    device = default_device(None)
+    supported, reason = fp8_support(device)
+    if not supported:
+        return _answer(False, reason, return_reason)
+    native, how = block_gemm_native(recipe, device)
+    return _answer(True, ("native: " if native else "emulated: ") + how, return_reason)
 
 
 def is_mxfp8_available(return_reason: bool = False) -> bool | tuple[bool, str]:
-    """False: MXFP8BlockScaling does not run in torchte yet (with return_reason, why)."""
-    return _not_implemented("MXFP8BlockScaling", return_reason)
+    """Whether MXFP8BlockScaling runs on the default device (emulated on Hopper and the CPU:
+    exact MXFP8 numerics); with return_reason, (available, "native: ..." | "emulated: ...")."""
+    return _block_available("MXFP8BlockScaling", return_reason)
 
 
 def is_fp8_block_scaling_available(return_reason: bool = False) -> bool | tuple[bool, str]:
-    """False: Float8BlockScaling does not run in torchte yet (with return_reason, why)."""
-    return _not_implemented("Float8BlockScaling", return_reason)
+    """Whether Float8BlockScaling runs on the default device (natively on Hopper, emulated on
+    the CPU and other FP8 GPUs); with return_reason, (available, "native: ..." |
+    "emulated: ...")."""
+    return _block_available("Float8BlockScaling", return_reason)
 
 
 def is_nvfp4_available(return_reason: bool = False) -> bool | tuple[bool, str]:
-    """False: NVFP4BlockScaling does not run in torchte yet (with return_reason, why)."""
-    return _not_implemented("NVFP4BlockScaling", return_reason)
+    """Whether NVFP4BlockScaling runs on the default device (emulated on Hopper and the CPU:
+    exact NVFP4 numerics); with return_reason, (available, "native: ..." | "emulated: ...")."""
+    return _block_available("NVFP4BlockScaling", return_reason)
 
 
 def is_bf16_available(return_reason: bool = False) -> bool | tuple[bool, str]:

@@ -40,18 +40,17 @@ def check_fp8_support() -> tuple[bool, str]:
 
 
 def check_mxfp8_support() -> tuple[bool, str]:
-    """(supported, reason) for MXFP8BlockScaling: False on every device (not implemented yet)."""
+    """(supported, reason) for MXFP8BlockScaling: see torchte.is_mxfp8_available."""
     return is_mxfp8_available(return_reason=True)
 
 
 def check_fp8_block_scaling_support() -> tuple[bool, str]:
-    """(supported, reason) for Float8BlockScaling: False on every device (not implemented
-    yet)."""
+    """(supported, reason) for Float8BlockScaling: see torchte.is_fp8_block_scaling_available."""
     return is_fp8_block_scaling_available(return_reason=True)
 
 
 def check_nvfp4_support() -> tuple[bool, str]:
-    """(supported, reason) for NVFP4BlockScaling: False on every device (not implemented yet)."""
+    """(supported, reason) for NVFP4BlockScaling: see torchte.is_nvfp4_available."""
     return is_nvfp4_available(return_reason=True)
 
 

@@ -7,6 +7,10 @@ accumulation). FP8: torch._scaled_mm on a GPU; on a CPU the FP8 operands are mul
 Every FP8 GEMM here takes both operands "K-major": a (M, K) and b (N, K), row-major, and gives
 out (M, N) = (a * a_scale_inv) @ (b * b_scale_inv).T.
 
+Block-scaled operands (GemmOperand: Float8BlockScaling's 1x128 / 128x128 FP8, the emulated
+MXFP8 / NVFP4 values) go through operand_gemm: torch's block-scaled matmul on Hopper, else the
+operands dequantized exactly and multiplied with fp32 accumulation.
+
 Grouped (mixture-of-experts) GEMMs over G groups of rows, group g owning rows
 [offs[g-1], offs[g]) of x (offs: int32 cumulative ends, offs[G-1] = T), run as one
 torch._grouped_mm where grouped_mm_supported says it works (bf16 on sm90 and newer, probed once
@@ -20,10 +24,21 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from ._gemm_util import empty_product as _empty_product
+from ._gemm_util import fp32_mm
 from ._group_splits import GroupSplits
+from .gemm_block import (
+    block_grouped_dgrad,
+    block_grouped_fprop,
+    block_grouped_wgrad,
+    operand_gemm,
+)
 from .kernels.grouped_gemm_fp8 import grouped_reduction_gemm, grouped_rows_gemm
 
 __all__ = [
+    "block_grouped_dgrad",
+    "block_grouped_fprop",
+    "block_grouped_wgrad",
     "fp8_gemm",
     "fp32_mm",
     "grouped_dgrad",
@@ -32,17 +47,11 @@ __all__ = [
     "grouped_wgrad",
     "hp_linear",
     "hp_mm",
+    "operand_gemm",
     "scaled_grouped_dgrad",
     "scaled_grouped_fprop",
     "scaled_grouped_mm_supported",
 ]
-
-
-def fp32_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a (M, K) @ b (K, N) in fp32 (both fp32), also inside a torch.autocast region, which would
-    otherwise run the product in its low-precision dtype."""
-    with torch.autocast(a.device.type, enabled=False):
-        return torch.mm(a, b)
 
 
 def hp_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -115,18 +124,6 @@ def _scaled_mm_cuda(a, a_scale_inv, b, b_scale_inv, out_dtype, bias, out, accumu
     if bias is not None and fused_bias is None:
         result = result.add_(bias)
     return result
-
-
-def _empty_product(m, n, device, out_dtype, bias, out, accumulate) -> torch.Tensor:
-    """An (M, N) product with an empty dimension: zeros plus bias, written to / added to `out`
-    when given."""
-    if out is None:
-        out = torch.zeros(m, n, dtype=out_dtype, device=device)
-    elif not accumulate:
-        out.zero_()
-    if bias is not None and m > 0:
-        out += bias.to(out.dtype)
-    return out
 
 
 # ----------------------------------------------------------------------------------------------

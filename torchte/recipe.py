@@ -6,8 +6,9 @@ Recipes are mutable, as in Transformer Engine: a field set after construction is
 te.autocast (and quantized_model_init, make_graphed_callables) takes of the recipe it is given
 (`_frozen()`, one per recipe and change), so a change takes effect at the next region and never
 alters state built under the old values. Recipes compare and hash by their values.
-Only `DelayedScaling` and `Float8CurrentScaling` run in this release; modules used under the
-block-scaling recipes raise NotImplementedError naming the recipe. QParams and MMParams
+Every recipe runs except CustomRecipe and the MXFP4 quantization-aware-training variants (and
+the few options `_unsupported` names): modules used under one raise NotImplementedError
+naming it. QParams and MMParams
 (recipe_params.py) hold the per-role quantization and per-GEMM accumulation options.
 """
 
@@ -424,7 +425,7 @@ def _check_choice(recipe, name: str, allowed: tuple) -> None:
 
 @dataclass(eq=False)
 class Float8BlockScaling(Recipe):
-    """1x128 (activations, gradients) and 128x128 (weights) block scaling. Not yet runnable.
+    """1x128 (activations, gradients) and 128x128 (weights) block scaling.
 
     Validated as Transformer Engine validates it: block dims 1 or 2, never two 2-D operands in
     one GEMM, split accumulation in every GEMM, no FP8 attention, no E5M2.
@@ -465,7 +466,7 @@ class Float8BlockScaling(Recipe):
 
 @dataclass(eq=False)
 class MXFP8BlockScaling(Recipe):
-    """MXFP8: E8M0 scales over blocks of 32 values. Not yet runnable."""
+    """MXFP8: E8M0 scales over blocks of 32 values (emulated exactly off Blackwell)."""
 
     margin: int = 0
     fp8_format: Format = Format.E4M3
@@ -479,16 +480,28 @@ class MXFP8BlockScaling(Recipe):
         _check_backward_override(self)
 
 
+_QAT_UNSUPPORTED = (
+    "{}: MXFP4 quantization-aware training (weights rounded onto the MXFP4 grid) is not "
+    "implemented in torchte yet"
+)
+
+
 @dataclass(eq=False)
 class MXFP4QATMXFP8BlockScaling(MXFP8BlockScaling):
     """MXFP8 with the weights first rounded onto the MXFP4 grid (quantization-aware training).
     Not yet runnable."""
+
+    def _unsupported(self) -> str | None:
+        return _QAT_UNSUPPORTED.format(type(self).__name__)
 
 
 @dataclass(eq=False)
 class MXFP4QATFloat8BlockScaling(Float8BlockScaling):
     """Float8BlockScaling with the weights first rounded onto the MXFP4 grid. Needs 128x128
     weight blocks and power-of-two weight scales. Not yet runnable."""
+
+    def _unsupported(self) -> str | None:
+        return _QAT_UNSUPPORTED.format(type(self).__name__)
 
     def _validate(self) -> None:
         super()._validate()
@@ -501,7 +514,8 @@ class MXFP4QATFloat8BlockScaling(Float8BlockScaling):
 
 @dataclass(eq=False)
 class NVFP4BlockScaling(Recipe):
-    """NVFP4: FP4 E2M1 values with FP8 scales over blocks of 16. Not yet runnable.
+    """NVFP4: FP4 E2M1 values with FP8 scales over blocks of 16 (emulated exactly off
+    Blackwell).
 
     fp4_quant_fwd_inp, fp4_quant_fwd_weight and fp4_quant_bwd_grad (read-only QParams) say
     what the disable_* fields leave on: random Hadamard transforms for inputs and gradients,
@@ -536,6 +550,16 @@ class NVFP4BlockScaling(Recipe):
         _check_choice(self, "nvfp4_4over6", _NVFP4_SCOPES)
         _check_choice(self, "nvfp4_4over6_e4m3_use_256", _NVFP4_SCOPES)
         _check_choice(self, "nvfp4_4over6_err_mode", ("MAE", "MSE"))
+
+    def _unsupported(self) -> str | None:
+        options = []
+        if self.row_scaled_activation:
+            options.append("row_scaled_activation=True")
+        if self.nvfp4_4over6 != "none":
+            options.append(f"nvfp4_4over6={self.nvfp4_4over6!r}")
+        if not options:
+            return None
+        return f"NVFP4BlockScaling({', '.join(options)}) is not implemented in torchte yet"
 
     @property
     def fp4_quant_fwd_inp(self) -> QParams:

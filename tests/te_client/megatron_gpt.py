@@ -49,6 +49,8 @@ CASES = [
     Case("bf16", {"bf16": True}),
     Case("fp8-delayed", {"bf16": True, "fp8": "hybrid", "fp8_recipe": "delayed"}),
     Case("fp8-tensorwise", {"bf16": True, "fp8": "e4m3", "fp8_recipe": "tensorwise"}),
+    Case("fp8-blockwise", {"bf16": True, "fp8": "e4m3", "fp8_recipe": "blockwise"}),
+    Case("fp8-mxfp8", {"bf16": True, "fp8": "e4m3", "fp8_recipe": "mxfp8"}),
     Case("fp32-match", {}, check="match"),
     Case(
         "moe-grouped",
@@ -61,6 +63,17 @@ CASES = [
             "bf16": True,
             "fp8": "hybrid",
             "fp8_recipe": "delayed",
+            "num_moe_experts": 4,
+            "moe_grouped_gemm": True,
+        },
+        {"num_experts": 4, "moe_grouped_gemm": True},
+    ),
+    Case(
+        "moe-grouped-blockwise",
+        {
+            "bf16": True,
+            "fp8": "e4m3",
+            "fp8_recipe": "blockwise",
             "num_moe_experts": 4,
             "moe_grouped_gemm": True,
         },

@@ -32,6 +32,10 @@ class AliasPath:
 _PADDING = "torchte.module.fp8_padding"
 _MODEL_INIT = "torchte.quantization.model_init"
 _DEVICE = "torchte._device"
+_BLOCK_TENSORS = "torchte.quantization.block_tensor"
+_BLOCKWISE = ("Float8BlockQuantizer", "Float8BlockwiseQTensorStorage")
+_MXFP8 = ("MXFP8Quantizer", "MXFP8TensorStorage")
+_NVFP4 = ("NVFP4Quantizer", "NVFP4TensorStorage")
 _AVAILABLE = (
     "is_fp8_available",
     "is_mxfp8_available",
@@ -115,7 +119,49 @@ PATHS: dict[str, AliasPath] = {
     ),
     "transformer_engine.pytorch.transformer": AliasPath(names=_one("torchte", "TransformerLayer")),
     "transformer_engine.pytorch.tensor": AliasPath(
-        names=_one("torchte", "Float8Tensor", "QuantizedTensor"), package=True
+        names={
+            **_one("torchte", "Float8Tensor", "QuantizedTensor"),
+            **_one(_BLOCK_TENSORS, "Float8BlockwiseQTensor", "MXFP8Tensor", "NVFP4Tensor"),
+            **_one("torchte.quantization.blockwise", *_BLOCKWISE),
+            **_one("torchte.quantization.mxfp8", *_MXFP8),
+            **_one("torchte.quantization.nvfp4", *_NVFP4),
+        },
+        package=True,
+    ),
+    "transformer_engine.pytorch.tensor.float8_blockwise_tensor": AliasPath(
+        names={
+            **_one("torchte.quantization.blockwise", "Float8BlockQuantizer"),
+            **_one(_BLOCK_TENSORS, "Float8BlockwiseQTensor"),
+        }
+    ),
+    "transformer_engine.pytorch.tensor.mxfp8_tensor": AliasPath(
+        names={
+            **_one("torchte.quantization.mxfp8", "MXFP8Quantizer"),
+            **_one(_BLOCK_TENSORS, "MXFP8Tensor"),
+        }
+    ),
+    "transformer_engine.pytorch.tensor.nvfp4_tensor": AliasPath(
+        names={
+            **_one("torchte.quantization.nvfp4", "NVFP4Quantizer"),
+            **_one(_BLOCK_TENSORS, "NVFP4Tensor"),
+        }
+    ),
+    "transformer_engine.pytorch.tensor.storage": AliasPath(
+        names={
+            **_one("torchte.quantization.blockwise", "Float8BlockwiseQTensorStorage"),
+            **_one("torchte.quantization.mxfp8", "MXFP8TensorStorage"),
+            **_one("torchte.quantization.nvfp4", "NVFP4TensorStorage"),
+        },
+        package=True,
+    ),
+    "transformer_engine.pytorch.tensor.storage.float8_blockwise_tensor_storage": AliasPath(
+        names=_one("torchte.quantization.blockwise", "Float8BlockwiseQTensorStorage")
+    ),
+    "transformer_engine.pytorch.tensor.storage.mxfp8_tensor_storage": AliasPath(
+        names=_one("torchte.quantization.mxfp8", "MXFP8TensorStorage")
+    ),
+    "transformer_engine.pytorch.tensor.storage.nvfp4_tensor_storage": AliasPath(
+        names=_one("torchte.quantization.nvfp4", "NVFP4TensorStorage")
     ),
     "transformer_engine.pytorch.tensor.utils": AliasPath(
         sources=("torchte.quantization.param_utils",)

@@ -161,7 +161,11 @@ def fp8_backward(ctx, dy: torch.Tensor | GroupedStorage, dbias: torch.Tensor | N
 
         def compute() -> list:
             if sizes is None:
-                return _device_wgrad(ctx, dy_fp8, x_fp8, first.main_grad is not None, device)
+
+                def wgrad(out_dtype):
+                    return device_grouped_wgrad(dy_fp8, x_fp8, out_dtype)
+
+                return device_wgrads(ctx, wgrad, first.main_grad is not None, device)
             _, dy_cols, dy_scales = dy_operands or dy_fp8.gemm_operands()
             _, x_cols, x_scales = x_fp8.gemm_operands()
             operands = (dy_cols, dy_scales, x_cols, x_scales)
@@ -209,13 +213,14 @@ def _wgrad_into_main_grad(ctx, sizes: list[int], operands, device) -> list:
     return dws
 
 
-def _device_wgrad(ctx, dy_fp8, x_fp8, into_main_grad: bool, device) -> list:
-    """The weight gradients from one grouped GEMM that reads the sizes on the device: handed
-    out as views of its (G, N, K) output, or (fuse_wgrad_accumulation) copied into or added to
-    each weight's main_grad as _wgrad_into_main_grad decides, two multi-tensor launches."""
+def device_wgrads(ctx, wgrad, into_main_grad: bool, device) -> list:
+    """The weight gradients from one grouped GEMM, wgrad(out_dtype) -> (G, N, K), that reads
+    the sizes on the device: handed out as views of its output, or (fuse_wgrad_accumulation)
+    copied into or added to each weight's main_grad as _wgrad_into_main_grad decides, two
+    multi-tensor launches."""
     if not into_main_grad:
-        return list(device_grouped_wgrad(dy_fp8, x_fp8, ctx.weight_dtype).unbind(0))
-    grads = device_grouped_wgrad(dy_fp8, x_fp8, torch.float32).unbind(0)
+        return list(wgrad(ctx.weight_dtype).unbind(0))
+    grads = wgrad(torch.float32).unbind(0)
     copies, adds, dws = ([], []), ([], []), []
     for g, gemm in enumerate(ctx.plan.gemms):
         target = gemm.main_grad

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from torchte._options import check_options
-from torchte.gemm import fp8_gemm, hp_linear, hp_mm
+from torchte.gemm import fp8_gemm, hp_linear, hp_mm, operand_gemm
 from torchte.quantization.float8 import Float8Storage
 from torchte.quantization.float8_tensor import Float8Tensor
 from torchte.quantization.model_init import make_fp8_parameter, model_init_settings
@@ -110,16 +110,26 @@ def fprop(x, w, bias, plan: LinearPlan, residual=None) -> torch.Tensor:
     if residual is not None:
         return torch.addmm(residual, x, w.t())
     if plan.fp8:
-        return fp8_gemm(
-            x.rowwise_data,
-            x.scale_inv,
-            w.rowwise_data,
-            w.scale_inv,
-            plan.dtype,
-            bias=bias,
-            use_fast_accum=True,
-        )
+        return quantized_gemm(x, "rowwise", w, "rowwise", plan.dtype, bias=bias, fast=True)
     return hp_linear(x, w, bias)
+
+
+def quantized_gemm(a, a_usage, b, b_usage, out_dtype, bias=None, out=None, accumulate=False,
+                   rows=slice(None), fast=False):  # fmt: skip
+    """(R_a, R_b) = A @ B^T of two quantized values, each read through one usage ("rowwise":
+    its (rows, K) data; "columnwise": its (K, rows) transpose copy), + bias; `rows` keeps
+    rows of A only (fused wgrad accumulation into a split weight's main_grad); `out` (fp32)
+    written or added to. Per-tensor FP8 (Float8Storage) straight to fp8_gemm (fast:
+    cuBLAS fast accumulation, the forward's); block-scaled formats through their GEMM
+    operands (gemm.operand_gemm)."""
+    if type(a) is Float8Storage:
+        return fp8_gemm(
+            getattr(a, f"{a_usage}_data")[rows], a.scale_inv, getattr(b, f"{b_usage}_data"),
+            b.scale_inv, out_dtype, bias=bias, out=out, accumulate=accumulate,
+            use_fast_accum=fast,
+        )  # fmt: skip
+    a_op = a.gemm_operand(a_usage).rows(rows)
+    return operand_gemm(a_op, b.gemm_operand(b_usage), out_dtype, bias, out, accumulate)
 
 
 def linear_forward(
@@ -130,7 +140,7 @@ def linear_forward(
     by a fused producer (FP8 only). With keep_rowwise the saved FP8 input keeps its rowwise data
     too (for a recompute of this GEMM in backward). residual (M, N) (high precision, no bias):
     y = x W^T + residual from the GEMM (see fprop)."""
-    produced = isinstance(inp, Float8Storage)
+    produced = not isinstance(inp, torch.Tensor)  # a quantized storage a producer wrote
     x2d = None if produced else inp.reshape(-1, inp.shape[-1])
     dtype = plan.dtype
     if bias is not None and bias.dtype != dtype:
@@ -150,11 +160,7 @@ def linear_forward(
         if need_wgrad and plan.save_original_input and x2d is not None:
             x_saved = x2d  # kept as given: backward casts it again (_columnwise_input)
         w_saved = w_fp8 if need_dgrad else None
-        if (
-            isinstance(x_saved, Float8Storage)
-            and not keep_rowwise
-            and not isinstance(inp, Float8Tensor)
-        ):
+        if x_saved is x_fp8 and not keep_rowwise and not isinstance(inp, Float8Tensor):
             x_fp8.update_usage(rowwise_usage=False)  # only the transpose is used in wgrad
     else:
         x_hp = x2d if x2d.dtype == dtype else x2d.to(dtype)
@@ -259,24 +265,14 @@ def _backward_fp8(ctx, plan, dy2d, dy_fp8, x_saved, w_fp8, start_reduction):
         plan.backward_hook()
     dgrad = None
     if ctx.need_dgrad:
-        dgrad = fp8_gemm(
-            dy_fp8.rowwise_data,
-            dy_fp8.scale_inv,
-            w_fp8.columnwise_data,
-            w_fp8.scale_inv,
-            plan.dtype,
-        )
+        dgrad = quantized_gemm(dy_fp8, "rowwise", w_fp8, "columnwise", plan.dtype)
 
     def wgrad_gemm(rows: slice, out: torch.Tensor | None, accumulate: bool):
-        return fp8_gemm(
-            dy_fp8.columnwise_data[rows],
-            dy_fp8.scale_inv,
-            x_fp8.columnwise_data,
-            x_fp8.scale_inv,
-            torch.float32 if out is not None else ctx.weight_dtype,
-            out=out,
-            accumulate=accumulate,
-        )
+        out_dtype = torch.float32 if out is not None else ctx.weight_dtype
+        return quantized_gemm(
+            dy_fp8, "columnwise", x_fp8, "columnwise", out_dtype, out=out,
+            accumulate=accumulate, rows=rows,
+        )  # fmt: skip
 
     return _overlapped(dgrad, start_reduction, lambda: _wgrad(ctx, plan, wgrad_gemm))
 

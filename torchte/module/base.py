@@ -24,9 +24,9 @@ from torchte import _nvtx
 from torchte._device import default_device, graph_capturing
 from torchte.autocast import autocast_state
 from torchte.offload import mark_not_offload
+from torchte.quantization.base import QuantizedTensor
 from torchte.quantization.delayed import DEFAULT_HISTORY_LEN, DelayedScalingState
 from torchte.quantization.float8 import Float8Storage
-from torchte.quantization.float8_tensor import Float8Tensor
 from torchte.quantization.model_init import model_init_settings
 from torchte.quantization.setup import FP8Setup, check_recipe, new_setup
 from torchte.recipe import Recipe
@@ -232,7 +232,7 @@ class TransformerEngineBaseModule(TEMetadataMixin, SetattrGuard):
         setup = self._fp8_setups.get(recipe) or self._new_fp8_setup(recipe)
         for name, gemm in self._fp8_weight_slots():
             param = self._parameters.get(name)
-            if isinstance(param, Float8Tensor):
+            if isinstance(param, QuantizedTensor) and hasattr(param, "_quantizer"):
                 param._quantizer = setup.weight[gemm]
 
     # -- FP8 state ------------------------------------------------------------------------------
@@ -386,17 +386,15 @@ class TransformerEngineBaseModule(TEMetadataMixin, SetattrGuard):
         return out
 
     def _fp8_weight(self, weight, plan, is_first_microbatch, need_columnwise, params):
-        """The FP8 weight of GEMM plan.gemm: a Float8Tensor parameter's own storage, or the
-        cached quantized copy (requantized when one of `params`, the parameters the weight is
-        made of, changed, or the step's scale moved)."""
+        """The FP8 weight of GEMM plan.gemm: a quantized parameter's own storage (Float8Tensor,
+        or a block-scaled one), or the cached quantized copy (requantized when one of `params`,
+        the parameters the weight is made of, changed, or the step's scale moved)."""
         if not plan.fp8:
             return None
-        if isinstance(weight, Float8Tensor):
-            storage: Float8Storage = weight._storage
+        if isinstance(weight, QuantizedTensor) and hasattr(weight, "_storage"):
+            storage = weight._storage
             if need_columnwise and storage.columnwise_data is None:
-                with keeping_out_of_inference():
-                    storage.update_usage(columnwise_usage=True)
-                mark_not_offload(storage)  # a parameter's data: saving it moves nothing
+                storage = columnwise_weight(weight, plan.setup.weight[plan.gemm])
             return storage
         setup = plan.setup
         quantizer = setup.weight[plan.gemm]
@@ -529,6 +527,25 @@ def fp8_weight_cached(
     return cached_quantization(cache, key, is_first_microbatch, capturing, quantize, columnwise)
 
 
+def columnwise_weight(weight: QuantizedTensor, quantizer):
+    """The storage of the quantized parameter `weight`, given a columnwise copy it lacks: made
+    in the parameter's own storage where the format makes it exactly from the rowwise copy;
+    else (1x128 or MXFP8 blocks: separate quantizations) a new value, quantized with both
+    usages from the dequantized weight with its `_quantizer` (or `quantizer`), not kept."""
+    storage = weight._storage
+    with keeping_out_of_inference():
+        try:
+            storage.update_usage(columnwise_usage=True)
+        except RuntimeError:
+            quantizer = weight._quantizer or quantizer
+            with torch.no_grad():
+                value_hp = storage.dequantize(weight.dtype)
+                fresh = quantizer.quantize(value_hp, rowwise=True, columnwise=True)
+            return getattr(fresh, "_storage", fresh)
+    mark_not_offload(storage)  # a parameter's data: saving it moves nothing
+    return storage
+
+
 def cached_quantization(
     cache: list, key, is_first_microbatch, capturing: bool, quantize: Callable, columnwise: bool
 ):
@@ -543,7 +560,12 @@ def cached_quantization(
         cache[0] = (key, storage)
     elif columnwise and storage.columnwise_data is None:
         with keeping_out_of_inference():
-            storage.update_usage(columnwise_usage=True)
+            try:
+                storage.update_usage(columnwise_usage=True)
+            except RuntimeError:  # a format whose copies are cast apart (1x128 blocks)
+                with torch.no_grad():
+                    storage = quantize()
+                cache[0] = (key, storage)
     else:
         return storage
     mark_not_offload(storage)

@@ -4,7 +4,7 @@ Legend: x (T, K) the tokens of G groups stacked (group g owns m_g consecutive ro
 m_splits), W_g (N, K) and b_g (N,) group g's weight and bias, y (T, N) with
 y[rows of g] = x[rows of g] W_g^T + b_g.
 
-Three paths, chosen per setting (the plan's mode):
+Four paths, chosen per setting (the plan's mode):
 - "grouped": bf16 on a GPU where torch._grouped_mm works (gemm.grouped_mm_supported), without
   FP8 or fused wgrad accumulation: one grouped GEMM each for fprop, dgrad and wgrad, whatever
   G is, and no host-device synchronization when m_splits is a device tensor. The weights are
@@ -16,6 +16,8 @@ Three paths, chosen per setting (the plan's mode):
   gradients accumulated into each weight's main_grad with fuse_wgrad_accumulation. Sizes in a
   device tensor are never read back: the casts and Triton grouped GEMMs find the groups on the
   device (see _grouped_fp8.py).
+- "block": Float8BlockScaling (_grouped_block.py): 1x128 / 128x128 block-scaled FP8, every
+  GEMM one grouped launch reading the group sizes on the device.
 - "per_group": everything else (fp32/fp16, calibration, bf16 main_grad, bf16 off the GPU): group g
   goes through te.Linear's own forward and backward (module/_linear_core.py) with GEMM g's
   quantizers. The weight gradients are stacked into one buffer and handed out as views.
@@ -48,6 +50,7 @@ from torchte.gemm import (
     grouped_mm_supported,
     grouped_wgrad,
 )
+from torchte.quantization.base import QuantizedTensor
 from torchte.quantization.float8_tensor import Float8Tensor
 from torchte.quantization.model_init import make_fp8_parameter, model_init_settings
 
@@ -61,6 +64,7 @@ from ._common import (
 )
 from ._deferred_wgrad import group_wgrads
 from ._functorch import apply, transforms_active
+from ._grouped_block import block_backward, block_forward, block_weights
 from ._grouped_fp8 import fp8_backward, fp8_forward, grouped_fp8_weights
 from ._grouped_params import (
     GroupMainGrad,
@@ -229,6 +233,8 @@ def grouped_linear_forward(ctx, inp, call: GroupedCall, params, grads):
         return _grouped_forward(ctx, inp, splits, plan, weights, biases, needs)
     if mode == "fp8":
         return fp8_forward(ctx, inp, splits, plan, biases, w_fp8, needs)
+    if mode == "block":
+        return block_forward(ctx, inp, splits, plan, biases, w_fp8, needs)
     bias_grads = bias_grads if biases else (False,) * num_gemms
     param_grads = list(zip(weight_grads, bias_grads, strict=True))
     return _per_group_forward(ctx, inp, splits, plan, (weights, biases), w_fp8, needs, param_grads)
@@ -262,8 +268,10 @@ def grouped_plan(module, key: PlanKey, weight_names: list[str], who: str) -> Gro
     if plain and not fp8_params:
         if dtype == torch.bfloat16 and grouped_mm_supported(module.device, dtype, True):
             mode = "grouped"
-    elif fp8:
-        mode = "fp8"
+    elif fp8 and gemms[0].setup.grouped_mode is not None:
+        mode = gemms[0].setup.grouped_mode  # "fp8" (per-tensor scales) or "block"
+        if mode == "block" and isinstance(p[weight_names[0]], QuantizedTensor):
+            mode = "per_group"  # block-scaled weight parameters: each read as it is
     return GroupedPlan(gemms, mode)
 
 
@@ -300,11 +308,12 @@ def grouped_weights_fp8(
     if plan.mode == "fp8" and isinstance(weights[0], Float8Tensor):
         cache = module.__dict__.setdefault("_fp8_weight_group", [None])
         return fp8_weight_group(cache, weights, columnwise)
-    if plan.mode == "fp8":
+    if plan.mode in ("fp8", "block"):
         setup = first.setup
         version = module._weight_version(weights if version_params is None else version_params)
         key = (version, (_STATE.step, setup.weight_generation()))
-        return grouped_fp8_weights(weights, setup, key, is_first_microbatch, columnwise)
+        quantize = grouped_fp8_weights if plan.mode == "fp8" else block_weights
+        return quantize(weights, setup, key, is_first_microbatch, columnwise)
     return [
         module._fp8_weight(w, gemm, is_first_microbatch, columnwise, (w,))
         for w, gemm in zip(weights, plan.gemms, strict=True)
@@ -316,6 +325,8 @@ def grouped_linear_backward(ctx, dy, dbias: torch.Tensor | None = None):
     be a GroupedStorage a fused producer wrote, with the bias gradients it summed (dbias)."""
     if ctx.mode == "fp8":
         return fp8_backward(ctx, dy, dbias)
+    if ctx.mode == "block":
+        return block_backward(ctx, dy)
     if ctx.mode == "grouped":
         return _grouped_backward(ctx, dy)
     return _per_group_backward(ctx, dy)
@@ -470,7 +481,8 @@ class GroupedLinear(SaveOriginalInputMixin, TransformerEngineBaseModule):
         for g, weight in enumerate(weights.unbind(0)):
             setup.prime_weight(weight, g)
             params.append(make_fp8_parameter(weight, setup.weight[g], preserve))
-        pack_fp8_weights(params)
+        if isinstance(params[0], Float8Tensor):  # block-scaled weights stay one by one
+            pack_fp8_weights(params)
         return params
 
     def set_tensor_parallel_group(self, tp_group) -> None:

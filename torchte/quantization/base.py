@@ -8,11 +8,19 @@ checkpointing reach the data of any Storage only through the QuantizedStorage me
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import torch
 
-__all__ = ["QuantizedStorage", "QuantizedTensor", "Quantizer", "TwoUsageStorage"]
+__all__ = [
+    "BLOCK",
+    "GemmOperand",
+    "QuantizedStorage",
+    "QuantizedTensor",
+    "Quantizer",
+    "TwoUsageStorage",
+]
 
 
 @runtime_checkable
@@ -118,3 +126,41 @@ class Quantizer:
     def record_amax(self, x_hp: torch.Tensor) -> None:
         """Record x's amax as quantizing it would, without quantizing (calibration)."""
         raise NotImplementedError
+
+
+# The side of a scaling block of the block-scaled FP8 formats (Float8BlockScaling).
+BLOCK = 128
+
+
+@dataclass(frozen=True, slots=True)
+class GemmOperand:
+    """One operand of a K-major GEMM, logically an (R, K) matrix (R: rows of the GEMM's output
+    side, K: the reduced dimension), as a block-scaled storage hands it to gemm.py.
+
+    kind:
+    - "block1d": data (R, K) fp8 row-major; scale (ceil(K/128), R) fp32 contiguous, scale of
+      row r, K-block j at [j, r] (1x128 blocks along K): value = data * scale.
+    - "block2d": data (R, K) fp8 row-major; scale (ceil(R/128), round_up(ceil(K/128), 4)) fp32
+      contiguous, scale of tile (i, j) at [i, j] (128x128 tiles; the padding columns unused).
+    - "values": data (R, K) high precision (bf16 or fp32) holding the exact dequantized values
+      of an emulated format, possibly a transposed view; scale (1,) fp32 that multiplies every
+      product of a GEMM with this operand (NVFP4's per-tensor factor), or None.
+    """
+
+    kind: str
+    data: torch.Tensor
+    scale: torch.Tensor | None
+
+    def rows(self, rows: slice) -> GemmOperand:
+        """The operand of rows `rows` (a slice of R) only, scales made to match the layout."""
+        if rows == slice(None):
+            return self
+        if self.kind == "block1d":
+            return GemmOperand("block1d", self.data[rows], self.scale[:, rows].contiguous())
+        if self.kind == "block2d":
+            start, stop, _ = rows.indices(self.data.shape[0])
+            if start % BLOCK:
+                raise ValueError(f"block2d operand: rows must start at a multiple of {BLOCK}")
+            tiles = slice(start // BLOCK, -(-stop // BLOCK))
+            return GemmOperand("block2d", self.data[rows], self.scale[tiles])
+        return GemmOperand(self.kind, self.data[rows], self.scale)

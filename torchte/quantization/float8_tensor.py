@@ -36,9 +36,9 @@ from typing import Any, NamedTuple
 
 import torch
 from torch._subclasses.fake_tensor import is_fake
-from torch.utils._pytree import tree_map_only
 
 from . import float8_fsdp
+from ._block_common import run_dequantized, run_in_place, written_args
 from .base import QuantizedTensor, Quantizer
 from .float8 import Float8CurrentScalingQuantizer, Float8Storage
 from .float8_tensor_te import Float8TensorTENames
@@ -275,7 +275,7 @@ class Float8Tensor(Float8TensorTENames, QuantizedTensor):
         handler = _HANDLERS.get(func)
         if handler is not None:
             return handler(func, args, kwargs)
-        written = _written_args(func)
+        written = written_args(func)
         if written:
             return _run_in_place(func, args, kwargs, written)
         return _run_dequantized(func, args, kwargs)
@@ -399,27 +399,13 @@ def _dequantize_arg(tensor: Float8Tensor) -> torch.Tensor:
     return tensor._storage.dequantize(tensor.dtype)
 
 
+# grouped.py imports it under this name.
+_written_args = written_args
+
+
 def _run_dequantized(func, args, kwargs):
     """Fallback: run func on the dequantized values; the results are plain tensors."""
-    args = tree_map_only(Float8Tensor, _dequantize_arg, args)
-    kwargs = tree_map_only(Float8Tensor, _dequantize_arg, kwargs)
-    return func(*args, **kwargs)
-
-
-_WRITTEN_ARGS: dict[Any, tuple[tuple[int, str], ...]] = {}
-
-
-def _written_args(func) -> tuple[tuple[int, str], ...]:
-    """(position, name) of each argument func's schema marks as written (Tensor(a!))."""
-    written = _WRITTEN_ARGS.get(func)
-    if written is None:
-        written = tuple(
-            (i, arg.name)
-            for i, arg in enumerate(func._schema.arguments)
-            if arg.alias_info is not None and arg.alias_info.is_write
-        )
-        _WRITTEN_ARGS[func] = written
-    return written
+    return run_dequantized(Float8Tensor, _dequantize_arg, func, args, kwargs)
 
 
 def _run_in_place(func, args, kwargs, written):
@@ -428,30 +414,7 @@ def _run_in_place(func, args, kwargs, written):
     Arguments it writes that are plain tensors are written as usual; returned values that are
     the stand-ins of Float8Tensors are replaced by those Float8Tensors.
     """
-    args, kwargs = list(args), dict(kwargs)
-    targets: list[tuple[Float8Tensor, torch.Tensor]] = []
-
-    def stand_in(value):
-        if isinstance(value, Float8Tensor):
-            hp = _dequantize_arg(value)
-            targets.append((value, hp))
-            return hp
-        if isinstance(value, list | tuple):
-            return type(value)(stand_in(v) for v in value)
-        return value
-
-    for position, name in written:
-        if position < len(args):
-            args[position] = stand_in(args[position])
-        elif name in kwargs:
-            kwargs[name] = stand_in(kwargs[name])
-    out = _run_dequantized(func, args, kwargs)
-    for tensor, hp in targets:
-        tensor._requantize_(hp)
-    if not targets:
-        return out
-    originals = {id(hp): tensor for tensor, hp in targets}
-    return tree_map_only(torch.Tensor, lambda t: originals.get(id(t), t), out)
+    return run_in_place(Float8Tensor, _dequantize_arg, func, args, kwargs, written)
 
 
 def _alias(tensor: Float8Tensor) -> Float8Tensor:

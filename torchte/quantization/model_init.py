@@ -1,7 +1,8 @@
 """quantized_model_init: build modules whose weights exist only in FP8.
 
 While the context manager is active, modules read `model_init_settings()` at construction and
-keep each weight only as a Float8Tensor parameter (made by `make_fp8_parameter`), never in high
+keep each weight only as a quantized parameter (a Float8Tensor, or the block-scaled recipes'
+Float8BlockwiseQTensor / MXFP8Tensor / NVFP4Tensor, made by `make_fp8_parameter`), never in high
 precision. With `preserve_high_precision_init_val=True` the high-precision initial value is also
 kept on the CPU, reachable through `param.get_high_precision_init_val()` (an optimizer may seed
 its fp32 master weights from it) and freed by `param.clear_high_precision_init_val()`, as in
@@ -22,6 +23,7 @@ from torchte.offload import mark_not_offload
 from torchte.recipe import DelayedScaling, Recipe
 
 from .base import Quantizer
+from .block_tensor import block_tensor_class
 from .float8 import Float8Storage
 from .float8_tensor import Float8Tensor
 
@@ -108,20 +110,24 @@ def make_fp8_parameter(
 ) -> torch.nn.Parameter:
     """Quantize weight_hp (any shape, fp32/bf16/fp16) into an FP8 parameter.
 
-    Returns an nn.Parameter that is a Float8Tensor of weight_hp's shape and nominal dtype,
-    holding `quantizer` for later in-place updates (optimizer steps, checkpoint loads). With
-    preserve_high_precision_init_val, a CPU copy of weight_hp is attached with the methods
-    `get_high_precision_init_val()` and `clear_high_precision_init_val()`.
+    Returns an nn.Parameter that is the quantized tensor of the quantizer's format
+    (Float8Tensor; Float8BlockwiseQTensor, MXFP8Tensor or NVFP4Tensor under the block-scaled
+    recipes) of weight_hp's shape and nominal dtype, holding `quantizer` for later in-place
+    updates (optimizer steps, checkpoint loads). With preserve_high_precision_init_val, a CPU
+    copy of weight_hp is attached with the methods `get_high_precision_init_val()` and
+    `clear_high_precision_init_val()`.
     """
     with torch.no_grad():
         weight_hp = weight_hp.detach()
         value = quantizer.quantize(weight_hp)
         if isinstance(value, Float8Storage):
             value = Float8Tensor.from_storage(value, weight_hp.dtype, quantizer)
+        elif (block_class := block_tensor_class(value)) is not None:
+            value = block_class.from_storage(value, weight_hp.dtype, quantizer)
         elif not isinstance(value, torch.Tensor):
             raise TypeError(
                 f"make_fp8_parameter: {type(quantizer).__name__}.quantize returned "
-                f"{type(value).__name__}, which is neither a Float8Storage nor a tensor"
+                f"{type(value).__name__}, which is neither a known Storage nor a tensor"
             )
     param = torch.nn.Parameter(value, requires_grad=requires_grad)
     # A parameter's data: saving it for backward moves nothing, so it is never offloaded.

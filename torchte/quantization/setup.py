@@ -18,6 +18,7 @@ from torchte._device import fp8_support
 from torchte.autocast import autocast_state, update_after_backward
 from torchte.recipe import DelayedScaling, Float8CurrentScaling, Recipe
 
+from .block_setup import BLOCK_RECIPES, block_quantizer, grouped_block_mode
 from .delayed import DelayedScalingState
 from .float8 import Float8CurrentScalingQuantizer
 from .grouped_quantizer import GroupedQuantizer
@@ -33,10 +34,11 @@ def check_recipe(recipe: Recipe, device: torch.device) -> None:
     """Raise unless `recipe` runs on `device` in this release."""
     if not isinstance(recipe, Recipe):
         raise TypeError(f"unknown recipe {recipe!r}: expected a torchte.recipe.Recipe")
-    if not isinstance(recipe, (DelayedScaling, Float8CurrentScaling)):
+    if not isinstance(recipe, (DelayedScaling, Float8CurrentScaling, *BLOCK_RECIPES)):
         raise NotImplementedError(
-            f"recipe {type(recipe).__name__} is not implemented in torchte yet; "
-            "use recipe.DelayedScaling or recipe.Float8CurrentScaling"
+            f"recipe {type(recipe).__name__} is not implemented in torchte yet; use "
+            "DelayedScaling, Float8CurrentScaling, Float8BlockScaling, MXFP8BlockScaling or "
+            "NVFP4BlockScaling"
         )
     name = type(recipe).__name__
     if recipe.backward_override is not None:
@@ -80,8 +82,10 @@ class FP8Setup:
     input/weight/output quantize forward tensors; grad_output/grad_input backward ones.
     output and grad_input make user-visible Float8Tensors (fp8_output / fp8_grad).
     grouped_* quantize all GEMMs' tensors of one slot at once (grouped modules; None where the
-    state is not laid out slot by slot). fwd_state/bwd_state are the DelayedScalingStates (None
-    under current scaling).
+    state is not laid out slot by slot); grouped_mode names the grouped path they serve:
+    "fp8" (per-tensor scales per group), "block" (Float8BlockScaling's 1x128 / 128x128
+    blocks) or None (grouped modules run group by group). fwd_state/bwd_state are the
+    DelayedScalingStates (None under current scaling and the block recipes).
     """
 
     __slots__ = (
@@ -91,6 +95,7 @@ class FP8Setup:
         "grad_output",
         "grouped_grad_output",
         "grouped_input",
+        "grouped_mode",
         "grouped_weight",
         "grouped_weight_cache",
         "input",
@@ -119,12 +124,23 @@ class FP8Setup:
             if self.fwd_state is not None:
                 state = self.fwd_state if forward else self.bwd_state
                 quantizers = [state.quantizer(slot, dtype, internal, g) for g in range(num_gemms)]
+            elif isinstance(recipe, BLOCK_RECIPES):
+                quantizers = [block_quantizer(recipe, slot, dtype, internal)] * num_gemms
             else:
                 q = Float8CurrentScalingQuantizer(dtype, *recipe._slot_scaling(slot), internal)
                 quantizers = [q] * num_gemms
             setattr(self, slot, quantizers)
+        self.grouped_mode = None
+        if isinstance(recipe, BLOCK_RECIPES):
+            self.grouped_mode = grouped_block_mode(recipe)
+            for slot, _ in _GROUPED_SLOTS:
+                quantizer = getattr(self, slot)[0] if self.grouped_mode else None
+                setattr(self, f"grouped_{slot}", quantizer)
+            return
         for slot, forward in _GROUPED_SLOTS:
             setattr(self, f"grouped_{slot}", self._grouped_quantizer(slot, dtypes[forward]))
+        if self.grouped_input is not None:
+            self.grouped_mode = "fp8"
 
     def _grouped_quantizer(self, slot: str, dtype: torch.dtype) -> GroupedQuantizer | None:
         if self.fwd_state is None:
@@ -174,7 +190,8 @@ class FP8Setup:
             return
         for slot in ("input", "weight", "grad_output"):
             for quantizer in (*getattr(self, slot), getattr(self, f"grouped_{slot}")):
-                quantizer.amax_reduction = reduce_max
+                if quantizer is not None:
+                    quantizer.amax_reduction = reduce_max
 
     def drop_weight_caches(self) -> None:
         """Forget the cached FP8 weights (their parameters were replaced)."""

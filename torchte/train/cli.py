@@ -75,7 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--recipe",
         choices=RECIPES,
-        help="bf16 (FP8 off: all in --compute-dtype), FP8 delayed or current scaling",
+        help="bf16 (FP8 off: all in --compute-dtype), FP8 delayed or current scaling, block "
+        "(1x128 / 128x128 block-scaled FP8), mxfp8 or nvfp4 (emulated on Hopper and the CPU)",
     )
     p.add_argument(
         "--compare",
@@ -190,7 +191,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _recipes(p: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[str, ...]:
     if args.compare and args.recipe == "bf16":
-        p.error("--compare runs bf16 and then an FP8 recipe: give --recipe delayed or current")
+        p.error(
+            "--compare runs bf16 and then an FP8 recipe: give an FP8 --recipe (delayed, "
+            "current, block, mxfp8, nvfp4)"
+        )
     if args.recipe is not None and not args.compare:
         return (args.recipe,)
     return ("bf16", args.recipe or "delayed")
@@ -289,8 +293,11 @@ def parse_args(argv: list[str] | None = None) -> tuple[ModelConfig, RunConfig]:
     supported = _fp8_supported(args, recipes)
     if supported != recipes:
         config = dataclasses.replace(config, recipes=supported)
-    if config.fp8_all_gather and not config.uses_fp8:
-        p.error("--fp8-all-gather gathers FP8 weights: it needs an FP8 --recipe (delayed, current)")
+    per_tensor = {"delayed", "current"}
+    if config.fp8_all_gather and not per_tensor.intersection(config.recipes):
+        p.error("--fp8-all-gather gathers FP8 weights: it needs --recipe delayed or current")
+    if config.fp8_all_gather and set(config.recipes) - per_tensor - {"bf16"}:
+        p.error("--fp8-all-gather with a block-scaled --recipe is not implemented yet")
     ranks = data_parallel_ranks(config.fsdp, config.tp)  # each trains on batch / ranks rows
     if config.sequence_parallel and (config.batch_size // ranks) % config.tp:
         p.error(

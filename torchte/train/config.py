@@ -13,7 +13,7 @@ from pathlib import Path
 
 VOCAB_SIZE = 256  # byte-level: one token per byte
 FP8_MULTIPLE = 16  # FP8 GEMMs need every dimension, token counts included, divisible by 16
-RECIPES = ("bf16", "delayed", "current")
+RECIPES = ("bf16", "delayed", "current", "block", "mxfp8", "nvfp4")
 COMPUTE_DTYPES = ("bf16", "fp32")
 GATHER_DTYPES = ("fp32", "bf16")  # --fsdp-gather-dtype
 DEFAULT_MAX_BYTES = 64 * 2**20  # corpus cap: reading stops once this many bytes are kept

@@ -58,6 +58,12 @@ def make_recipe(name: str) -> te_recipe.Recipe | None:
         return te_recipe.DelayedScaling()
     if name == "current":
         return te_recipe.Float8CurrentScaling()
+    if name == "block":
+        return te_recipe.Float8BlockScaling()
+    if name == "mxfp8":
+        return te_recipe.MXFP8BlockScaling()
+    if name == "nvfp4":
+        return te_recipe.NVFP4BlockScaling()
     return None
 
 

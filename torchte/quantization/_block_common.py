@@ -1,0 +1,108 @@
+"""Code the quantized storages and Tensor subclasses share.
+
+- SavedTensorsStorage: a storage mixin whose data tensors are the slots named by `_SAVED`
+  (Transformer Engine's saving order): num_rows, device, get_data_tensors, prepare_for_saving
+  and restore_from_saved.
+- written_args / run_dequantized / run_in_place: the __torch_dispatch__ fallbacks of a
+  quantized Tensor subclass (Float8Tensor, BlockQuantizedTensor), parametrised by the class and
+  its dequantizing function.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+import torch
+from torch.utils._pytree import tree_map_only
+
+__all__ = ["SavedTensorsStorage", "run_dequantized", "run_in_place", "written_args"]
+
+
+class SavedTensorsStorage:
+    """Mixin: a storage whose data tensors are the attributes named by `_SAVED`, in order."""
+
+    __slots__ = ()
+    _SAVED: ClassVar[tuple[str, ...]] = ()
+    # What the device error says after "<class> holds no data ".
+    _EMPTY_HINT: ClassVar[str] = "(emptied by prepare_for_saving?)"
+    # The data tensors whose device is the storage's: all of `_SAVED` when None.
+    _HELD: ClassVar[tuple[str, ...] | None] = None
+    shape: tuple[int, ...]
+
+    @property
+    def num_rows(self) -> int:
+        """prod(shape[:-1]): the rows of the value as a matrix (R of its rowwise operand)."""
+        return math.prod(self.shape[:-1])
+
+    @property
+    def device(self) -> torch.device:
+        """The device of the tensors it holds (RuntimeError when it holds none)."""
+        for name in self._SAVED if self._HELD is None else self._HELD:
+            tensor = getattr(self, name)
+            if tensor is not None:
+                return tensor.device
+        raise RuntimeError(f"{type(self).__name__} holds no data {self._EMPTY_HINT}")
+
+    def get_data_tensors(self) -> tuple[torch.Tensor | None, ...]:
+        """The data tensors, in the order of `_SAVED`."""
+        return tuple(getattr(self, name) for name in self._SAVED)
+
+    def prepare_for_saving(self) -> tuple[list[torch.Tensor | None], Any]:
+        """Its data tensors (get_data_tensors' order), and itself emptied of them."""
+        tensors = list(self.get_data_tensors())
+        for name in self._SAVED:
+            setattr(self, name, None)
+        return tensors, self
+
+    def restore_from_saved(self, tensors: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+        """Take back the data tensors of prepare_for_saving from the front; return the rest."""
+        count = len(self._SAVED)
+        for name, tensor in zip(self._SAVED, tensors[:count], strict=True):
+            setattr(self, name, tensor)
+        return tensors[count:]
+
+
+@functools.cache
+def written_args(func) -> tuple[tuple[int, str], ...]:
+    """(position, name) of each argument func's schema marks as written (Tensor(a!))."""
+    arguments = enumerate(func._schema.arguments)
+    return tuple((i, a.name) for i, a in arguments if a.alias_info and a.alias_info.is_write)
+
+
+def run_dequantized(cls: type, dequantize: Callable[[Any], torch.Tensor], func, args, kwargs):
+    """Fallback: run func with each `cls` argument replaced by dequantize(it); plain results."""
+    args = tree_map_only(cls, dequantize, args)
+    kwargs = tree_map_only(cls, dequantize, kwargs)
+    return func(*args, **kwargs)
+
+
+def run_in_place(cls: type, dequantize: Callable[[Any], torch.Tensor], func, args, kwargs, written):
+    """An op writing `cls` arguments: run on their dequantized values, then requantize each in
+    place (`_requantize_`); arguments it writes that are plain tensors are written as usual;
+    results that are the stand-ins of `cls` arguments are replaced by them."""
+    args, kwargs = list(args), dict(kwargs)
+    targets: list[tuple[Any, torch.Tensor]] = []
+
+    def stand_in(value):
+        if isinstance(value, cls):
+            targets.append((value, dequantize(value)))
+            return targets[-1][1]
+        if isinstance(value, list | tuple):
+            return type(value)(stand_in(v) for v in value)
+        return value
+
+    for position, name in written:
+        if position < len(args):
+            args[position] = stand_in(args[position])
+        elif name in kwargs:
+            kwargs[name] = stand_in(kwargs[name])
+    out = run_dequantized(cls, dequantize, func, args, kwargs)
+    for tensor, hp in targets:
+        tensor._requantize_(hp)
+    if not targets:
+        return out
+    originals = {id(hp): tensor for tensor, hp in targets}
+    return tree_map_only(torch.Tensor, lambda t: originals.get(id(t), t), out)
