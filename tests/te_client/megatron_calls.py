@@ -49,6 +49,8 @@ IMPORTS = [
     ("transformer_engine.pytorch.ops", ["GroupedLinear", "ScaledSwiGLU"]),
     ("transformer_engine.pytorch", ["Fp8Padding", "Fp8Unpadding", "quantized_model_init"]),
     ("transformer_engine.common.recipe", ["DelayedScaling", "Format"]),
+    ("transformer_engine.pytorch.tensor.mxfp8_tensor", ["MXFP8Tensor"]),
+    ("transformer_engine.pytorch.tensor.float8_blockwise_tensor", ["Float8BlockwiseQTensor"]),
 ]
 
 
@@ -93,6 +95,25 @@ def check_wrapper_pattern() -> None:
         with te.pytorch.fp8_autocast(enabled=True, fp8_recipe=recipe):
             layer(torch.randn(16, 32)).sum().backward()
     assert layer.fp8 and layer.fp8_meta["fp8_checkpoint"] is False
+
+
+def check_block_recipes() -> None:
+    """fp8_recipe="blockwise" / "mxfp8": Megatron builds the recipe from
+    te.common.recipe with its fp8_format and trains TE layers and TEGroupedLinear under it."""
+    import transformer_engine as te
+
+    fmt = te.common.recipe.Format.E4M3
+    for recipe in (
+        te.common.recipe.Float8BlockScaling(fp8_format=fmt),
+        te.common.recipe.MXFP8BlockScaling(fp8_format=fmt),
+    ):
+        linear = te.pytorch.Linear(64, 32, params_dtype=torch.float32, device="cpu")
+        grouped = te.pytorch.GroupedLinear(2, 64, 32, params_dtype=torch.float32, device="cpu")
+        x = torch.randn(64, 64, requires_grad=True)
+        with te.pytorch.fp8_autocast(enabled=True, fp8_recipe=recipe):
+            y = linear(x) + grouped(x, [32, 32])
+        y.sum().backward()
+        assert torch.isfinite(x.grad).all() and linear.weight.grad is not None
 
 
 def check_moe_fused_paths() -> None:
@@ -185,6 +206,7 @@ def main() -> None:
     check_imports()
     check_version_gates()
     check_wrapper_pattern()
+    check_block_recipes()
     check_moe_fused_paths()
     check_cross_entropy_and_rope()
     check_optimizer_and_clipping()
