@@ -19,7 +19,13 @@ from torchte._group_splits import GroupSplits
 from torchte.gemm import block_grouped_dgrad, block_grouped_fprop, block_grouped_wgrad
 from torchte.quantization.grouped_quantizer import split_offsets
 
-from ._common import group_bias_rows, group_sums, restore_saved, save_for_backward
+from ._common import (
+    group_bias_rows,
+    group_sums,
+    restore_saved,
+    save_for_backward,
+    stack_parameters,
+)
 from ._deferred_wgrad import group_wgrads
 from ._grouped_fp8 import device_wgrads
 from ._linear_core import cast_to
@@ -32,7 +38,6 @@ def block_weights(weights, setup, key, is_first_microbatch, columnwise):
     """The G weights (N, K) as one 128x128-tiled storage of shape (G, N, K) (rowwise for fprop,
     columnwise (G, K, N) for dgrad), cached as grouped_fp8_weights caches (requantized when a
     weight changed)."""
-    from ._common import stack_parameters
 
     def quantize():
         return setup.grouped_weight.quantize(

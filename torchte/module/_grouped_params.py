@@ -30,6 +30,7 @@ from ._lifecycle import keeping_out_of_inference
 
 __all__ = [
     "GroupMainGrad",
+    "check_layout_flags",
     "fp8_weight_group",
     "pack_fp8_weights",
     "packed_grads",
@@ -300,3 +301,19 @@ def add_deferred_group_grads(module, gemm: int, wgrad) -> None:
         if weight.grad is None:
             weight.grad = torch.zeros_like(weight)
         weight.grad[g].add_(dw.to(weight.dtype))
+
+
+def check_layout_flags(single_weight, single_bias, use_grouped_tensor) -> None:
+    """TypeError naming a parameter-layout argument that is not a bool (use_grouped_tensor:
+    a bool or None)."""
+    for name, value in (
+        ("single_grouped_weight", single_weight),
+        ("single_grouped_bias", single_bias),
+    ):
+        if not isinstance(value, bool):
+            raise TypeError(f"te.GroupedLinear: {name} must be a bool, got {value!r}")
+    if use_grouped_tensor is not None and not isinstance(use_grouped_tensor, bool):
+        raise TypeError(
+            f"te.GroupedLinear: use_grouped_tensor must be a bool or None, got "
+            f"{use_grouped_tensor!r}"
+        )

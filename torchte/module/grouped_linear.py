@@ -69,6 +69,7 @@ from ._grouped_fp8 import fp8_backward, fp8_forward, grouped_fp8_weights
 from ._grouped_params import (
     GroupMainGrad,
     add_deferred_group_grads,
+    check_layout_flags,
     fp8_weight_group,
     pack_fp8_weights,
     packed_grads,
@@ -396,7 +397,7 @@ class GroupedLinear(SaveOriginalInputMixin, TransformerEngineBaseModule):
         super().__init__(device, params_dtype, num_gemms=num_gemms)
         module = "te.GroupedLinear"
         check_unknown(module, unsupported)
-        _check_layout_flags(single_grouped_weight, single_grouped_bias, use_grouped_tensor)
+        check_layout_flags(single_grouped_weight, single_grouped_bias, use_grouped_tensor)
         if single_grouped_weight and model_init_settings() is not None:
             raise NotImplementedError(
                 f"{module}(single_grouped_weight=True) inside quantized_model_init is not "
@@ -593,20 +594,4 @@ class GroupedLinear(SaveOriginalInputMixin, TransformerEngineBaseModule):
             f"num_gemms={self.num_gemms}, in_features={self.in_features}, "
             f"out_features={self.out_features}, bias={self.use_bias}, "
             f"params_dtype={self.params_dtype}, device={self.device}{single}"
-        )
-
-
-def _check_layout_flags(single_weight, single_bias, use_grouped_tensor) -> None:
-    """TypeError naming a parameter-layout argument that is not a bool (use_grouped_tensor:
-    a bool or None)."""
-    for name, value in (
-        ("single_grouped_weight", single_weight),
-        ("single_grouped_bias", single_bias),
-    ):
-        if not isinstance(value, bool):
-            raise TypeError(f"te.GroupedLinear: {name} must be a bool, got {value!r}")
-    if use_grouped_tensor is not None and not isinstance(use_grouped_tensor, bool):
-        raise TypeError(
-            f"te.GroupedLinear: use_grouped_tensor must be a bool or None, got "
-            f"{use_grouped_tensor!r}"
         )
