@@ -1,5 +1,7 @@
 """Code the quantized storages and Tensor subclasses share.
 
+- BlockQuantizerMixin: the usage setter and the Storage-or-Tensor output the block-scaled
+  quantizers (blockwise, MXFP8, NVFP4) share.
 - SavedTensorsStorage: a storage mixin whose data tensors are the slots named by `_SAVED`
   (Transformer Engine's saving order): num_rows, device, get_data_tensors, prepare_for_saving
   and restore_from_saved.
@@ -18,7 +20,13 @@ from typing import Any, ClassVar
 import torch
 from torch.utils._pytree import tree_map_only
 
-__all__ = ["SavedTensorsStorage", "run_dequantized", "run_in_place", "written_args"]
+__all__ = [
+    "BlockQuantizerMixin",
+    "SavedTensorsStorage",
+    "run_dequantized",
+    "run_in_place",
+    "written_args",
+]
 
 
 class SavedTensorsStorage:
@@ -106,3 +114,26 @@ def run_in_place(cls: type, dequantize: Callable[[Any], torch.Tensor], func, arg
         return out
     originals = {id(hp): tensor for tensor, hp in targets}
     return tree_map_only(torch.Tensor, lambda t: originals.get(id(t), t), out)
+
+
+class BlockQuantizerMixin:
+    """Mixin of the block-scaled quantizers: rowwise_usage / columnwise_usage set by
+    set_usage, and what quantize returns (the Storage, or with internal=False its Tensor)."""
+
+    __slots__ = ()
+
+    def set_usage(self, *, rowwise: bool | None = None, columnwise: bool | None = None) -> None:
+        """Set the copies quantize makes when not told; None leaves one as is."""
+        if rowwise is not None:
+            self.rowwise_usage = bool(rowwise)
+        if columnwise is not None:
+            self.columnwise_usage = bool(columnwise)
+
+    def _output(self, storage, dtype: torch.dtype):
+        """`storage` as quantize returns it: itself (internal), else the Tensor of its format
+        of nominal `dtype` holding this quantizer."""
+        if self.internal:
+            return storage
+        from .block_tensor import block_tensor_class  # block_tensor imports the formats
+
+        return block_tensor_class(storage).from_storage(storage, dtype, self)

@@ -27,7 +27,7 @@ from torchte.constants import TE_DType_To_Torch
 from torchte.kernels import block_cast as bc
 from torchte.kernels.block_layout import BLOCK, block_offsets
 
-from ._block_common import SavedTensorsStorage
+from ._block_common import BlockQuantizerMixin, SavedTensorsStorage
 from .base import GemmOperand, Quantizer
 
 __all__ = ["Float8BlockQuantizer", "Float8BlockwiseQTensorStorage", "GroupedBlockwiseStorage"]
@@ -322,7 +322,7 @@ class GroupedBlockwiseStorage(_BlockStorage):
         )
 
 
-class Float8BlockQuantizer(Quantizer):
+class Float8BlockQuantizer(BlockQuantizerMixin, Quantizer):
     """Float8BlockScaling's quantizer (Transformer Engine's keywords): FP8 in 1x128 blocks
     (block_scaling_dim=1) or 128x128 blocks (2), each block's scale from its own amax
     (floored at amax_epsilon; a power of two with force_pow_2_scales). No state between calls.
@@ -375,13 +375,6 @@ class Float8BlockQuantizer(Quantizer):
         self.all_gather_usage = bool(all_gather_usage)
         self.amax_reduction = None
 
-    def set_usage(self, *, rowwise: bool | None = None, columnwise: bool | None = None) -> None:
-        """Change the usages quantize makes when not told; None keeps one."""
-        if rowwise is not None:
-            self.rowwise_usage = bool(rowwise)
-        if columnwise is not None:
-            self.columnwise_usage = bool(columnwise)
-
     def copy(self) -> Float8BlockQuantizer:
         """A quantizer with the same settings (amax_reduction included)."""
         quantizer = Float8BlockQuantizer(
@@ -423,11 +416,7 @@ class Float8BlockQuantizer(Quantizer):
                 self.amax_epsilon,
             )  # fmt: skip
         storage = Float8BlockwiseQTensorStorage(*out, self.fp8_dtype, shape, dim)
-        if self.internal:
-            return storage
-        from .block_tensor import Float8BlockwiseQTensor
-
-        return Float8BlockwiseQTensor.from_storage(storage, x_hp.dtype, self)
+        return self._output(storage, x_hp.dtype)
 
     def __call__(self, x_hp: torch.Tensor) -> Float8BlockwiseQTensorStorage:
         """quantize(x_hp) with this quantizer's usages (Transformer Engine's call form)."""

@@ -22,7 +22,7 @@ from torchte._sizes import check_splits
 from torchte.constants import TE_DType, TE_DType_To_Torch
 from torchte.kernels import mxfp8_cast as mx
 
-from ._block_common import SavedTensorsStorage
+from ._block_common import BlockQuantizerMixin, SavedTensorsStorage
 from .base import GemmOperand, Quantizer
 
 __all__ = ["MXFP8Quantizer", "MXFP8TensorStorage"]
@@ -183,7 +183,7 @@ def _torch_fp8_dtype(fp8_dtype) -> torch.dtype:
     return fp8_dtype
 
 
-class MXFP8Quantizer(Quantizer):
+class MXFP8Quantizer(BlockQuantizerMixin, Quantizer):
     """Quantizes to MXFP8: FP8 values with one E8M0 scale per 32 values, from the values
     themselves (no amax history). Transformer Engine's constructor: fp8_dtype (a torch FP8
     dtype or DType tag), rowwise / columnwise (the usages quantize makes by default),
@@ -216,13 +216,6 @@ class MXFP8Quantizer(Quantizer):
         """The FP8 dtype as Transformer Engine's DType tag."""
         return TE_DType[self.fp8_dtype]
 
-    def set_usage(self, *, rowwise: bool | None = None, columnwise: bool | None = None) -> None:
-        """Set the usages quantize makes by default; None leaves one as is."""
-        if rowwise is not None:
-            self.rowwise_usage = rowwise
-        if columnwise is not None:
-            self.columnwise_usage = columnwise
-
     def copy(self) -> MXFP8Quantizer:
         """A quantizer with the same settings."""
         return MXFP8Quantizer(
@@ -254,11 +247,7 @@ class MXFP8Quantizer(Quantizer):
         storage = MXFP8TensorStorage(
             *outputs, self.fp8_dtype, tuple(x_hp.shape), self.with_2d_quantization
         )
-        if self.internal:
-            return storage
-        from .block_tensor import MXFP8Tensor
-
-        return MXFP8Tensor.from_storage(storage, x_hp.dtype, self)
+        return self._output(storage, x_hp.dtype)
 
     def __call__(self, x_hp: torch.Tensor) -> MXFP8TensorStorage:
         """quantize(x_hp) with this quantizer's usages (Transformer Engine's call form)."""

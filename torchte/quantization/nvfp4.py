@@ -24,7 +24,7 @@ import torch
 from torchte.kernels import nvfp4_cast as nv
 from torchte.kernels.hadamard import hadamard_matrix, rht16_reference, sign_mask
 
-from ._block_common import SavedTensorsStorage
+from ._block_common import BlockQuantizerMixin, SavedTensorsStorage
 from .base import GemmOperand, Quantizer
 
 __all__ = ["NVFP4Quantizer", "NVFP4TensorStorage"]
@@ -205,7 +205,7 @@ def _check_fp4_dtype(fp4_dtype) -> None:
     raise TypeError(f"fp4_dtype must be E2M1 ({FP4_DTYPE} or DType.kFloat4E2M1), got {fp4_dtype}")
 
 
-class NVFP4Quantizer(Quantizer):
+class NVFP4Quantizer(BlockQuantizerMixin, Quantizer):
     """Quantizes to NVFP4 with Transformer Engine's keywords and numerics: per-tensor amax
     (all-reduced with amax_reduction when set), E4M3 scales over blocks of 16 (16 x 16 tiles
     with with_2d_quantization), the random Hadamard transform of the columnwise copy
@@ -295,13 +295,6 @@ class NVFP4Quantizer(Quantizer):
         """(16, 16) bf16 diag(signs) @ H / 4, the matrix of the transform (on the CPU)."""
         return hadamard_matrix(self.rht_matrix_random_sign_mask_t, torch.bfloat16)
 
-    def set_usage(self, *, rowwise: bool | None = None, columnwise: bool | None = None) -> None:
-        """Set the copies quantize makes by default (None leaves one as is)."""
-        if rowwise is not None:
-            self.rowwise_usage = rowwise
-        if columnwise is not None:
-            self.columnwise_usage = columnwise
-
     def spec(self, rowwise: bool, columnwise: bool) -> nv.NVFP4Spec:
         """How the NVFP4 kernels write this quantizer's output with these copies (cached per
         setting: the attributes stay mutable, as in Transformer Engine)."""
@@ -343,11 +336,7 @@ class NVFP4Quantizer(Quantizer):
             rht_sign_mask=spec.sign_mask if spec.rht else None,
             with_2d_quantization=spec.two_d,
         )  # fmt: skip
-        if self.internal:
-            return storage
-        from .block_tensor import NVFP4Tensor
-
-        return NVFP4Tensor.from_storage(storage, x_hp.dtype, self)
+        return self._output(storage, x_hp.dtype)
 
     @staticmethod
     def _as_2d(x_hp: torch.Tensor) -> torch.Tensor:
