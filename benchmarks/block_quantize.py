@@ -4,8 +4,9 @@ configuration as a fraction of a device-to-device copy, and a byte check of the 
 Kernels, both usages (rowwise + columnwise), bf16 -> e4m3, power-of-2 scales: the 1x128 cast
 (block_quantize block_dim 1) and the 128x128 cast (block_dim 2) at 8192 x 8192 and
 32768 x 4096; the grouped 1x128 cast (grouped_block_quantize) of 32768 x 4096 in 8 uneven
-groups (sizes multiples of 4: every tile stores its columnwise bytes as words; and "odd"
-sizes, whose tiles off a multiple of 4 store them byte by byte). Each configuration of SWEEP
+groups: sizes multiples of 4, odd sizes, and sizes multiples of 16 (T % 16 == 0: every tile
+stores its columnwise bytes in aligned 16-byte runs, but for the 16-row chunks at an edge of
+its block shared with a neighbour, byte by byte). Each configuration of SWEEP
 (SWEEP_GROUPED for the grouped kernel; block_cast.CONFIG_1D's form) is timed with CUDA events
 (median of 20, each over 10 back-to-back calls so that host launch time is hidden) beside
 x.clone(). Bytes moved: x read (2 B an element), both FP8 copies written (1 B + 1 B) and the
@@ -62,6 +63,7 @@ SWEEP_GROUPED = [
 ]
 GROUP_SIZES = [1000, 7000, 3000, 5500, 2500, 6000, 4768, 3000]
 ODD_GROUP_SIZES = [999, 7001, 3003, 5497, 2501, 5999, 4767, 3001]
+GROUP_SIZES_16 = [1008, 7008, 3008, 5504, 2496, 6000, 4736, 3008]
 DEFAULTS = {"1x128": bc.CONFIG_1D, "128x128": bc.CONFIG_2D, "grouped": bc.CONFIG_GROUPED}
 
 
@@ -185,6 +187,7 @@ def run_cases(quick: bool) -> tuple[list[dict], dict]:
     if not quick:
         cases += [("1x128", "32768x4096"), ("128x128", "32768x4096")]
         cases += [("grouped", "32768x4096 8 groups"), ("grouped", "32768x4096 8 odd groups")]
+        cases += [("grouped", "32768x4096 8 groups of 16")]
     rows, copies = [], {}
     for kind, name in cases:
         shape = (8192, 8192) if name.startswith("8192") else (32768, 4096)
@@ -194,7 +197,8 @@ def run_cases(quick: bool) -> tuple[list[dict], dict]:
             copies[key] = gpu_ms(lambda x=x: x.clone(), reps=20, inner=10)
         offsets = None
         if kind == "grouped":
-            offsets = offsets_of(ODD_GROUP_SIZES if "odd" in name else GROUP_SIZES, "cuda")
+            sizes = GROUP_SIZES_16 if name.endswith("of 16") else GROUP_SIZES
+            offsets = offsets_of(ODD_GROUP_SIZES if "odd" in name else sizes, "cuda")
         sweep = SWEEP_GROUPED if kind == "grouped" else SWEEP
         rows += sweep_case(kind, name, x, offsets, copies[key], sweep)
         del x
@@ -261,7 +265,8 @@ def main() -> int:
         result = {"device": device, "torch": torch.__version__, "triton": triton.__version__}
         result["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
         with open(args.json, "w") as f:
-            json.dump({**result, "copy_ms": copies, "rows": rows, "best": best}, f, indent=1)
+            result.update(copy_ms=copies, rows=rows, best=best)
+            json.dump(result, f, indent=1)
     return 0
 
 

@@ -4,12 +4,15 @@ against torch bf16 on the shapes of the block-scaling targets, in one run:
     PYTHONPATH=. python benchmarks/block_scaling.py [--json out.json] [--only NAME ...]
 
 Rows (forward+backward milliseconds, CUDA events, medians; the ratio is torch bf16's time over
-the row's): te.Linear 8192^3; te.LayerNormMLP 8192 tokens, 4096 -> 16384 -> 4096; a GPT block
-(te.TransformerLayer, hidden 2048, 16 heads, 16K tokens as 8 x 2048); te.GroupedLinear 8 x
-4096^2 at 32K tokens (uneven splits, a host list); the te.ops grouped MLP (8 experts, 32K
-tokens, 4096 -> 2 x 14336 -> 4096, ScaledSwiGLU, splits on the device) against torch
-bf16 torch._grouped_mm; and the 1x128 / 128x128 quantization kernels as a fraction of a
-device-to-device copy. MXFP8 / NVFP4 (emulated on Hopper) time te.Linear 8192^3 beside bf16.
+the row's), each timed two ways: one step alone (a synchronize before it, so the GPU also
+waits for the host's first launch) and steps back to back (the host runs ahead, as in a
+training loop of many layers). Cases: te.Linear 8192^3; te.LayerNormMLP 8192 tokens, 4096 ->
+16384 -> 4096; a GPT block (te.TransformerLayer, hidden 2048, 16 heads, 16K tokens as 8 x
+2048); te.GroupedLinear 8 x 4096^2 at 32K tokens (uneven splits, a host list); the te.ops
+grouped MLP (8 experts, 32K tokens, 4096 -> 2 x 14336 -> 4096, ScaledSwiGLU, splits on the
+device) against torch bf16 torch._grouped_mm; and the 1x128 / 128x128 quantization kernels as
+a fraction of a device-to-device copy. MXFP8 / NVFP4 (emulated on Hopper) time te.Linear
+8192^3 beside bf16.
 Never asserts; a row that fails prints its error.
 """
 
@@ -167,17 +170,30 @@ def _extras(extra):
     return (extra[0],), (extra[1],)
 
 
+def _times(step) -> tuple[float, float]:
+    """(ms of one step timed alone: events around it after a synchronize, so the GPU also
+    waits for the host's first launch; ms per step of 10 steps back to back, the host running
+    ahead as in a training loop), medians."""
+    return gpu_ms(step, reps=10), gpu_ms(step, reps=5, inner=10)
+
+
 def run_case(name, recipes, rows):
     make, flops = CASES[name]
     torch_mod, te_mod, x, dy, extra = make()
     torch_extra, te_extra = _extras(extra)
-    base = gpu_ms(fwd_bwd_step(torch_mod, x, dy, None, torch_extra), reps=10)
-    rows.append({"case": name, "impl": "torch bf16", "ms": base, "ratio": 1.0, "flops": flops})
+    base, base_b2b = _times(fwd_bwd_step(torch_mod, x, dy, None, torch_extra))
+    rows.append({
+        "case": name, "impl": "torch bf16", "ms": base, "ratio": 1.0, "flops": flops,
+        "ms_b2b": base_b2b, "ratio_b2b": 1.0,
+    })  # fmt: skip
     for label, make_recipe in [("te bf16", None), *recipes]:
         fp8 = make_recipe() if make_recipe else None
         try:
-            ms = gpu_ms(fwd_bwd_step(te_mod, x, dy, fp8, te_extra), reps=10)
-            rows.append({"case": name, "impl": label, "ms": ms, "ratio": base / ms, "flops": flops})
+            ms, ms_b2b = _times(fwd_bwd_step(te_mod, x, dy, fp8, te_extra))
+            rows.append({
+                "case": name, "impl": label, "ms": ms, "ratio": base / ms, "flops": flops,
+                "ms_b2b": ms_b2b, "ratio_b2b": base_b2b / ms_b2b,
+            })  # fmt: skip
         except Exception as exc:
             msg = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
             rows.append({"case": name, "impl": label, "error": msg})
@@ -203,7 +219,8 @@ def quantize_rows(rows, size=8192):
 
 
 def print_table(rows):
-    print(f"{'case':48s} {'impl':18s} {'ms':>8s} {'x bf16':>7s} {'TFLOP/s':>8s}")
+    print(f"{'case':48s} {'impl':18s} {'ms':>8s} {'x bf16':>7s} {'TFLOP/s':>8s}"
+          f" {'b2b ms':>8s} {'x bf16':>7s}")  # fmt: skip
     for r in rows:
         if "error" in r:
             print(f"{r['case']:48s} {r['impl']:18s} {r['error']}")
@@ -212,7 +229,10 @@ def print_table(rows):
             print(f"{r['case']:48s} {r['impl']:18s} {r['ms']:8.3f} {r['of_copy']:6.2f} of copy")
             continue
         tflops = f"{r['flops'] / r['ms'] / 1e9:8.0f}" if r.get("flops") else "       -"
-        print(f"{r['case']:48s} {r['impl']:18s} {r['ms']:8.3f} {r['ratio']:6.2f}x {tflops}")
+        print(
+            f"{r['case']:48s} {r['impl']:18s} {r['ms']:8.3f} {r['ratio']:6.2f}x {tflops}"
+            f" {r['ms_b2b']:8.3f} {r['ratio_b2b']:6.2f}x"
+        )
 
 
 def main() -> int:

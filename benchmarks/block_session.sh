@@ -1,25 +1,57 @@
 #!/usr/bin/env bash
-# On the GPU machine: the block-scaled formats' gpu-marked tests (phase `tests`), their
-# benchmark (phase `bench`), or both; a short table last. Logs under $OUT (default ./out).
-#   bash benchmarks/block_session.sh [tests|bench]
+# On the GPU machine: the block-scaled formats' gpu-marked tests (phase `tests`, in parallel
+# groups), the kernel benchmarks (phase `kernels`: fused producers, casts),
+# the module benchmark (phase `modules`) and a short training comparison (phase `train`); all
+# by default; a short table last. Logs under $OUT (default ./out).
+#   bash benchmarks/block_session.sh [tests] [kernels] [modules] [train]
 set -uo pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-out}
-PHASE=${1:-all}
+PHASES=${*:-tests kernels modules train}
+TEST_LIMIT=${TEST_LIMIT:-300}
+STEPS=${STEPS:-100}
 mkdir -p "$OUT"
-TESTS="tests/test_block_cast_gpu.py tests/test_mxfp8_gpu.py tests/test_nvfp4_gpu.py
-  tests/test_grouped_gemm_block_gpu.py tests/test_block_modules_gpu.py tests/test_block_tensor.py
-  tests/test_gemm.py"
-if [[ $PHASE != bench ]]; then
-  # shellcheck disable=SC2086
-  python -m pytest -q -m gpu -p no:cacheprovider -x $TESTS >"$OUT/block_gpu.log" 2>&1
-  echo "pytest exit: $?" >>"$OUT/block_gpu.log"
+nvidia-smi --query-gpu=name --format=csv,noheader >"$OUT/device.txt"
+GROUPS_OF_TESTS=(
+  "tests/test_activation_block_gpu.py tests/test_kernels_gemm_epilogue.py"
+  "tests/test_nvfp4_gpu.py tests/test_mxfp8_gpu.py"
+  "tests/test_block_modules_gpu.py tests/test_grouped_gemm_block_gpu.py tests/test_block_tp.py"
+  "tests/test_block_tensor.py tests/test_gemm.py"
+  "tests/test_block_cast_gpu.py -k grouped"
+)
+if [[ $PHASES == *tests* ]]; then
+  pids=()
+  for i in "${!GROUPS_OF_TESTS[@]}"; do
+    # shellcheck disable=SC2086
+    timeout "$TEST_LIMIT" python -m pytest -q -m gpu -p no:cacheprovider ${GROUPS_OF_TESTS[$i]} \
+      >"$OUT/gpu_tests_$i.log" 2>&1 &
+    pids+=($!)
+  done
+  for i in "${!pids[@]}"; do
+    wait "${pids[$i]}"
+    echo "pytest exit: $?" >>"$OUT/gpu_tests_$i.log"
+  done
 fi
-if [[ $PHASE != tests ]]; then
-  python benchmarks/block_scaling.py --emulated --json "$OUT/block_scaling.json" \
+if [[ $PHASES == *modules* ]]; then
+  timeout 240 python benchmarks/block_scaling.py --emulated --json "$OUT/block_scaling.json" \
     >"$OUT/block_scaling.log" 2>&1
-  cat "$OUT/block_scaling.log"
 fi
-if [[ $PHASE != bench ]]; then
-  grep -E "^(FAILED|ERROR)|passed|failed|pytest exit|Error" "$OUT/block_gpu.log" | tail -30
+if [[ $PHASES == *kernels* ]]; then
+  timeout 100 python benchmarks/fused_block.py >"$OUT/fused_block.log" 2>&1
+  timeout 60 python benchmarks/block_quantize.py >"$OUT/block_quantize.log" 2>&1
 fi
+if [[ $PHASES == *train* ]]; then
+  for recipe in bf16 block mxfp8 nvfp4; do
+    timeout 90 python -m torchte.train --size large --recipe "$recipe" --steps "$STEPS" \
+      --seed 0 --out "$OUT/train_$recipe" >"$OUT/train_$recipe.log" 2>&1
+  done
+fi
+for log in "$OUT"/gpu_tests_*.log; do
+  [[ -f $log ]] && { echo "== $log"; grep -E "^(FAILED|ERROR)|passed|failed|pytest exit" "$log" | tail -8; }
+done
+for log in fused_block block_quantize block_scaling; do
+  [[ -f $OUT/$log.log ]] && { echo "== $log"; tail -n 30 "$OUT/$log.log"; }
+done
+for recipe in bf16 block mxfp8 nvfp4; do
+  [[ -f $OUT/train_$recipe.log ]] && { echo "== train $recipe"; grep -E "tokens/s|val" "$OUT/train_$recipe.log" | tail -n 2; }
+done

@@ -52,8 +52,9 @@ def step_fn(kind: str, module, make_recipe):
     return step
 
 
-def kernel_us(step) -> dict[str, float]:
-    """Median microseconds per step of each Triton kernel (by name) over REPEATS steps."""
+def kernel_us(step, match: str = "_kernel", width: int | None = None) -> dict[str, float]:
+    """Median microseconds per step of each CUDA kernel whose name contains `match` (the
+    default: the Triton kernels; "" for all) over REPEATS steps, by name (cut to `width`)."""
     for _ in range(3):
         step()
     torch.cuda.synchronize()
@@ -64,8 +65,8 @@ def kernel_us(step) -> dict[str, float]:
             torch.cuda.synchronize()
         totals: dict[str, float] = {}
         for event in prof.events():
-            if event.device_type == torch.autograd.DeviceType.CUDA and "_kernel" in event.name:
-                name = event.name.split("(")[0]
+            if event.device_type == torch.autograd.DeviceType.CUDA and match in event.name:
+                name = event.name.split("(")[0][:width]
                 totals[name] = totals.get(name, 0.0) + event.device_time
         for name, us in totals.items():
             per_step.setdefault(name, []).append(us)

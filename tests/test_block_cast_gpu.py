@@ -80,9 +80,14 @@ def test_batched_128x128_gpu_matches_cpu(hp_dtype):
         assert_same(bc.block_quantize(x, *args), bc.block_quantize_reference(x.cpu(), *args), 1)
 
 
+# T % 16 == 0 (the aligned-window tiles: odd sizes, and sizes multiples of 16) and not.
+GROUP_SIZES = [[0, 5, 300, 1, 128, 700, 0], [1023], [0, 0, 129], [5, 0, 300, 1, 130, 700, 0]]
+GROUP_SIZES += [[32, 0, 144, 1008], [1, 1, 14]]
+
+
 @pytest.mark.gpu
 @requires_triton
-@pytest.mark.parametrize("sizes", [[0, 5, 300, 1, 128, 700, 0], [1023], [0, 0, 129]])
+@pytest.mark.parametrize("sizes", GROUP_SIZES)
 @pytest.mark.parametrize("hp_dtype", HP_DTYPES)
 @pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
 def test_grouped_block_quantize_gpu_matches_cpu(sizes, hp_dtype, fp8_dtype):
@@ -127,13 +132,14 @@ CONFIGS = [(4, 0, 0, 1), (16, 0, 0, 64), (16, 1, 1, 8), (16, 3, 1, 8), (8, 2, 1,
 @pytest.mark.parametrize("hp_dtype", [torch.bfloat16, torch.float32])
 def test_launch_configs_gpu_match_cpu(config, hp_dtype):
     """Every kernel under each configuration, on row counts that store the columnwise bytes
-    as words (multiples of 4) and byte by byte, against the CPU reference."""
+    as words (multiples of 4; of 16: the grouped cast's aligned windows) and byte by byte,
+    against the CPU reference."""
     fp8 = torch.float8_e4m3fn
     offsets = torch.tensor([0, 5, 5, 305, 306, 434, 1028], dtype=torch.int32)
-    for rows in (1028, 1031):
+    for rows in (1028, 1031, 1040):
         x = gpu_input((rows, 1500), hp_dtype, seed=rows)
         consts = bc._constexprs(x, fp8, True, True, True)
-        x3 = x[:1024].view(2, 512, 1500) if rows == 1028 else x[:1026].view(3, 342, 1500)
+        x3 = x[:1026].view(3, 342, 1500) if rows == 1031 else x[:1024].view(2, 512, 1500)
         what = (config, hp_dtype, rows)
         got = bc._quantize_1d(x, fp8, 0.0, consts, config)
         assert_same(got, bc.block_quantize_reference(x.cpu(), fp8, 1, True, True, True, 0.0), what)

@@ -189,3 +189,59 @@ def test_a_dimension_the_block_does_not_divide_is_named():
     layer = te.Linear(48, 32, params_dtype=torch.float32)
     with pytest.raises(ValueError, match="48"), te.autocast(recipe=MXFP8BlockScaling()):
         layer(torch.randn(32, 48))
+
+
+@pytest.mark.parametrize("normalization", ["LayerNorm", "RMSNorm"])
+@pytest.mark.parametrize("activation", ["gelu", "swiglu"])
+def test_producers_write_1x128_blocks_with_the_unfused_bytes(normalization, activation):
+    """Under Float8BlockScaling the activation writes fc2's 1x128 FP8 input itself, and the
+    output-gradient casts of fc2 and (after the activation's backward) fc1 sum their bias
+    gradients: those fused producers run, and outputs and gradients equal those of the unfused
+    path (activation in high precision, then the quantizer) bit for bit (the bias gradients'
+    sums, added in another order, to the fp32 tolerance)."""
+    from torchte.quantization import blockwise, fused
+
+    calls = []
+
+    def counted(name):
+        original = getattr(fused, name)
+
+        def run(*args, **kwargs):
+            calls.append(name)
+            return original(*args, **kwargs)
+
+        return run
+
+    torch.manual_seed(0)
+    layer = te.LayerNormMLP(
+        160, 256, normalization=normalization, activation=activation, params_dtype=torch.float32
+    )
+    x = representable((192, 160), torch.bfloat16).requires_grad_()
+    dy = representable((192, 160), torch.bfloat16)
+    results = []
+    for fusable in (True, False):
+        patch = pytest.MonkeyPatch()
+        if fusable:
+            for name in ("activation_to_block", "quantize_with_dbias"):
+                patch.setattr(fused, name, counted(name))
+        else:
+            patch.setattr(blockwise.Float8BlockQuantizer, "fusable", property(lambda q: False))
+        try:
+            layer.zero_grad(set_to_none=True)
+            x.grad = None
+            with te.autocast(recipe=Float8BlockScaling()):
+                y = layer(x)
+            y.backward(dy)
+            grads = {n: p.grad.clone() for n, p in layer.named_parameters()}
+            results.append((y.detach().clone(), x.grad.clone(), grads))
+        finally:
+            patch.undo()
+    # fc2's dy and fc1's dh (with fc1's and fc2's bias gradients), and fc2's input
+    assert sorted(calls) == ["activation_to_block", "quantize_with_dbias", "quantize_with_dbias"]
+    (y_f, dx_f, g_f), (y_u, dx_u, g_u) = results
+    assert torch.equal(y_f, y_u) and torch.equal(dx_f, dx_u)
+    for name, grad in g_f.items():
+        if name.endswith("bias") and name.startswith("fc"):
+            assert_close(grad, g_u[name], torch.float32)
+        else:
+            assert torch.equal(grad, g_u[name]), name

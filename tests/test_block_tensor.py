@@ -501,3 +501,78 @@ def test_gpu_bytes_equal_the_cpu_ones(name):
     buf.seek(0)
     loaded = torch.load(buf)
     assert loaded.device.type == "cuda" and _same_bytes(loaded._storage, gpu._storage)
+
+
+# ----------------------------------------------------------------------------------------------
+# Transformer Engine's private names (what Megatron-Core reads and assigns)
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", FP8_FORMATS)
+def test_te_private_names_alias_the_storage(name):
+    from torchte.constants import TE_DType
+
+    tensor, x_hp = _tensor(name)
+    storage = tensor._storage
+    for slot in ("rowwise_data", "rowwise_scale_inv", "columnwise_data", "columnwise_scale_inv"):
+        for owner in (tensor, storage):
+            value = getattr(owner, f"_{slot}")
+            held = getattr(storage, slot)
+            assert value.data_ptr() == held.data_ptr() and value.shape == held.shape
+            if held.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+                assert value.dtype == torch.uint8  # Transformer Engine holds FP8 bytes as uint8
+    assert tensor._fp8_dtype == storage._fp8_dtype == TE_DType.get(storage.fp8_dtype)
+    assert tensor._get_quantizer() is tensor._quantizer
+    # Megatron-FSDP assigns its own buffer (uint8) as the data: kept as the same memory.
+    buffer = tensor._rowwise_data.clone()
+    tensor._rowwise_data = buffer
+    assert storage.rowwise_data.data_ptr() == buffer.data_ptr()
+    assert storage.rowwise_data.dtype == storage.fp8_dtype or name == "nvfp4"
+    assert torch.equal(tensor.dequantize(), x_hp)
+
+
+def test_te_format_specific_names():
+    block2d, _ = _tensor("block2d")
+    block1d, _ = _tensor("block1d")
+    assert block2d._is_2D_scaled and not block1d._is_2D_scaled
+    assert _tensor("mxfp8")[0]._with_gemm_swizzled_scales is False
+    nvfp4, _ = _tensor("nvfp4")
+    assert nvfp4._amax_rowwise is nvfp4._storage.amax_rowwise
+    with pytest.raises(AttributeError):
+        _ = _tensor("mxfp8")[0]._storage._is_2D_scaled
+
+
+def test_replace_raw_data_and_post_all_gather_processing():
+    from torchte.quantization import block_param_utils as bpu
+
+    tensor, x_hp = _tensor("block2d", x_hp=_exact("block2d", (256, 130)))
+    columnwise = tensor._storage.columnwise_data.clone()
+    buffer = torch.zeros(2 * tensor.numel(), dtype=torch.uint8)
+    bpu.replace_raw_data(tensor, buffer[tensor.numel() :])
+    assert tensor._rowwise_data.data_ptr() == buffer[tensor.numel() :].data_ptr()
+    assert torch.equal(tensor.dequantize(), x_hp)
+    bpu.post_all_gather_processing(tensor)
+    assert torch.equal(
+        tensor._storage.columnwise_data.view(torch.uint8), columnwise.view(torch.uint8)
+    )
+    with pytest.raises(ValueError, match="new_raw_data must have"):
+        bpu.replace_raw_data(tensor, buffer)
+    with pytest.raises(NotImplementedError, match="MXFP8Tensor"):
+        bpu.replace_raw_data(_tensor("mxfp8")[0], buffer)
+    mxfp8, _ = _tensor("mxfp8")
+    with pytest.raises(NotImplementedError, match="MXFP8Tensor"):
+        bpu.quantize_master_weights([mxfp8], [None], [None], None)
+
+
+def test_quantize_master_weights_one_rank_equals_quantize():
+    from torchte.quantization import block_param_utils as bpu
+
+    x_hp = torch.randn(200, 260) * 3
+    tensor, _ = _tensor("block2d", x_hp=torch.zeros(200, 260))
+    want = _quantizer("block2d").quantize(x_hp)
+    bpu.cast_master_weights_to_fp8([tensor], [x_hp.reshape(-1)], [0], None)
+    assert tensor._storage.columnwise_data is None  # dropped: made again when needed
+    assert torch.equal(_bytes(tensor._storage)[0], _bytes(want)[0])
+    assert torch.equal(tensor._storage.rowwise_scale_inv, want.rowwise_scale_inv)
+    with pytest.raises(ValueError, match="start_offsets"):
+        bpu.quantize_master_weights([tensor], [x_hp.reshape(-1)[1:]], [10], None)

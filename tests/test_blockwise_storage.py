@@ -260,7 +260,8 @@ def test_quantizer_settings_and_checks():
     )  # fmt: skip
     assert q.fp8_dtype == torch.float8_e5m2 and q.block_len == 128 and q.all_gather_usage
     assert q.amax_epsilon == 1e-3 and not q.force_pow_2_scales and q.internal
-    assert Float8BlockQuantizer.fusable is False and q.amax_reduction is None
+    assert q.fusable and q.amax_reduction is None  # 1x128: producers write it themselves
+    assert not Float8BlockQuantizer(torch.float8_e4m3fn, block_scaling_dim=2).fusable
     q.amax_reduction = lambda amax: None
     copy = q.copy()
     assert copy.amax_reduction is q.amax_reduction and copy.block_scaling_dim == 1

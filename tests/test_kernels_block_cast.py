@@ -425,6 +425,13 @@ run("grouped", x, E4M3, True, 0.0, True, True, sizes=[5, 0, 126, 0])
 run("grouped", x4, E5M2, False, 0.0, True, True, sizes=[4, 0, 135, 1, 120])
 run("grouped", x16, E5M2, False, 0.0, False, True, sizes=[67], configs=CONFIGS[:1])
 run("grouped", x32, E4M3, False, 2.0**-3, True, False, sizes=[0, 1, 131])
+# T % 16 == 0: the tiles read from a 16-row-aligned window (blocks straddling its end, edge
+# chunks shared between neighbours, one-row groups, 16-row-aligned groups).
+x288 = special_input((288, 130), torch.bfloat16, seed=5)
+run("grouped", x288, E4M3, True, 0.0, True, True, sizes=[5, 0, 140, 17, 1, 125])
+run("grouped", x288, E5M2, False, 1e-3, True, True, sizes=[32, 0, 144, 16, 96], configs=CONFIGS[:1])
+run("grouped", x288.float(), E4M3, False, 0.0, False, True, sizes=[127, 161], configs=CONFIGS[1:])
+run("grouped", x288[:160].half(), E5M2, True, 0.0, True, False, sizes=[3, 157], configs=CONFIGS[:1])
 tiny = torch.zeros(8, 130)  # subnormal fp32 (the interpreter flushes bf16 ones): scales overflow
 tiny[0, :5] = torch.tensor([1.0, -3.0, 5.0, 0.5, 7.0]) * 2.0**-135
 tiny[1, 128:] = torch.tensor([3.0, 1.0]) * 2.0**-149

@@ -15,11 +15,23 @@ import torch
 
 import torchte as te
 from torchte.offload import OffloadHandler, SynchronousCopies, _Offloaded
-from torchte.recipe import DelayedScaling, Float8CurrentScaling
+from torchte.recipe import (
+    DelayedScaling,
+    Float8BlockScaling,
+    Float8CurrentScaling,
+    MXFP8BlockScaling,
+    NVFP4BlockScaling,
+)
 
 pytestmark = pytest.mark.usefixtures("cpu_default_device")
 
 RECIPES = {"bf16": None, "delayed": DelayedScaling(), "current": Float8CurrentScaling()}
+# The block-scaled formats save their own storages (1x128 / 128x128 FP8, MXFP8, NVFP4 bytes).
+BLOCK_RECIPES = {
+    "block": Float8BlockScaling(),
+    "mxfp8": MXFP8BlockScaling(),
+    "nvfp4": NVFP4BlockScaling(),
+}
 H = 32
 
 
@@ -46,8 +58,9 @@ def make_layers(kind: str, count: int, seed: int = 0):
 
 
 def call(layer, x):
-    if isinstance(layer, te.GroupedLinear):
-        return layer(x, [5, 0, x.shape[0] - 5])
+    if isinstance(layer, te.GroupedLinear):  # block formats: groups of whole 32-row blocks
+        first = 32 if x.shape[0] == 64 else 5
+        return layer(x, [first, 0, x.shape[0] - first])
     return layer(x)
 
 
@@ -89,6 +102,31 @@ def test_offloaded_gradients_are_bit_identical(kind, recipe_name):
     if fp8 is not None:
         assert any(dtype in (torch.float8_e4m3fn, torch.float8_e5m2) for dtype in copies.moved)
     assert not any(context.handler.saved.values())  # every offloaded tensor came back
+
+
+@pytest.mark.parametrize("recipe_name", list(BLOCK_RECIPES))
+@pytest.mark.parametrize("kind", ["linear", "mlp", "grouped"])
+def test_block_scaled_storages_offload_bit_identical(kind, recipe_name):
+    """The block-scaled formats' saved storages (bytes and scales) go to the host and come
+    back: gradients bit-identical to the layers kept on the device, quantized bytes among
+    what moved (uint8 for MXFP8 scales and NVFP4 codes), nothing left behind."""
+    layers, twins = make_layers(kind, 3), make_layers(kind, 3)
+    copies = Counting()
+    context, sync = te.get_cpu_offload_context(
+        enabled=True, num_layers=2, model_layers=3, min_offload_bytes=0, copies=copies
+    )
+    fp8 = BLOCK_RECIPES[recipe_name]
+    for step in range(2):
+        x = torch.randn(64, H, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(step))
+        torch.manual_seed(step)  # NVFP4's stochastic rounding draws the same bits in both
+        want = train_step(twins, x, fp8)
+        torch.manual_seed(step)
+        got = train_step(layers, x, fp8, context, sync)
+        for a, b in zip(got, want, strict=True):
+            assert (a is None) == (b is None) and (a is None or torch.equal(a, b)), step
+    quantized = (torch.float8_e4m3fn, torch.float8_e5m2, torch.uint8)
+    assert any(dtype in quantized for dtype in copies.moved), copies.moved
+    assert not any(context.handler.saved.values())
 
 
 def test_nothing_offloaded_on_the_cpu_by_default():

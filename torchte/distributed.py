@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from .quantization import Float8Storage, QuantizedTensor
+from .quantization._block_common import BlockQuantizerMixin
 from .recompute import (
     activation_recompute_forward,
     checkpoint,
@@ -156,14 +157,18 @@ def _check_output(name: str, out: torch.Tensor, shape: tuple, inp: torch.Tensor)
 
 def _gather_quantized(inp: torch.Tensor, group, quantizer):
     """inp's rows quantized with one scale the ranks agree on, gathered as FP8 bytes (a torchte
-    per-tensor quantizer); other quantizers: gathered in high precision, then quantized."""
+    per-tensor quantizer), or each rank's blocks cast and gathered (the block-scaled formats);
+    other quantizers: gathered in high precision, then quantized."""
     if hasattr(quantizer, "quantize_gathered"):
         reduce_max = functools.partial(allreduce, tp_group=group, op=dist.ReduceOp.MAX)
 
         def gather(t: torch.Tensor) -> torch.Tensor:
             return gather_along_first_dim(t, group)[0]
 
-        return quantizer.quantize_gathered(inp, reduce_max, gather, False)
+        # The block-scaled formats' columnwise copy is its own cast (never made from the
+        # gathered rowwise bytes): gathered too where the quantizer makes it.
+        columnwise = isinstance(quantizer, BlockQuantizerMixin) and quantizer.columnwise_usage
+        return quantizer.quantize_gathered(inp, reduce_max, gather, columnwise)
     if not hasattr(quantizer, "quantize"):
         raise TypeError(
             f"gather_along_first_dim: quantizer must be a torchte Quantizer, got {quantizer!r}"

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from ._device import block_gemm_native
 from ._gemm_util import empty_product, fp32_mm
+from .kernels.gemm_epilogue import scale_epilogue
 from .kernels.grouped_gemm_block import grouped_block_reduction_gemm, grouped_block_rows_gemm
 from .quantization.base import GemmOperand
 
@@ -96,8 +97,9 @@ def _block_scaled_mm(a, b, out_dtype, bias, out=None):
 
 def _dequantized_mm(a, b, out_dtype, bias):
     """a @ b^T (+ bias) from the operands' exact values: fp32 on the CPU; on a GPU in the
-    values' dtype (bf16 for the emulated formats) with fp32 accumulation; times the operands'
-    factors, the bias added in fp32, one rounding to out_dtype."""
+    values' dtype (bf16 for the emulated formats) with fp32 accumulation; then, in one pass
+    (kernels/gemm_epilogue.py), times a's factor, times b's factor, the bias added in fp32,
+    one rounding to out_dtype."""
     av, bv = _operand_values(a), _operand_values(b)
     if not av.is_cuda or av.dtype != bv.dtype:
         av, bv = av.float(), bv.float()
@@ -105,12 +107,9 @@ def _dequantized_mm(a, b, out_dtype, bias):
         result = torch.mm(av, bv.t(), out_dtype=torch.float32)
     else:
         result = fp32_mm(av.float(), bv.float().t())
-    for op in (a, b):
-        if op.kind == "values" and op.scale is not None:
-            result = result.mul_(op.scale)
-    if bias is not None:
-        result = result.add_(bias.float())
-    return result.to(out_dtype)
+    factor_a = a.scale if a.kind == "values" else None
+    factor_b = b.scale if b.kind == "values" else None
+    return scale_epilogue(result, factor_a, factor_b, bias, out_dtype)
 
 
 def _operand_values(op) -> torch.Tensor:

@@ -116,6 +116,37 @@ def check_block_recipes() -> None:
         assert torch.isfinite(x.grad).all() and linear.weight.grad is not None
 
 
+def check_blockwise_fp8_params() -> None:
+    """--fp8-param-gather under fp8_recipe="blockwise" (fp8_utils, TE >= 2.x branch): the
+    parameters' bytes moved into the distributed optimizer's buffer (replace_raw_data), the
+    fp32 master slices cast into them (cast_master_weights_to_fp8 with
+    manual_post_all_gather_processing), the columnwise copies remade after the gather
+    (post_all_gather_processing), then a training step reading them."""
+    import transformer_engine as te
+    from transformer_engine.pytorch.tensor import utils
+
+    recipe = te.common.recipe.Float8BlockScaling(fp8_format=te.common.recipe.Format.E4M3)
+    with te.pytorch.fp8_model_init(enabled=True, recipe=recipe):
+        layer = te.pytorch.Linear(256, 128, params_dtype=torch.float32, device="cpu")
+    weight = layer.weight
+    buffer = torch.zeros(weight.numel(), dtype=torch.uint8)
+    utils.replace_raw_data(weight, buffer)
+    master = weight.dequantize().float().reshape(-1) * 0.5
+    half = master.numel() // 2
+    for start in (0, half):  # two "ranks'" slices, each cut inside a 128x128 tile
+        piece = master[start : start + half]
+        utils.cast_master_weights_to_fp8(
+            [weight], [piece], [start], None, manual_post_all_gather_processing=True
+        )
+    utils.post_all_gather_processing([weight])
+    assert weight._rowwise_data.data_ptr() == buffer.data_ptr()
+    torch.testing.assert_close(weight.dequantize().float().reshape(-1), master, rtol=0.07, atol=0)
+    x = torch.randn(32, 256, requires_grad=True)
+    with te.pytorch.fp8_autocast(enabled=True, fp8_recipe=recipe):
+        layer(x).sum().backward()
+    assert torch.isfinite(x.grad).all()
+
+
 def check_moe_fused_paths() -> None:
     """The router, permutation and aux loss calls of Megatron's moe_utils, in its order."""
     from transformer_engine.pytorch.permutation import moe_permute_with_probs, moe_unpermute
@@ -207,6 +238,7 @@ def main() -> None:
     check_version_gates()
     check_wrapper_pattern()
     check_block_recipes()
+    check_blockwise_fp8_params()
     check_moe_fused_paths()
     check_cross_entropy_and_rope()
     check_optimizer_and_clipping()

@@ -115,6 +115,11 @@ CASES = [
         {"bf16": True, "fp8": "hybrid", "fp8_recipe": "delayed", "fp8_param": True},
         fp8_param_gather=True,
     ),
+    Case(
+        "fp8-param-gather-blockwise",
+        {"bf16": True, "fp8": "e4m3", "fp8_recipe": "blockwise", "fp8_param": True},
+        fp8_param_gather=True,
+    ),
     Case("dist-ckpt", {"bf16": True, "fp8": "hybrid", "fp8_recipe": "delayed"}, check="ckpt"),
     Case(
         "cuda-graph",

@@ -164,7 +164,7 @@ PATHS: dict[str, AliasPath] = {
         names=_one("torchte.quantization.nvfp4", "NVFP4TensorStorage")
     ),
     "transformer_engine.pytorch.tensor.utils": AliasPath(
-        sources=("torchte.quantization.param_utils",)
+        sources=("torchte.quantization.block_param_utils",)
     ),
     "transformer_engine.pytorch.quantized_tensor": AliasPath(
         names=_one("torchte", "QuantizedTensor")

@@ -365,3 +365,147 @@ if triton is not None:
             tl.store(s_t_row + pid_r, inv)
             pad_in_t = (n_r + pad < width_t) & (pid_r == n_r - 1)
             tl.store(s_t_row + n_r + pad, tl.zeros((4,), tl.float32), mask=pad_in_t)
+
+    # ------------------------------------------------------------------------------------------
+    # The grouped cast's tile on a 16-row-aligned window (T % 16 == 0): every columnwise byte
+    # of a 16-byte chunk wholly inside the tile's block goes out in 16-byte stores, whatever
+    # the group sizes; only the chunks the block's first and last rows share with a neighbour
+    # go out byte by byte.
+    # ------------------------------------------------------------------------------------------
+
+    @triton.jit
+    def _load_rows_in(x_tile, r, c, lo, hi, col_in, ld):
+        """fp32 values of tile rows r x columns c at x_tile (row stride ld); 0 in rows outside
+        [lo, hi) and where col_in is False."""
+        mask = ((r >= lo) & (r < hi))[:, None] & col_in[None, :]
+        return tl.load(x_tile + r[:, None] * ld + c[None, :], mask=mask, other=0.0).to(tl.float32)
+
+    @triton.jit
+    def _rows_1x128_in(
+        v, r, c, lo, hi, col_in, out_tile, s_col, K, eps,
+        FP8_MAX: tl.constexpr, INF_BITS: tl.constexpr, POWER_2: tl.constexpr,
+    ):  # fmt: skip
+        """Slice v (tile rows r, one K-block) cast rowwise as _rows_1x128, rows in [lo, hi)
+        stored."""
+        scale = _block_scale(tl.max(_abs_for_amax(v), axis=1), eps, FP8_MAX, INF_BITS, POWER_2)
+        r_in = (r >= lo) & (r < hi)
+        ptr = out_tile + r[:, None] * K + c[None, :]
+        tl.store(ptr, _codes(v, scale[:, None], FP8_MAX), mask=r_in[:, None] & col_in[None, :])
+        tl.store(s_col + r, _scale_inv(scale, POWER_2), mask=r_in)
+
+    @triton.jit
+    def _store_t_chunks(out_t, words, T, base, lo, hi, col0, c, col_in, BLOCK: tl.constexpr):
+        """The columnwise words (BLOCK // 4, BLOCK) of window rows [0, BLOCK) (word i: rows
+        4i..4i+3), transposed into out_t (uint8, (K, T), T % 16 == 0) at [col0 + c, base + 4i]
+        (base % 16 == 0), for the 16-row chunks wholly inside the block's rows [lo, hi): 16-byte
+        aligned runs, stored four words at a time."""
+        words_t = tl.trans(words)  # (BLOCK columns, BLOCK // 4 words along the rows)
+        j = tl.arange(0, BLOCK // 4)
+        first = (lo + 15) // 16 * 4  # multiples of 4 words: the mask is constant per chunk
+        last = hi // 16 * 4
+        line = (col0 + c).to(tl.int64) * (T // 4) + base // 4
+        ptr = out_t.to(tl.pointer_type(tl.int32)) + line[:, None] + j[None, :]
+        tl.store(ptr, words_t, mask=col_in[:, None] & ((j >= first) & (j < last))[None, :])
+
+    @triton.jit
+    def _store_t_bytes_in(out_t, words, T, base, lo, hi, col0, c, col_in, BLOCK: tl.constexpr):
+        """The columnwise words (BLOCK // 4, BLOCK) of window rows [0, BLOCK) (word i: rows
+        4i..4i+3) transposed into out_t (uint8, (K, T), any T) at [col0 + c, base + row], byte
+        by byte, for the rows in [lo, hi)."""
+        words_t = tl.trans(words)
+        j = tl.arange(0, BLOCK // 4)
+        line = (col0 + c).to(tl.int64) * T + base
+        for k in tl.static_range(4):
+            byte = ((words_t >> (8 * k)) & 0xFF).to(tl.uint8)
+            row = 4 * j + k
+            mask = col_in[:, None] & ((row >= lo) & (row < hi))[None, :]
+            tl.store(out_t + line[:, None] + row[None, :], byte, mask=mask)
+
+    @triton.jit
+    def _edge_rows(lo, hi, BLOCK: tl.constexpr, ALIGNED: tl.constexpr):
+        """(rows (32,), which to write) of the window rows whose columnwise bytes go out byte
+        by byte beside _store_t_chunks' (ALIGNED) or _store_t_bytes_in's (not) stores: the
+        block's rows [lo, hi) of the 16-row chunks it shares with a neighbouring block (the
+        first where lo > 0, the one holding row hi - 1 where hi % 16 != 0) when ALIGNED, else
+        those past the window (rows >= BLOCK). Interleaved (first chunk's row 0, last's row 0,
+        first's row 1, ...): no two rows are neighbours in memory, so Triton's store layout
+        puts a warp along the rows of one column (2 sectors a store), not 16 bytes per thread
+        with a warp across 16 columns (32 sectors)."""
+        i = tl.arange(0, 32)
+        tail = (hi - 1) // 16 * 16
+        rows = tl.where(i % 2 == 0, i // 2, tail + i // 2)
+        if ALIGNED:
+            chunk = tl.where(i % 2 == 0, lo > 0, hi % 16 != 0)
+        else:
+            chunk = (i % 2 == 1) & (rows >= BLOCK)
+        return rows, chunk & (rows >= lo) & (rows < hi)
+
+    @triton.jit
+    def _store_edge_bytes(
+        out_t, v, scale_t, T, base, rows, want, col0, c, col_in, FP8_MAX: tl.constexpr
+    ):
+        """The columnwise bytes of v (32, BLOCK) fp32, window rows `rows` (_edge_rows) times
+        scale_t (1, BLOCK), at [col0 + c, base + rows] of out_t (uint8, (K, T)) where want."""
+        ptr = out_t + (col0 + c).to(tl.int64)[None, :] * T + base + rows[:, None]
+        tl.store(ptr, _codes(v, scale_t, FP8_MAX), mask=want[:, None] & col_in[None, :])
+
+    @triton.jit
+    def _grouped_tile_16(
+        x_ptr, row_offsets_ptr, out_ptr, s_ptr, out_t_ptr, s_t_ptr, T, K, G, pid_b, pid_k, eps,
+        FP8_MAX: tl.constexpr, INF_BITS: tl.constexpr, POWER_2: tl.constexpr,
+        ROWWISE: tl.constexpr, COLUMNWISE: tl.constexpr, BLOCK: tl.constexpr,
+        BLOCK_G: tl.constexpr,
+    ):  # fmt: skip
+        """Tile (scale row pid_b, K-block pid_k) of the grouped cast for T % 16 == 0: the
+        block's rows [row0, row0 + rows) read as a window of BLOCK rows from base = row0 rounded
+        down to 16 (four slices of rows 4i + k) and the 16 rows after it, rows outside the block
+        masked; so the columnwise words sit at 16-byte aligned addresses (_store_t_chunks) and
+        only the edge chunks go byte by byte (_edge_rows). Bytes as _grouped_tile's."""
+        row0, rows = _group_rows(row_offsets_ptr, G, pid_b, BLOCK, BLOCK_G)
+        col0 = pid_k * BLOCK
+        base = row0 // 16 * 16
+        lo = row0 - base  # the block's rows in the window: [lo, hi), hi <= lo + BLOCK < BLOCK + 16
+        hi = lo + rows
+        r = 4 * tl.arange(0, BLOCK // 4)
+        e = BLOCK + tl.arange(0, 16)  # the rows after the window
+        c = tl.arange(0, BLOCK)
+        col_in = c < K - col0
+        tile = base.to(tl.int64) * K + col0
+        x_tile = x_ptr + tile
+        v0 = _load_rows_in(x_tile, r, c, lo, hi, col_in, K)
+        v1 = _load_rows_in(x_tile, r + 1, c, lo, hi, col_in, K)
+        v2 = _load_rows_in(x_tile, r + 2, c, lo, hi, col_in, K)
+        v3 = _load_rows_in(x_tile, r + 3, c, lo, hi, col_in, K)
+        ve = _load_rows_in(x_tile, e, c, lo, hi, col_in, K)
+        if ROWWISE:
+            out = out_ptr.to(tl.pointer_type(tl.uint8)) + tile
+            s_col = s_ptr + (col0 // BLOCK).to(tl.int64) * T + base
+            _rows_1x128_in(v0, r, c, lo, hi, col_in, out, s_col, K, eps, FP8_MAX, INF_BITS, POWER_2)
+            _rows_1x128_in(
+                v1, r + 1, c, lo, hi, col_in, out, s_col, K, eps, FP8_MAX, INF_BITS, POWER_2
+            )
+            _rows_1x128_in(
+                v2, r + 2, c, lo, hi, col_in, out, s_col, K, eps, FP8_MAX, INF_BITS, POWER_2
+            )
+            _rows_1x128_in(
+                v3, r + 3, c, lo, hi, col_in, out, s_col, K, eps, FP8_MAX, INF_BITS, POWER_2
+            )
+            _rows_1x128_in(ve, e, c, lo, hi, col_in, out, s_col, K, eps, FP8_MAX, INF_BITS, POWER_2)
+        if COLUMNWISE:
+            amax = tl.maximum(
+                tl.maximum(_abs_for_amax(v0), _abs_for_amax(v1)),
+                tl.maximum(_abs_for_amax(v2), _abs_for_amax(v3)),
+            )
+            amax = tl.maximum(tl.max(amax, axis=0), tl.max(_abs_for_amax(ve), axis=0))
+            scale_t = _block_scale(amax, eps, FP8_MAX, INF_BITS, POWER_2)[None, :]
+            words = _words(v0, v1, v2, v3, scale_t, FP8_MAX)
+            out_t = out_t_ptr.to(tl.pointer_type(tl.uint8))
+            _store_t_chunks(out_t, words, T, base, lo, hi, col0, c, col_in, BLOCK)
+            pr, want = _edge_rows(lo, hi, BLOCK, True)  # read again: in cache
+            edge_in = want[:, None] & col_in[None, :]
+            v = tl.load(x_tile + pr[:, None] * K + c[None, :], mask=edge_in, other=0.0)
+            _store_edge_bytes(
+                out_t, v.to(tl.float32), scale_t, T, base, pr, want, col0, c, col_in, FP8_MAX
+            )
+            inv_t = tl.where(rows > 0, _scale_inv(scale_t, POWER_2), 0.0)
+            tl.store(s_t_ptr + pid_b.to(tl.int64) * K + col0 + c[None, :], inv_t, col_in[None, :])

@@ -78,7 +78,9 @@ __all__ = [
 # 4i..4i+3 pack into one int32 word and the transposed store writes 128-byte runs of words.
 # From benchmarks/block_quantize.py on an H200 (2026-11-27; 8192^2 and 32768x4096 bf16, both
 # usages): 4 warps, one program per tile, is best for every kernel (1x128: 0.81-0.85 of a
-# device copy, 128x128: 0.89-0.92, grouped: 0.73 with group sizes multiples of 4).
+# device copy, 128x128: 0.89-0.92, grouped: 0.73 with group sizes multiples of 4, 0.09 with
+# odd ones; measured before the grouped kernel's aligned-window tiles for T % 16 == 0, which
+# store the columnwise copy in 16-byte runs whatever the group sizes: not measured yet).
 CONFIG_1D = (4, 0, 0, 8)
 CONFIG_2D = (4, 0, 0, 8)
 CONFIG_GROUPED = (4, 0, 0, 8)
@@ -91,7 +93,13 @@ HP_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _INF_SCALE_BITS = {torch.float32: 0x7F7FFFFF, torch.bfloat16: 0x7F7F0000, torch.float16: 0x477FE000}
 
 if triton is not None:
-    from ._block_tiles import _grouped_tile, _quantize_1x128_tile, _quantize_2d_tile, _tile_of
+    from ._block_tiles import (
+        _grouped_tile,
+        _grouped_tile_16,
+        _quantize_1x128_tile,
+        _quantize_2d_tile,
+        _tile_of,
+    )
 
     @triton.jit
     def _block_1d_kernel(
@@ -152,21 +160,23 @@ if triton is not None:
         ROWWISE: tl.constexpr,
         COLUMNWISE: tl.constexpr,
         BLOCK: tl.constexpr,  # 128
-        WORDS: tl.constexpr,  # T % 4 == 0: aligned tiles store columnwise int32 words
+        WORDS: tl.constexpr,  # 2: T % 16 == 0 (_grouped_tile_16); 1: T % 4 == 0; 0: neither
         STAGES: tl.constexpr,  # 0: one tile per program; else persistent, pipelined
         GROUP_M: tl.constexpr,  # the tile order (_tile_of)
         BLOCK_G: tl.constexpr,  # a power of two >= G
     ):
         """Tiles (scale row b of the grouped layout, K-block k) as _block_1d_kernel's: rows of
         group g's block b - b_g, found from the offsets on the device; past the last group's
-        blocks, no rows (zero scales). A tile's columnwise bytes go out as words where T, its
-        first row and its row count are multiples of 4, else byte by byte."""
+        blocks, no rows (zero scales). Where T % 16 == 0 (WORDS 2) a tile's columnwise bytes go
+        out in aligned 16-byte stores but for the 16-row chunks it shares with a neighbouring
+        block (_grouped_tile_16); otherwise as words where T, its first row and its row count
+        are multiples of 4, else byte by byte (_grouped_tile)."""
         n_b = tl.cdiv(T, BLOCK) + G
         n_k = tl.cdiv(K, BLOCK)
         if STAGES == 0:  # grid (GROUP_M, n_k, bands): the same order, no division
             pid_b = tl.program_id(2) * GROUP_M + tl.program_id(0)
             if pid_b < n_b:
-                _grouped_tile(
+                _grouped_any_tile(
                     x_ptr, row_offsets_ptr, out_ptr, s_ptr, out_t_ptr, s_t_ptr, T, K, G, pid_b,
                     tl.program_id(1), eps, FP8_MAX, INF_BITS, POWER_2, ROWWISE, COLUMNWISE,
                     BLOCK, WORDS, BLOCK_G,
@@ -175,11 +185,31 @@ if triton is not None:
             tiles = n_b * n_k
             for t in tl.range(tl.program_id(0), tiles, tl.num_programs(0), num_stages=STAGES):
                 pid_b, pid_k = _tile_of(t, n_b, n_k, GROUP_M)
-                _grouped_tile(
+                _grouped_any_tile(
                     x_ptr, row_offsets_ptr, out_ptr, s_ptr, out_t_ptr, s_t_ptr, T, K, G, pid_b,
                     pid_k, eps, FP8_MAX, INF_BITS, POWER_2, ROWWISE, COLUMNWISE, BLOCK, WORDS,
                     BLOCK_G,
                 )  # fmt: skip
+
+    @triton.jit
+    def _grouped_any_tile(
+        x_ptr, row_offsets_ptr, out_ptr, s_ptr, out_t_ptr, s_t_ptr, T, K, G, pid_b, pid_k, eps,
+        FP8_MAX: tl.constexpr, INF_BITS: tl.constexpr, POWER_2: tl.constexpr,
+        ROWWISE: tl.constexpr, COLUMNWISE: tl.constexpr, BLOCK: tl.constexpr,
+        WORDS: tl.constexpr, BLOCK_G: tl.constexpr,
+    ):  # fmt: skip
+        """Tile (pid_b, pid_k) of the grouped cast: _grouped_tile_16 where WORDS is 2, else
+        _grouped_tile."""
+        if WORDS == 2:
+            _grouped_tile_16(
+                x_ptr, row_offsets_ptr, out_ptr, s_ptr, out_t_ptr, s_t_ptr, T, K, G, pid_b, pid_k,
+                eps, FP8_MAX, INF_BITS, POWER_2, ROWWISE, COLUMNWISE, BLOCK, BLOCK_G,
+            )  # fmt: skip
+        else:
+            _grouped_tile(
+                x_ptr, row_offsets_ptr, out_ptr, s_ptr, out_t_ptr, s_t_ptr, T, K, G, pid_b, pid_k,
+                eps, FP8_MAX, INF_BITS, POWER_2, ROWWISE, COLUMNWISE, BLOCK, WORDS, BLOCK_G,
+            )  # fmt: skip
 
     @triton.jit
     def _block_2d_kernel(
@@ -428,7 +458,8 @@ def _quantize_grouped(x, row_offsets, fp8_dtype, amax_epsilon, consts, config):
     out = _alloc_1x128(x, fp8_dtype, consts[3], consts[4], blocks)
     block_g = max(triton.next_power_of_2(groups), 2)
     warps, order, grid = _launch_config(x, config, blocks, -(-cols // BLOCK))
-    consts = (*consts, BLOCK, rows % 4 == 0, *order, block_g)
+    words = 2 if rows % 16 == 0 else int(rows % 4 == 0)
+    consts = (*consts, BLOCK, words, *order, block_g)
     inputs = (x, row_offsets.contiguous())
     ints = (rows, cols, groups)
     _launch(_launch_grouped, warps, grid, inputs, out, ints, amax_epsilon, consts)

@@ -18,6 +18,7 @@ from torchte._options import check_options
 from torchte.gemm import fp8_gemm, hp_linear, hp_mm, operand_gemm
 from torchte.quantization.float8 import Float8Storage
 from torchte.quantization.float8_tensor import Float8Tensor
+from torchte.quantization.fused import grad_output_with_dbias
 from torchte.quantization.model_init import make_fp8_parameter, model_init_settings
 from torchte.quantization.setup import FP8Setup
 from torchte.recipe import Recipe
@@ -233,6 +234,11 @@ def linear_backward(
         dy2d = grad_out.reshape(-1, grad_out.shape[-1])
         if not dy2d.is_contiguous():
             dy2d = dy2d.contiguous()
+    if plan.fp8 and dy_fp8 is None and dy2d is not None and ctx.bias_requires_grad:
+        usage = (ctx.need_dgrad, ctx.need_wgrad)
+        fused = grad_output_with_dbias(plan.setup.grad_output[plan.gemm], dy2d, usage)
+        if fused is not None:  # the cast also sums the columns (1x128 blocks)
+            dy_fp8, dbias = fused
     if plan.fp8:
         dgrad, wgrad = _backward_fp8(ctx, plan, dy2d, dy_fp8, x_saved, w_saved, start_reduction)
     else:

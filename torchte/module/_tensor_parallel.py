@@ -14,10 +14,10 @@ Legend: P ranks in the tensor-parallel group; x (S, ..., K) input with the seque
 - None: nothing is split; with sequence_parallel the parameters are only marked.
 te.Linear, te.LayerNormLinear and te.LayerNormMLP run the collectives inside their autograd
 Function (gather_gemm_input, reduce_partial, input_grad_reduction: under FP8 the gathered input
-moves as FP8 bytes, and a column GEMM's input-gradient reduction runs while its wgrad GEMM
-does); te.GroupedLinear (no sequence parallelism) has them as autograd Functions around its
-own (gemm_input, gemm_output). All go through te.distributed's helpers (one place for the gloo
-fallbacks).
+moves as FP8 bytes, block-scaled ones included, and a column GEMM's input-gradient reduction
+runs while its wgrad GEMM does); te.GroupedLinear (no sequence parallelism) has them as
+autograd Functions around its own (gemm_input, gemm_output). All go through te.distributed's
+helpers (one place for the gloo fallbacks).
 
 Parameter attributes Megatron-Core reads are set as Transformer Engine sets them:
 `tensor_model_parallel`, `partition_dim`, `partition_stride` on split weights (and on the
@@ -110,9 +110,12 @@ class TensorParallel:
 
     def gather_gemm_input(self, z: torch.Tensor, quantizer, columnwise: bool, keep_output: bool):
         """Inside a Function's forward, column + SP: (the GEMM's input, the norm output to hand
-        out). Under FP8 (quantizer, a per-tensor quantizer) with no norm output handed out: z's
-        rows cast with a scale the ranks agree on and gathered as FP8 bytes, half of bf16's
-        (quantizer.quantize_gathered), and None; else z gathered in high precision, as both."""
+        out). Under FP8 with no norm output handed out: z's rows cast by each rank and gathered
+        as quantized bytes (quantizer.quantize_gathered), and None; else z gathered in high
+        precision, as both. Per-tensor quantizers cast with a scale the ranks agree on and
+        gather the rowwise bytes, half of bf16's (the transpose made from them); the
+        block-scaled ones (quantization/block_gather.py) gather each copy they make, rowwise
+        and, for the wgrad GEMM (columnwise), the columnwise copy too."""
         if quantizer is None or keep_output:
             whole = self.gather_sequence(z)
             return whole, whole

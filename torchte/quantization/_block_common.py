@@ -1,7 +1,8 @@
 """Code the quantized storages and Tensor subclasses share.
 
-- BlockQuantizerMixin: the usage setter and the Storage-or-Tensor output the block-scaled
-  quantizers (blockwise, MXFP8, NVFP4) share.
+- BlockQuantizerMixin: the usage setter, the Storage-or-Tensor output and the
+  sequence-parallel gather (quantize_gathered) the block-scaled quantizers (blockwise, MXFP8,
+  NVFP4) share.
 - SavedTensorsStorage: a storage mixin whose data tensors are the slots named by `_SAVED`
   (Transformer Engine's saving order): num_rows, device, get_data_tensors, prepare_for_saving
   and restore_from_saved.
@@ -29,6 +30,35 @@ __all__ = [
 ]
 
 
+_FP8_BYTES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def _te_name(slot: str) -> tuple:
+    """(getter, setter) of Transformer Engine's `_<slot>` for a storage's slot: FP8 data is
+    read as uint8 (as Transformer Engine holds it) and assigned as uint8 or FP8 (kept as FP8:
+    the same memory); AttributeError where the storage has no such slot."""
+
+    def get(self):
+        value = getattr(self, slot)
+        return value.view(torch.uint8) if _is_fp8(value) else value
+
+    def set_(self, value) -> None:
+        if isinstance(value, torch.Tensor) and value.dtype == torch.uint8:
+            current = getattr(self, slot)
+            if _is_fp8(current):
+                value = value.view(current.dtype)
+            elif current is None and slot.endswith("_data") and self.fp8_dtype in _FP8_BYTES:
+                value = value.view(self.fp8_dtype)
+        setattr(self, slot, value)
+
+    get.__doc__ = f"The storage's {slot} (Transformer Engine's name; FP8 as uint8)."
+    return get, set_
+
+
+def _is_fp8(value) -> bool:
+    return isinstance(value, torch.Tensor) and value.dtype in _FP8_BYTES
+
+
 class SavedTensorsStorage:
     """Mixin: a storage whose data tensors are the attributes named by `_SAVED`, in order."""
 
@@ -53,6 +83,31 @@ class SavedTensorsStorage:
             if tensor is not None:
                 return tensor.device
         raise RuntimeError(f"{type(self).__name__} holds no data {self._EMPTY_HINT}")
+
+    # Transformer Engine's private names of the data (Megatron-Core reads and assigns them).
+    _rowwise_data = property(*_te_name("rowwise_data"))
+    _rowwise_scale_inv = property(*_te_name("rowwise_scale_inv"))
+    _columnwise_data = property(*_te_name("columnwise_data"))
+    _columnwise_scale_inv = property(*_te_name("columnwise_scale_inv"))
+    _amax_rowwise = property(*_te_name("amax_rowwise"))
+    _amax_columnwise = property(*_te_name("amax_columnwise"))
+
+    @property
+    def _fp8_dtype(self):
+        """The stored values' dtype as Transformer Engine's DType tag."""
+        from torchte.constants import TE_DType
+
+        return TE_DType.get(self.fp8_dtype, self.fp8_dtype)
+
+    @property
+    def _is_2D_scaled(self) -> bool:
+        """Whether the blocks are 128x128 (Float8BlockScaling's storage only)."""
+        return self.is_2D_scaled
+
+    @property
+    def _with_gemm_swizzled_scales(self) -> bool:
+        """Whether the scales are in the GEMM-swizzled layout (MXFP8's storage only)."""
+        return self.with_gemm_swizzled_scales
 
     def get_data_tensors(self) -> tuple[torch.Tensor | None, ...]:
         """The data tensors, in the order of `_SAVED`."""
@@ -118,7 +173,8 @@ def run_in_place(cls: type, dequantize: Callable[[Any], torch.Tensor], func, arg
 
 class BlockQuantizerMixin:
     """Mixin of the block-scaled quantizers: rowwise_usage / columnwise_usage set by
-    set_usage, and what quantize returns (the Storage, or with internal=False its Tensor)."""
+    set_usage, what quantize returns (the Storage, or with internal=False its Tensor), and
+    quantize_gathered (sequence parallelism)."""
 
     __slots__ = ()
 
@@ -128,6 +184,17 @@ class BlockQuantizerMixin:
             self.rowwise_usage = bool(rowwise)
         if columnwise is not None:
             self.columnwise_usage = bool(columnwise)
+
+    def quantize_gathered(self, x_hp: torch.Tensor, reduce_max, gather, columnwise: bool):
+        """Sequence parallelism: x_hp (S_l, ..., K) is this rank's piece along dim 0 of a
+        tensor split over P ranks; the result is that whole tensor (P S_l, ..., K) as this
+        format's Storage, each rank's rows cast here and the bytes and scales gathered
+        (quantization/block_gather.py: where the blocks of the columnwise copy straddle the
+        ranks' pieces, the input is gathered in high precision with a warning). reduce_max(t)
+        all-reduces t in place with MAX over the ranks; gather(t) all-gathers t along dim 0."""
+        from .block_gather import quantize_gathered  # block_gather imports the formats
+
+        return quantize_gathered(self, x_hp, reduce_max, gather, columnwise)
 
     def _output(self, storage, dtype: torch.dtype):
         """`storage` as quantize returns it: itself (internal), else the Tensor of its format

@@ -24,7 +24,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from . import block_state
+from . import block_fsdp, block_state
 from ._block_common import run_dequantized, run_in_place, written_args
 from .base import QuantizedTensor, Quantizer
 
@@ -52,6 +52,19 @@ def _resolve(cls: type, kind: str) -> type:
         found = getattr(importlib.import_module(module), name)
         setattr(cls, f"{kind}_cls", found)
     return found
+
+
+def _te_storage_name(name: str, settable: bool = True) -> tuple:
+    """(getter, setter) of a Tensor attribute that is its storage's attribute `name`."""
+
+    def get(self):
+        return getattr(self._storage, name)
+
+    def set_(self, value) -> None:
+        setattr(self._storage, name, value)
+
+    get.__doc__ = f"The storage's {name} (Transformer Engine's name)."
+    return (get, set_) if settable else (get,)
 
 
 def _as_storage(value):
@@ -160,10 +173,25 @@ class BlockQuantizedTensor(QuantizedTensor):
         """Wrap `storage` (no copy) as a tensor of nominal `dtype`; shape storage.shape."""
         return cls(storage, dtype, quantizer)
 
+    # FSDP2 shards and gathers block-scaled parameters as their bytes (block_fsdp.py).
+    fsdp_pre_all_gather = block_fsdp.fsdp_pre_all_gather
+    fsdp_post_all_gather = block_fsdp.fsdp_post_all_gather
+
     @property
     def fp8_dtype(self) -> torch.dtype:
         """The dtype of the stored values (the storage's fp8_dtype)."""
         return self._storage.fp8_dtype
+
+    # Transformer Engine's private names (Megatron-Core reads and assigns them): the storage's.
+    _rowwise_data = property(*_te_storage_name("_rowwise_data"))
+    _rowwise_scale_inv = property(*_te_storage_name("_rowwise_scale_inv"))
+    _columnwise_data = property(*_te_storage_name("_columnwise_data"))
+    _columnwise_scale_inv = property(*_te_storage_name("_columnwise_scale_inv"))
+    _fp8_dtype = property(*_te_storage_name("_fp8_dtype", settable=False))
+
+    def _get_quantizer(self) -> Quantizer:
+        """The quantizer that requantizes this tensor (RuntimeError when it has none)."""
+        return self._require_quantizer()
 
     def update_usage(
         self, rowwise_usage: bool | None = None, columnwise_usage: bool | None = None
@@ -289,6 +317,7 @@ class Float8BlockwiseQTensor(BlockQuantizedTensor):
 
     _storage_path = "torchte.quantization.blockwise:Float8BlockwiseQTensorStorage"
     _quantizer_path = "torchte.quantization.blockwise:Float8BlockQuantizer"
+    _is_2D_scaled = property(*_te_storage_name("_is_2D_scaled", settable=False))
 
 
 class MXFP8Tensor(BlockQuantizedTensor):
@@ -296,6 +325,9 @@ class MXFP8Tensor(BlockQuantizedTensor):
 
     _storage_path = "torchte.quantization.mxfp8:MXFP8TensorStorage"
     _quantizer_path = "torchte.quantization.mxfp8:MXFP8Quantizer"
+    _with_gemm_swizzled_scales = property(
+        *_te_storage_name("_with_gemm_swizzled_scales", settable=False)
+    )
 
 
 class NVFP4Tensor(BlockQuantizedTensor):
@@ -303,6 +335,8 @@ class NVFP4Tensor(BlockQuantizedTensor):
 
     _storage_path = "torchte.quantization.nvfp4:NVFP4TensorStorage"
     _quantizer_path = "torchte.quantization.nvfp4:NVFP4Quantizer"
+    _amax_rowwise = property(*_te_storage_name("_amax_rowwise"))
+    _amax_columnwise = property(*_te_storage_name("_amax_columnwise"))
 
 
 _FORMATS = (Float8BlockwiseQTensor, MXFP8Tensor, NVFP4Tensor)
@@ -381,7 +415,27 @@ def _handle_view(func, args, kwargs):
         and out.storage_offset() == 0
     ):
         return _alias(self)
+    if func is aten.split.Tensor:  # FSDP2's shards: pieces of whole blocks stay quantized
+        dim = args[2] if len(args) > 2 else kwargs.get("dim", 0)
+        pieces = block_fsdp.split_rows(self, args[1], dim)
+        if pieces is not None:
+            return pieces
+    elif func is aten.view.default:
+        flat = block_fsdp.flat_view(self, args[1])
+        if flat is not None:
+            return flat
     return _run_dequantized(func, args, kwargs)
+
+
+def _handle_new_zeros(func, args, kwargs):
+    """A tensor of the same class of zero bytes (FSDP2's padded shard: block_fsdp.new_zeros)
+    where the size is whole blocks of its rows; else a plain tensor."""
+    self = args[0]
+    if kwargs.get("dtype", self.dtype) == self.dtype:
+        zeros = block_fsdp.new_zeros(self, args[1])
+        if zeros is not None:
+            return zeros
+    return _handle_like(func, args, kwargs)
 
 
 def _handle_copy(func, args, kwargs):
@@ -449,4 +503,5 @@ _HANDLERS: dict[Any, Callable] = {
         ),
         _handle_like,
     ),
+    aten.new_zeros.default: _handle_new_zeros,
 }

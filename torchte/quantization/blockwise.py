@@ -345,7 +345,12 @@ class Float8BlockQuantizer(BlockQuantizerMixin, Quantizer):
         "rowwise_usage",
     )
 
-    fusable = False
+    @property
+    def fusable(self) -> bool:
+        """Whether a producer (norm, activation, a gradient's cast with its bias gradient)
+        writes this quantizer's values itself: 1x128 blocks, whose scales come from values one
+        tile holds (quantization/fused.py)."""
+        return self.block_scaling_dim == 1
 
     def __init__(
         self,

@@ -1,8 +1,14 @@
 """FP8 values written by the kernel that produces them: norm -> FP8, activation -> FP8.
 
-Each function takes the quantizer of the value (which must be `fusable`: its scale is known
-before the values exist, as under delayed scaling), asks it for its CastSpec, runs the fused
-kernel and hands what the kernel wrote back to the quantizer, which makes the Float8Storage.
+Each function takes the quantizer of the value, which must be `fusable`: its scale is known
+before the values exist (delayed scaling: the kernel asks the quantizer for its CastSpec and
+hands what it wrote back to the quantizer, which makes the Float8Storage), or every scale
+comes from values one tile holds (Float8BlockScaling's 1x128 blocks: fused_block_act.py
+writes a Float8BlockwiseQTensorStorage). Under 1x128 blocks only what measured faster fused
+is fused (benchmarks/fused_block.py, H100): the activation's forward, and an output gradient's
+cast with its bias gradient (also after the activation's backward); the norm runs in high
+precision, then the cast (a fused norm -> 1x128 kernel, statistics pass then tiles, took
+1.3-1.6x the pair's time), as does the activation's backward (the fused one took 1.07-1.13x).
 Modules reach these kernels only through here. Shapes: x, z (M, K); h (M, K) with K = 2N for
 gated activations (else N); a (M, N); `shape` is the value's shape as the module sees it.
 """
@@ -11,15 +17,20 @@ from __future__ import annotations
 
 import torch
 
+from torchte.kernels import activation as act_kernels
 from torchte.kernels import activation_fp8, grouped_activation_fp8, norm_fp8
+from torchte.kernels import norm as norm_kernels
 
+from .blockwise import Float8BlockwiseQTensorStorage
 from .float8 import Float8Storage
+from .fused_block_act import activation_to_block, fusable_1x128, quantize_with_dbias
 from .grouped import GroupedStorage
 from .grouped_quantizer import split_offsets
 
 __all__ = [
     "activation_grad_to_fp8",
     "activation_to_fp8",
+    "grad_output_with_dbias",
     "norm_to_fp8",
     "scaled_activation_grad_to_grouped_fp8",
     "scaled_activation_to_grouped_fp8",
@@ -31,6 +42,15 @@ def norm_to_fp8(
 ) -> tuple[Float8Storage, torch.Tensor | None, torch.Tensor]:
     """z = LayerNorm(x) (rms False) or RMSNorm(x) written in FP8 by the norm kernel, x (M, K):
     (z as a Float8Storage of `shape`, mean (M,) fp32 or None for RMSNorm, rstd (M,) fp32)."""
+    if fusable_1x128(quantizer):  # the norm, then the cast (module docstring)
+        if rms:
+            z, rstd = norm_kernels.rmsnorm_forward(x, weight, eps, zero_centered_gamma)
+            mean = None
+        else:
+            norm = (eps, zero_centered_gamma)
+            z, mean, rstd = norm_kernels.layernorm_forward(x, weight, bias, *norm)
+        z_q = quantizer.quantize(z.view(shape), rowwise=True, columnwise=bool(columnwise))
+        return z_q, mean, rstd
     spec = quantizer.cast_spec(True, columnwise)
     if rms:
         data, data_t, scale_inv, rstd = norm_fp8.rmsnorm_forward_fp8(
@@ -48,6 +68,8 @@ def activation_to_fp8(
     quantizer, h, activation: str, limit: float, alpha: float, columnwise: bool, shape
 ) -> Float8Storage:
     """a = activation(h) written in FP8 by the activation kernel: a Float8Storage of `shape`."""
+    if fusable_1x128(quantizer):
+        return activation_to_block(quantizer, h, activation, limit, alpha, columnwise, shape)
     spec = quantizer.cast_spec(True, columnwise)
     data, data_t, scale_inv = activation_fp8.activation_forward_fp8(
         h, activation, limit, alpha, spec
@@ -61,11 +83,24 @@ def activation_grad_to_fp8(
     """dh = da * activation'(h) written in FP8 by the activation's backward kernel, da (M, N),
     with its column sums (the bias gradient of the GEMM that made h): (dh as a Float8Storage
     of `shape`, dbias (K,) in da's dtype). usage = (rowwise, columnwise)."""
+    if fusable_1x128(quantizer):  # the activation's backward, then the cast with the sums
+        dh = act_kernels.activation_backward(da, h, activation, limit, alpha)
+        return quantize_with_dbias(quantizer, dh, usage, shape)
     spec = quantizer.cast_spec(*usage)
     data, data_t, scale_inv, dbias = activation_fp8.activation_backward_fp8(
         da, h, activation, limit, alpha, spec
     )
     return quantizer.fused_output(data, data_t, scale_inv, shape), dbias
+
+
+def grad_output_with_dbias(
+    quantizer, dy2d, usage
+) -> tuple[Float8BlockwiseQTensorStorage, torch.Tensor] | None:
+    """(dy2d (M, N) quantized with usage (rowwise, columnwise), its column sums (N,) in dy2d's
+    dtype) from one pass where the quantizer's format allows it (1x128 blocks), else None."""
+    if not fusable_1x128(quantizer):
+        return None
+    return quantize_with_dbias(quantizer, dy2d, usage, dy2d.shape)
 
 
 def scaled_activation_to_grouped_fp8(

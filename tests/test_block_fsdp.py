@@ -1,0 +1,326 @@
+"""Block-scaled FP8 parameters (te.quantized_model_init under Float8BlockScaling and MXFP8)
+under FSDP2 (fully_shard) on 2 gloo ranks of the CPU, and their pieces on one process.
+
+Every rank trains on the same batch, so the sharded model must equal one process training the
+whole model bit for bit: the gathered bytes and scales are the unsharded parameter's, the
+losses and the stepped parameters the one process's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+from ranks import on_ranks
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.fsdp import fully_shard
+
+import torchte as te
+from torchte import recipe
+from torchte.quantization import block_fsdp
+from torchte.quantization.block_tensor import Float8BlockwiseQTensor, MXFP8Tensor
+
+WORLD = 2
+H, F, T = 128, 256, 32
+RECIPES = {"blockwise": recipe.Float8BlockScaling, "mxfp8": recipe.MXFP8BlockScaling}
+CLASSES = {"blockwise": Float8BlockwiseQTensor, "mxfp8": MXFP8Tensor}
+
+
+def _model(precision: str, out: int = F) -> torch.nn.Module:
+    """te.Linear (H -> out) and te.LayerNormMLP (out -> F -> out) with block-scaled weights."""
+    torch.manual_seed(0)
+    with te.quantized_model_init(recipe=RECIPES[precision]()):
+        return torch.nn.Sequential(te.Linear(H, out), te.LayerNormMLP(out, F))
+
+
+def _shard(model: torch.nn.Module) -> torch.nn.Module:
+    for child in model.children():
+        fully_shard(child)
+    return fully_shard(model)
+
+
+def _batch() -> torch.Tensor:
+    gen = torch.Generator().manual_seed(1)
+    return torch.randint(-4, 5, (T, H), generator=gen).float() / 8
+
+
+def _train(model, precision: str, steps: int = 3) -> list[float]:
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.25, foreach=True)
+    losses = []
+    for _ in range(steps):
+        with te.autocast(recipe=RECIPES[precision]()):
+            loss = model(_batch()).float().square().mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _bytes(tensor) -> dict[str, torch.Tensor]:
+    """{slot: its bytes as uint8} of the data tensors tensor's storage holds."""
+    storage = tensor._storage
+    held = zip(storage._SAVED, storage.get_data_tensors(), strict=True)
+    return {n: t.contiguous().view(torch.uint8) for n, t in held if t is not None}
+
+
+def _weights(model) -> list[tuple[str, torch.nn.Module]]:
+    return [("weight", model[0]), ("fc1_weight", model[1]), ("fc2_weight", model[1])]
+
+
+@contextlib.contextmanager
+def _gathered(model):
+    """{(module index, name): (class, shape, bytes) of the weight each module's forward saw (the
+    all-gathered one: copied, as FSDP2 frees its memory after the forward)}."""
+    seen, hooks = {}, []
+    for i, (name, module) in enumerate(_weights(model)):
+
+        def hook(mod, args, i=i, name=name):
+            weight = getattr(mod, name)
+            data = {n: b.clone() for n, b in _bytes(weight).items()}
+            seen[(i, name)] = (type(weight), weight.shape, data)
+
+        hooks.append(module.register_forward_pre_hook(hook))
+    try:
+        yield seen
+    finally:
+        for handle in hooks:
+            handle.remove()
+
+
+def _recorded_gathers():
+    """[(dtype, numel)] of the inputs of FSDP2's all-gathers (patched for the block)."""
+    name = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+    original, seen = getattr(dist, name), []
+
+    def run(*args, **kwargs):
+        tensor = kwargs.get("input_tensor", args[1] if len(args) > 1 else None)
+        seen.append((tensor.dtype, tensor.numel()))
+        return original(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def patched():
+        setattr(dist, name, run)
+        try:
+            yield seen
+        finally:
+            setattr(dist, name, original)
+
+    return patched()
+
+
+def _check_trains_as_one_process(precision: str, rank: int) -> None:
+    """Shards are block-scaled tensors of half the rows; the gathered weights hold the
+    unsharded bytes; three SGD steps equal one process's, parameters included; the weights
+    move as one byte a value plus their scales."""
+    ref, sharded = _model(precision), _shard(_model(precision))
+    cls = CLASSES[precision]
+    for (name, module), (_, ref_module) in zip(_weights(sharded), _weights(ref), strict=True):
+        local = getattr(module, name).to_local()
+        whole = getattr(ref_module, name)
+        assert type(local) is cls and local.shape[0] == whole.shape[0] // WORLD, local
+        rows = slice(rank * local.shape[0], (rank + 1) * local.shape[0])
+        assert torch.equal(local.dequantize(), whole.dequantize()[rows])
+    with _gathered(sharded) as seen, _recorded_gathers() as moves:
+        got = _train(sharded, precision, steps=1)
+    assert len(seen) == 3, seen
+    for (i, name), (kind, shape, data) in seen.items():
+        want = getattr(_weights(ref)[i][1], name)
+        assert kind is cls and shape == want.shape
+        assert "rowwise_data" in data and (precision == "blockwise") == (len(data) == 2), data
+        for slot, expected in _bytes(want).items():
+            if slot in data:
+                assert torch.equal(data[slot], expected), (i, name, slot)
+    want = _train(ref, precision)
+    assert got == want[:1], (got, want)
+    assert got + _train(sharded, precision, steps=2) == want
+    for name, value in sharded.named_parameters():
+        full = value.full_tensor()
+        ref_value = ref.get_parameter(name)
+        if isinstance(ref_value, cls):
+            assert type(full) is torch.Tensor or isinstance(full, cls)
+            full, ref_value = full.float(), ref_value.dequantize().float()
+        assert torch.equal(full, ref_value), name
+    # Forward and backward each gather every shard once: the block weights as their bytes
+    # and scales (the rowwise copy; MXFP8 both), the others in fp32.
+    per_rank = 0
+    for value in ref.parameters():
+        if isinstance(value, cls):
+            slots = (
+                _bytes(value)
+                if precision == "mxfp8"
+                else {n: t for n, t in _bytes(value).items() if n.startswith("rowwise")}
+            )
+            per_rank += sum(t.numel() for t in slots.values()) // WORLD
+        else:
+            per_rank += value.numel() * 4 // WORLD
+    assert sum(n * d.itemsize for d, n in moves) == 2 * per_rank, moves
+
+
+def _check_state_dict(precision: str, rank: int) -> None:
+    """The full state_dict of the sharded model holds the one process's values."""
+    ref, sharded = _model(precision), _shard(_model(precision))
+    options = StateDictOptions(full_state_dict=True)
+    state = get_model_state_dict(sharded, options=options)
+    for name, value in ref.state_dict().items():
+        if not isinstance(value, torch.Tensor):
+            continue
+        got = state[name]
+        got = got.dequantize() if hasattr(got, "dequantize") else got
+        value = value.dequantize() if hasattr(value, "dequantize") else value
+        assert torch.equal(got.float(), value.float()), name
+
+
+def _check_unaligned_falls_back(precision: str, rank: int) -> None:
+    """A weight whose shards are not whole 128-row blocks (te.Linear H -> 128: 64 rows a rank)
+    is sharded in high precision, with a warning saying why; the first step equals one
+    process's (the gathered values are the FP8 values)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", UserWarning)
+        sharded = _shard(_model(precision, out=128))
+    messages = [str(w.message) for w in caught if "high precision" in str(w.message)]
+    assert messages and "multiple of 128 x the number of ranks" in messages[0], messages
+    assert type(sharded[0].weight.to_local()) is torch.Tensor
+    assert type(sharded[1].fc1_weight.to_local()) is CLASSES[precision]
+    assert _train(sharded, precision, steps=1) == _train(_model(precision, out=128), precision, 1)
+
+
+def _check_nvfp4_refused(rank: int) -> None:
+    with te.quantized_model_init(recipe=recipe.NVFP4BlockScaling()):
+        model = torch.nn.Sequential(te.Linear(H, F))
+    with pytest.raises(NotImplementedError, match="NVFP4Tensor parameters is not implemented"):
+        fully_shard(model)
+
+
+def _each(check, configs, rank) -> dict:
+    outcome = {}
+    for config in configs:
+        try:
+            check(*config, rank)
+            outcome[(check.__name__, *config)] = "ok"
+        except Exception as err:  # reported per config, in the main process
+            outcome[(check.__name__, *config)] = f"{type(err).__name__}: {str(err)[:800]}"
+    return outcome
+
+
+def _rank_main(rank: int) -> dict:
+    warnings.simplefilter("error", RuntimeWarning)  # torchte's setattr guard, as in the suite
+    configs = [(p,) for p in RECIPES]
+    outcome = _each(_check_trains_as_one_process, configs, rank)
+    outcome.update(_each(_check_state_dict, configs, rank))
+    outcome.update(_each(_check_unaligned_falls_back, configs, rank))
+    outcome.update(_each(_check_nvfp4_refused, [()], rank))
+    outcome.update(_each(_check_master_slices_cut_anywhere, [()], rank))
+    return outcome
+
+
+def test_fsdp2_block_scaled_parameters(tmp_path):
+    for outcome in on_ranks(_rank_main, WORLD, tmp_path):
+        failed = {config: text for config, text in outcome.items() if text != "ok"}
+        assert not failed, failed
+
+
+# -- one process: the pieces FSDP2 shards with -----------------------------------------------
+
+
+def _param(precision: str, rows: int = 256, cols: int = 128):
+    torch.manual_seed(0)
+    with te.quantized_model_init(recipe=RECIPES[precision]()):
+        return te.Linear(cols, rows).weight
+
+
+@pytest.mark.parametrize("precision", list(RECIPES))
+def test_even_chunks_are_views_of_whole_blocks(precision):
+    weight = _param(precision)
+    pieces = torch.chunk(weight, 2)
+    assert all(type(p) is CLASSES[precision] for p in pieces)
+    assert (
+        pieces[1]._storage.rowwise_data.data_ptr() == weight._storage.rowwise_data[128:].data_ptr()
+    )
+    assert torch.equal(torch.cat([p.dequantize() for p in pieces]), weight.dequantize())
+    zeros = weight.new_zeros((128, 128))
+    assert type(zeros) is CLASSES[precision] and not zeros.dequantize().any()
+    zeros.copy_(pieces[1])
+    assert torch.equal(zeros.dequantize(), pieces[1].dequantize())
+
+
+@pytest.mark.parametrize("precision", list(RECIPES))
+def test_uneven_chunks_dequantize_without_warning_outside_fsdp(precision):
+    weight = _param(precision)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        pieces = torch.chunk(weight, 4)  # 64 rows: not whole blocks
+    assert all(type(p) is torch.Tensor for p in pieces)
+    assert torch.equal(torch.cat(pieces), weight.dequantize())
+    assert type(weight.new_zeros((64, 128))) is torch.Tensor
+    assert type(weight.view(-1)) is torch.Tensor  # the lazy flat view is FSDP2's only
+
+
+def test_grouped_3d_value_splits_by_whole_matrices():
+    from torchte.quantization.blockwise import Float8BlockQuantizer
+
+    quantizer = Float8BlockQuantizer(torch.float8_e4m3fn, internal=False)
+    value = quantizer.quantize(torch.randn(4, 96, 130))
+    pieces = torch.chunk(value, 2)
+    assert all(type(p) is Float8BlockwiseQTensor and p.shape == (2, 96, 130) for p in pieces)
+    assert torch.equal(torch.cat([p.dequantize() for p in pieces]), value.dequantize())
+
+
+def test_block1d_pieces_slice_both_copies():
+    from torchte.quantization.blockwise import Float8BlockQuantizer
+
+    quantizer = Float8BlockQuantizer(torch.float8_e4m3fn, block_scaling_dim=1, internal=False)
+    x_hp = torch.randn(256, 200)
+    pieces = torch.chunk(quantizer.quantize(x_hp), 2)
+    for i, piece in enumerate(pieces):  # each copy's bytes and scales: those of its rows alone
+        alone = quantizer.quantize(x_hp[i * 128 : (i + 1) * 128])
+        want = _bytes(alone)
+        assert _bytes(piece).keys() == want.keys()
+        for slot, data in _bytes(piece).items():
+            assert torch.equal(data, want[slot]), slot
+
+
+def test_layout_reasons():
+    from torchte.quantization.blockwise import Float8BlockQuantizer
+
+    vector = Float8BlockQuantizer(torch.float8_e4m3fn, internal=False).quantize(torch.ones(256))
+    assert "1-D" in block_fsdp.row_layout(vector)
+    assert not block_fsdp.in_fsdp_sharding()
+
+
+# -- Megatron-Core's --fp8-param-gather under fp8_recipe="blockwise" (tensor.utils) ----------
+
+
+def _blockwise_weight(master: torch.Tensor):
+    from torchte.quantization.blockwise import Float8BlockQuantizer
+
+    quantizer = Float8BlockQuantizer(torch.float8_e4m3fn, internal=False)
+    return quantizer.quantize(torch.zeros_like(master)), quantizer.quantize(master)
+
+
+def _check_master_slices_cut_anywhere(rank: int) -> None:
+    """Each rank casts a slice of the master cut inside a 128x128 tile (and inside a row); after
+    the bytes' all-gather (here a sum of what each rank wrote) and post_all_gather_processing,
+    the weight equals quantizing the whole master: bytes, scales, columnwise copy."""
+    from torchte.quantization import block_param_utils as bpu
+
+    gen = torch.Generator().manual_seed(3)
+    master = torch.randn(300, 200, generator=gen) * torch.rand(300, 1, generator=gen) * 4
+    weight, want = _blockwise_weight(master)
+    cut = 131 * 200 + 77  # row 131 (block row 1), column 77
+    start, stop = (0, cut) if rank == 0 else (cut, master.numel())
+    mine = master.reshape(-1)[start:stop].clone()
+    bpu.quantize_master_weights(
+        [weight], [mine], [start], None, manual_post_all_gather_processing=True
+    )
+    written = torch.zeros(master.numel(), dtype=torch.int32)
+    written[start:stop] = weight._storage.rowwise_data.view(torch.uint8).view(-1)[start:stop].int()
+    dist.all_reduce(written)
+    weight._rowwise_data.view(-1).copy_(written.to(torch.uint8))
+    bpu.post_all_gather_processing([weight])
+    assert _bytes(weight).keys() == _bytes(want).keys()
+    for slot, data in _bytes(want).items():
+        assert torch.equal(_bytes(weight)[slot], data), slot
