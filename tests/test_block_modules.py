@@ -245,3 +245,46 @@ def test_producers_write_1x128_blocks_with_the_unfused_bytes(normalization, acti
             assert_close(grad, g_u[name], torch.float32)
         else:
             assert torch.equal(grad, g_u[name]), name
+
+
+@pytest.mark.parametrize("activation", ["GELU", "SwiGLU"])
+def test_ops_fusions_under_1x128_blocks_equal_the_unfused_ops(activation):
+    """te.ops LayerNorm -> Linear -> activation -> Linear under Float8BlockScaling: the fusions
+    a 1x128 quantizer allows (norm and activation producers, the activation's backward with
+    the bias gradient) give the outputs and gradients of the ops run one by one (bias
+    gradients to the fp32 tolerance: their sums run in another order)."""
+    from torchte.quantization import blockwise
+
+    torch.manual_seed(0)
+    kw = {"dtype": torch.float32}
+    width = 256 if activation == "SwiGLU" else 128
+    ops = te.ops.Sequential(
+        te.ops.LayerNorm(160, **kw),
+        te.ops.Linear(160, width, **kw),
+        getattr(te.ops, activation)(),
+        te.ops.Linear(128, 96, **kw),
+    )
+    x = representable((192, 160), torch.bfloat16).requires_grad_()
+    dy = representable((192, 96), torch.bfloat16)
+    results = []
+    for fusable in (True, False):
+        patch = pytest.MonkeyPatch()
+        if not fusable:
+            patch.setattr(blockwise.Float8BlockQuantizer, "fusable", property(lambda q: False))
+        try:
+            ops.zero_grad(set_to_none=True)
+            x.grad = None
+            with te.autocast(recipe=Float8BlockScaling()):
+                y = ops(x)
+            y.backward(dy)
+            grads = {n: p.grad.clone() for n, p in ops.named_parameters()}
+            results.append((y.detach().clone(), x.grad.clone(), grads))
+        finally:
+            patch.undo()
+    (y_f, dx_f, g_f), (y_u, dx_u, g_u) = results
+    assert torch.equal(y_f, y_u) and torch.equal(dx_f, dx_u)
+    for name, grad in g_f.items():
+        if name.endswith("bias"):
+            assert_close(grad, g_u[name], torch.float32, msg=name)
+        else:
+            assert torch.equal(grad, g_u[name]), name
