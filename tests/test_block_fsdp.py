@@ -1,36 +1,62 @@
-"""Block-scaled FP8 parameters (te.quantized_model_init under Float8BlockScaling and MXFP8)
-under FSDP2 (fully_shard) on 2 gloo ranks of the CPU, and their pieces on one process.
+"""Block-scaled parameters (te.quantized_model_init under Float8BlockScaling, MXFP8 and NVFP4
+(2-D weight blocks, and 1 x 16 with disable_2d_quantization)) under FSDP2 (fully_shard) on 2
+gloo ranks of the CPU, and their pieces on one process.
 
 Every rank trains on the same batch, so the sharded model must equal one process training the
 whole model bit for bit: the gathered bytes and scales are the unsharded parameter's, the
-losses and the stepped parameters the one process's.
+losses and the stepped parameters the one process's. NVFP4's stochastic rounding of gradients
+draws from torch's generator, seeded alike before each step in both runs.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import io
 import warnings
 
 import pytest
 import torch
 import torch.distributed as dist
 from ranks import on_ranks
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    set_model_state_dict,
+)
 from torch.distributed.fsdp import fully_shard
 
 import torchte as te
 from torchte import recipe
-from torchte.quantization import block_fsdp
-from torchte.quantization.block_tensor import Float8BlockwiseQTensor, MXFP8Tensor
+from torchte.quantization import block_fsdp, block_state
+from torchte.quantization.block_tensor import Float8BlockwiseQTensor, MXFP8Tensor, NVFP4Tensor
 
 WORLD = 2
 H, F, T = 128, 256, 32
-RECIPES = {"blockwise": recipe.Float8BlockScaling, "mxfp8": recipe.MXFP8BlockScaling}
-CLASSES = {"blockwise": Float8BlockwiseQTensor, "mxfp8": MXFP8Tensor}
+RECIPES = {
+    "blockwise": recipe.Float8BlockScaling,
+    "mxfp8": recipe.MXFP8BlockScaling,
+    "nvfp4": recipe.NVFP4BlockScaling,
+    "nvfp4_1d": functools.partial(recipe.NVFP4BlockScaling, disable_2d_quantization=True),
+}
+CLASSES = {
+    "blockwise": Float8BlockwiseQTensor,
+    "mxfp8": MXFP8Tensor,
+    "nvfp4": NVFP4Tensor,
+    "nvfp4_1d": NVFP4Tensor,
+}
+# The slots a gathered weight holds: the rowwise copy (and its amax), both where neither copy
+# is made exactly from the other (MXFP8, NVFP4 with 1 x 16 blocks).
+GATHERED = {"blockwise": 2, "mxfp8": 4, "nvfp4": 3, "nvfp4_1d": 6}
+# NVFP4 shards in 16-row tiles: out = 32 gives te.Linear's weight 16 rows a rank (its scales
+# padded to 128 rows on each rank and after the gather).
+OUT = {"nvfp4": 32, "nvfp4_1d": 32}
+FP8_BLOCK = ["blockwise", "mxfp8"]
 
 
-def _model(precision: str, out: int = F) -> torch.nn.Module:
+def _model(precision: str, out: int | None = None) -> torch.nn.Module:
     """te.Linear (H -> out) and te.LayerNormMLP (out -> F -> out) with block-scaled weights."""
+    out = OUT.get(precision, F) if out is None else out
     torch.manual_seed(0)
     with te.quantized_model_init(recipe=RECIPES[precision]()):
         return torch.nn.Sequential(te.Linear(H, out), te.LayerNormMLP(out, F))
@@ -47,10 +73,12 @@ def _batch() -> torch.Tensor:
     return torch.randint(-4, 5, (T, H), generator=gen).float() / 8
 
 
-def _train(model, precision: str, steps: int = 3) -> list[float]:
+def _train(model, precision: str, steps: int = 3, start: int = 0) -> list[float]:
+    """The losses of `steps` SGD steps (numbered from `start`: each seeds torch's generator)."""
     optimizer = torch.optim.SGD(model.parameters(), lr=0.25, foreach=True)
     losses = []
-    for _ in range(steps):
+    for step in range(start, start + steps):
+        torch.manual_seed(100 + step)
         with te.autocast(recipe=RECIPES[precision]()):
             loss = model(_batch()).float().square().mean()
         loss.backward()
@@ -60,11 +88,31 @@ def _train(model, precision: str, steps: int = 3) -> list[float]:
     return losses
 
 
+def _held(storage) -> dict[str, torch.Tensor]:
+    """{slot: tensor} of the data tensors a storage holds."""
+    held = zip(storage._SAVED, storage.get_data_tensors(), strict=True)
+    return {n: t for n, t in held if t is not None}
+
+
 def _bytes(tensor) -> dict[str, torch.Tensor]:
     """{slot: its bytes as uint8} of the data tensors tensor's storage holds."""
-    storage = tensor._storage
-    held = zip(storage._SAVED, storage.get_data_tensors(), strict=True)
-    return {n: t.contiguous().view(torch.uint8) for n, t in held if t is not None}
+    return {n: t.contiguous().view(torch.uint8) for n, t in _held(tensor._storage).items()}
+
+
+def _gathered_per_rank(value, precision: str) -> int:
+    """The bytes a rank sends for block-scaled weight `value` (its unsharded form) per
+    all-gather: its rows of the gathered slots (scales without their padding rows)."""
+    if precision == "blockwise":
+        rowwise = [t for n, t in _bytes(value).items() if n.startswith("rowwise")]
+        return sum(t.numel() for t in rowwise) // WORLD
+    if precision == "mxfp8":
+        return sum(t.numel() for t in _bytes(value).values()) // WORLD
+    storage, rows = value._storage, value.shape[0] // WORLD  # 2-D values: rows = M / WORLD
+    sent = storage.rowwise_data.numel() // WORLD + rows * storage.rowwise_scale_inv.shape[1] + 4
+    if precision == "nvfp4_1d":
+        scale_rows = storage.columnwise_scale_inv.shape[0]
+        sent += storage.columnwise_data.numel() // WORLD + rows // 16 * scale_rows + 4
+    return sent
 
 
 def _weights(model) -> list[tuple[str, torch.nn.Module]]:
@@ -73,15 +121,19 @@ def _weights(model) -> list[tuple[str, torch.nn.Module]]:
 
 @contextlib.contextmanager
 def _gathered(model):
-    """{(module index, name): (class, shape, bytes) of the weight each module's forward saw (the
-    all-gathered one: copied, as FSDP2 frees its memory after the forward)}."""
+    """{(module index, name): (class, shape, bytes, bytes with the columnwise copy made) of the
+    weight each module's forward saw (the all-gathered one: copied, as FSDP2 frees its memory
+    after the forward)}."""
     seen, hooks = {}, []
     for i, (name, module) in enumerate(_weights(model)):
 
         def hook(mod, args, i=i, name=name):
             weight = getattr(mod, name)
             data = {n: b.clone() for n, b in _bytes(weight).items()}
-            seen[(i, name)] = (type(weight), weight.shape, data)
+            made = block_state.map_storage(weight._storage, torch.clone)
+            made.update_usage(columnwise_usage=True)  # as the module makes it for its dgrad
+            derived = {n: t.contiguous().view(torch.uint8) for n, t in _held(made).items()}
+            seen[(i, name)] = (type(weight), weight.shape, data, derived)
 
         hooks.append(module.register_forward_pre_hook(hook))
     try:
@@ -114,29 +166,40 @@ def _recorded_gathers():
 
 def _check_trains_as_one_process(precision: str, rank: int) -> None:
     """Shards are block-scaled tensors of half the rows; the gathered weights hold the
-    unsharded bytes; three SGD steps equal one process's, parameters included; the weights
-    move as one byte a value plus their scales."""
+    unsharded bytes (the columnwise copy made from them too); three SGD steps equal one
+    process's, parameters included; the weights move as their bytes plus their scales (NVFP4:
+    and its amax). NVFP4: the ranks' rows of a weight peak at different values, so a step that
+    cast each shard with its own amax could not match."""
     ref, sharded = _model(precision), _shard(_model(precision))
     cls = CLASSES[precision]
+    peaks = []
     for (name, module), (_, ref_module) in zip(_weights(sharded), _weights(ref), strict=True):
         local = getattr(module, name).to_local()
         whole = getattr(ref_module, name)
         assert type(local) is cls and local.shape[0] == whole.shape[0] // WORLD, local
         rows = slice(rank * local.shape[0], (rank + 1) * local.shape[0])
         assert torch.equal(local.dequantize(), whole.dequantize()[rows])
+        peaks.append(local.dequantize().abs().max())
+    if precision.startswith("nvfp4"):
+        low, high = torch.stack(peaks), torch.stack(peaks)
+        dist.all_reduce(low, op=dist.ReduceOp.MIN)
+        dist.all_reduce(high, op=dist.ReduceOp.MAX)
+        assert (low < high).any(), (low, high)
     with _gathered(sharded) as seen, _recorded_gathers() as moves:
         got = _train(sharded, precision, steps=1)
     assert len(seen) == 3, seen
-    for (i, name), (kind, shape, data) in seen.items():
+    for (i, name), (kind, shape, data, derived) in seen.items():
         want = getattr(_weights(ref)[i][1], name)
         assert kind is cls and shape == want.shape
-        assert "rowwise_data" in data and (precision == "blockwise") == (len(data) == 2), data
+        assert "rowwise_data" in data and len(data) == GATHERED[precision], data.keys()
+        assert derived.keys() == _bytes(want).keys(), (derived.keys(), _bytes(want).keys())
         for slot, expected in _bytes(want).items():
+            assert torch.equal(derived[slot], expected), (i, name, slot)
             if slot in data:
                 assert torch.equal(data[slot], expected), (i, name, slot)
     want = _train(ref, precision)
     assert got == want[:1], (got, want)
-    assert got + _train(sharded, precision, steps=2) == want
+    assert got + _train(sharded, precision, steps=2, start=1) == want
     for name, value in sharded.named_parameters():
         full = value.full_tensor()
         ref_value = ref.get_parameter(name)
@@ -145,16 +208,11 @@ def _check_trains_as_one_process(precision: str, rank: int) -> None:
             full, ref_value = full.float(), ref_value.dequantize().float()
         assert torch.equal(full, ref_value), name
     # Forward and backward each gather every shard once: the block weights as their bytes
-    # and scales (the rowwise copy; MXFP8 both), the others in fp32.
+    # and scales (the rowwise copy; MXFP8 and 1-D NVFP4 both), the others in fp32.
     per_rank = 0
     for value in ref.parameters():
         if isinstance(value, cls):
-            slots = (
-                _bytes(value)
-                if precision == "mxfp8"
-                else {n: t for n, t in _bytes(value).items() if n.startswith("rowwise")}
-            )
-            per_rank += sum(t.numel() for t in slots.values()) // WORLD
+            per_rank += _gathered_per_rank(value, precision)
         else:
             per_rank += value.numel() * 4 // WORLD
     assert sum(n * d.itemsize for d, n in moves) == 2 * per_rank, moves
@@ -174,25 +232,68 @@ def _check_state_dict(precision: str, rank: int) -> None:
         assert torch.equal(got.float(), value.float()), name
 
 
+def _check_state_dict_round_trip(precision: str, rank: int) -> None:
+    """After a step, the sharded state_dict (pickled through torch.save) and the full one each
+    load into a freshly sharded model as the same bytes, scales and amaxes."""
+    trained = _shard(_model(precision))
+    _train(trained, precision, steps=1)
+    buffer = io.BytesIO()
+    torch.save(get_model_state_dict(trained), buffer)
+    buffer.seek(0)
+    sharded_state = torch.load(buffer, weights_only=False)
+    full = StateDictOptions(full_state_dict=True)
+    full_state = get_model_state_dict(trained, options=full)
+    for state, options in ((sharded_state, None), (full_state, full)):
+        fresh = _shard(_model(precision))
+        set_model_state_dict(fresh, state, options=options)
+        for (name, want), got in zip(trained.named_parameters(), fresh.parameters(), strict=True):
+            want, got = want.to_local(), got.to_local()
+            if not isinstance(want, CLASSES[precision]):
+                assert torch.equal(got, want), name
+                continue
+            assert type(got) is type(want), name
+            assert _bytes(got).keys() == _bytes(want).keys(), name
+            for slot, data in _bytes(want).items():
+                assert torch.equal(_bytes(got)[slot], data), (name, slot)
+
+
+# te.Linear's out_features whose shards are not whole blocks: 64 rows a rank (not 128-row
+# blocks), NVFP4 24 (not 16-row tiles).
+UNALIGNED = {"blockwise": 128, "mxfp8": 128, "nvfp4": 48, "nvfp4_1d": 48}
+
+
 def _check_unaligned_falls_back(precision: str, rank: int) -> None:
-    """A weight whose shards are not whole 128-row blocks (te.Linear H -> 128: 64 rows a rank)
-    is sharded in high precision, with a warning saying why; the first step equals one
-    process's (the gathered values are the FP8 values)."""
+    """A weight whose shards are not whole blocks is sharded in high precision, with a warning
+    saying why; the first step equals one process's (the gathered values are the quantized
+    values, and requantizing them in the forward gives them back)."""
+    out = UNALIGNED[precision]
+    block_fsdp._warned.clear()  # once per class, shape and reason: nvfp4 and nvfp4_1d share them
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", UserWarning)
-        sharded = _shard(_model(precision, out=128))
+        sharded = _shard(_model(precision, out=out))
     messages = [str(w.message) for w in caught if "high precision" in str(w.message)]
-    assert messages and "multiple of 128 x the number of ranks" in messages[0], messages
+    rows = 16 if precision.startswith("nvfp4") else 128
+    assert messages and f"multiple of {rows} x the number of ranks" in messages[0], messages
     assert type(sharded[0].weight.to_local()) is torch.Tensor
     assert type(sharded[1].fc1_weight.to_local()) is CLASSES[precision]
-    assert _train(sharded, precision, steps=1) == _train(_model(precision, out=128), precision, 1)
+    assert _train(sharded, precision, steps=1) == _train(_model(precision, out=out), precision, 1)
 
 
-def _check_nvfp4_refused(rank: int) -> None:
-    with te.quantized_model_init(recipe=recipe.NVFP4BlockScaling()):
-        model = torch.nn.Sequential(te.Linear(H, F))
-    with pytest.raises(NotImplementedError, match="NVFP4Tensor parameters is not implemented"):
-        fully_shard(model)
+def _check_amax_reductions_chain(rank: int) -> None:
+    """An NVFP4 shard's quantizer all-reduces the amax over the FSDP2 group after any reduction
+    its quantizer had (which it keeps); other formats' quantizers are left as they are."""
+    from torchte.quantization.nvfp4 import NVFP4Quantizer
+
+    calls = []
+    quantizer = NVFP4Quantizer(internal=False)
+    quantizer.amax_reduction = calls.append
+    agreeing = block_fsdp._agreeing_quantizer(quantizer, dist.group.WORLD)
+    amax = torch.tensor([1.0 + rank])
+    agreeing.amax_reduction(amax)
+    assert calls == [amax] and amax.item() == WORLD, (calls, amax)
+    assert quantizer.amax_reduction == calls.append and agreeing is not quantizer
+    other = _param("blockwise")._quantizer
+    assert block_fsdp._agreeing_quantizer(other, dist.group.WORLD) is other
 
 
 def _each(check, configs, rank) -> dict:
@@ -211,8 +312,9 @@ def _rank_main(rank: int) -> dict:
     configs = [(p,) for p in RECIPES]
     outcome = _each(_check_trains_as_one_process, configs, rank)
     outcome.update(_each(_check_state_dict, configs, rank))
+    outcome.update(_each(_check_state_dict_round_trip, [("nvfp4",), ("blockwise",)], rank))
     outcome.update(_each(_check_unaligned_falls_back, configs, rank))
-    outcome.update(_each(_check_nvfp4_refused, [()], rank))
+    outcome.update(_each(_check_amax_reductions_chain, [()], rank))
     outcome.update(_each(_check_master_slices_cut_anywhere, [()], rank))
     return outcome
 
@@ -232,7 +334,7 @@ def _param(precision: str, rows: int = 256, cols: int = 128):
         return te.Linear(cols, rows).weight
 
 
-@pytest.mark.parametrize("precision", list(RECIPES))
+@pytest.mark.parametrize("precision", FP8_BLOCK)
 def test_even_chunks_are_views_of_whole_blocks(precision):
     weight = _param(precision)
     pieces = torch.chunk(weight, 2)
@@ -247,7 +349,7 @@ def test_even_chunks_are_views_of_whole_blocks(precision):
     assert torch.equal(zeros.dequantize(), pieces[1].dequantize())
 
 
-@pytest.mark.parametrize("precision", list(RECIPES))
+@pytest.mark.parametrize("precision", FP8_BLOCK)
 def test_uneven_chunks_dequantize_without_warning_outside_fsdp(precision):
     weight = _param(precision)
     with warnings.catch_warnings():
@@ -257,6 +359,59 @@ def test_uneven_chunks_dequantize_without_warning_outside_fsdp(precision):
     assert torch.equal(torch.cat(pieces), weight.dequantize())
     assert type(weight.new_zeros((64, 128))) is torch.Tensor
     assert type(weight.view(-1)) is torch.Tensor  # the lazy flat view is FSDP2's only
+
+
+@pytest.mark.parametrize("precision", ["nvfp4", "nvfp4_1d"])
+def test_nvfp4_chunks_are_16_row_values_of_their_own(precision):
+    """torch.chunk of an NVFP4 weight into 16-row pieces: NVFP4Tensors holding those rows'
+    bytes, their scales padded as a 16-row value's, the whole weight's amax; copies (a write
+    into one leaves the weight as it was). With 2-D blocks the columnwise copy is dropped (made
+    again from the rowwise one); with 1 x 16 blocks each piece keeps its columns of it."""
+    weight = _param(precision, rows=48, cols=64).detach()
+    whole = {n: t.clone() for n, t in _held(weight._storage).items()}
+    whole_columns = block_state.map_storage(weight._storage, torch.clone)
+    if precision == "nvfp4_1d":
+        whole_columns.update_usage(rowwise_usage=False)
+        whole_columns = whole_columns.dequantize()
+    pieces = torch.chunk(weight, 3)
+    assert all(type(p) is NVFP4Tensor and p.shape == (16, 64) for p in pieces)
+    for i, piece in enumerate(pieces):
+        held = _held(piece._storage)
+        rows = slice(16 * i, 16 * (i + 1))
+        assert held["rowwise_scale_inv"].shape == (128, 4)
+        assert torch.equal(held["rowwise_data"], whole["rowwise_data"][rows])
+        assert torch.equal(held["rowwise_scale_inv"][:16], whole["rowwise_scale_inv"][rows])
+        assert not held["rowwise_scale_inv"][16:].any()
+        assert torch.equal(held["amax_rowwise"], whole["amax_rowwise"])
+        assert ("columnwise_data" in held) == (precision == "nvfp4_1d"), held.keys()
+        if precision == "nvfp4_1d":
+            assert held["columnwise_scale_inv"].shape == (128, 4)
+            assert torch.equal(
+                held["columnwise_data"], whole["columnwise_data"][:, 8 * i : 8 * i + 8]
+            )
+            columns_only = block_state.map_storage(piece._storage, torch.clone)
+            columns_only.update_usage(rowwise_usage=False)
+            assert torch.equal(columns_only.dequantize(), whole_columns[rows])
+    assert torch.equal(torch.cat([p.dequantize() for p in pieces]), weight.dequantize())
+    pieces[0].copy_(torch.zeros(16, 64))
+    assert torch.equal(weight._storage.rowwise_data, whole["rowwise_data"])
+    zeros = weight.new_zeros((16, 64))
+    assert type(zeros) is NVFP4Tensor and not zeros.dequantize().any()
+    zeros.copy_(pieces[1])
+    assert torch.equal(zeros.dequantize(), pieces[1].dequantize())
+    assert _bytes(zeros).keys() == _bytes(pieces[1]).keys()
+
+
+def test_nvfp4_pieces_not_whole_tiles_dequantize():
+    """Pieces of 8 rows (not 16-row tiles) are plain dequantized tensors, without a warning
+    outside FSDP2."""
+    weight = _param("nvfp4", rows=32, cols=64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        pieces = torch.chunk(weight, 4)
+    assert all(type(p) is torch.Tensor for p in pieces)
+    assert torch.equal(torch.cat(pieces), weight.dequantize())
+    assert type(weight.new_zeros((8, 64))) is torch.Tensor
 
 
 def test_grouped_3d_value_splits_by_whole_matrices():

@@ -16,12 +16,18 @@ Per format (rows: dim 0 of the value, or of its (M, K) matrix):
   bytes and scales, exact). A 3-D value (G, N, K) tiles each matrix on its own: any split of G.
 - Float8BlockwiseQTensor, 1x128 blocks, and MXFP8Tensor: both copies (neither is made exactly
   from the other), their scales' row axis sliced alike.
-- NVFP4Tensor: NotImplementedError when fully_shard meets it (its per-tensor amax would have to
-  be agreed over the ranks at every requantization).
-A piece is whole blocks when it starts at a multiple of 128 matrix rows (1 index of G for 3-D
-128x128 values) and ends at one or at the end. FSDP2's shards are ceil(rows / ranks) rows; where
-they are not all whole and equal (rows not a multiple of 128 x ranks), the parameter is sharded
-and gathered in high precision, with a one-time warning saying why.
+- NVFP4Tensor, blocks of 16 (16 x 16 tiles for 2-D weights): a shard is a value of its rows on
+  its own (its scales padded as a value of that many rows is; copies, not views) holding the
+  whole weight's per-tensor amax. The rowwise bytes and the scales of their rows are gathered,
+  with each rank's amax (equal on all ranks: the first is kept); the columnwise copy is made
+  after the gather (2-D blocks without RHT: the exact transpose), else both copies are
+  gathered. A shard's quantizer is a copy that all-reduces the amax with MAX over FSDP2's
+  shard group (set when the shard is made, chained after any reduction the quantizer had),
+  so an optimizer step requantizes every shard with the amax of the whole updated weight.
+A piece is whole blocks when it starts at a multiple of 128 matrix rows (16 for NVFP4; 1 index
+of G for 3-D 128x128 values) and ends at one or at the end. FSDP2's shards are ceil(rows /
+ranks) rows; where they are not all whole and equal (rows not a multiple of 128 (NVFP4: 16) x
+ranks), the parameter is sharded and gathered in high precision, with a one-time warning.
 """
 
 from __future__ import annotations
@@ -47,6 +53,12 @@ __all__ = [
 
 # Matrix rows a piece must start at a multiple of (the blocks' and scale paddings' rows).
 ALIGN = 128
+# NVFP4's: its blocks' rows (a shard's scales are padded on their own, so 16 suffices).
+NVFP4_ALIGN = 16
+# NVFP4's copies: {slot: (axis, matrix rows per index of that axis)}; the scales' padding.
+_NVFP4_ROWWISE = {"rowwise_data": (0, 1), "rowwise_scale_inv": (0, 1)}
+_NVFP4_COLUMNWISE = {"columnwise_data": (1, 2), "columnwise_scale_inv": (1, 16)}
+_NVFP4_PADS = {"rowwise_scale_inv": 128, "columnwise_scale_inv": 4}
 # How many frames up in_fsdp_sharding looks for FSDP2's sharding functions.
 _STACK_DEPTH = 16
 _FSDP_SHARDING = frozenset(("_init_sharded_param", "reset_sharded_param"))
@@ -59,12 +71,24 @@ class RowLayout:
     per_index: matrix rows per index of dim 0; align: matrix rows a piece starts at a multiple
     of; tensors: {slot name: (axis, rows per index of that axis)} of the tensors a shard keeps
     (the others are dropped: made again from these where needed); total: the matrix rows.
+    pads: {slot: multiple} of the tensors whose row axis is padded to that multiple (a piece
+    pads its own; the wire carries the rows alone); shared: the slots every piece holds whole
+    (NVFP4's per-tensor amaxes). A layout with pads makes pieces that are copies.
     """
 
-    __slots__ = ("align", "per_index", "tensors", "total")
+    __slots__ = ("align", "pads", "per_index", "shared", "tensors", "total")
 
-    def __init__(self, per_index: int, align: int, tensors: dict, total: int) -> None:
+    def __init__(
+        self,
+        per_index: int,
+        align: int,
+        tensors: dict,
+        total: int,
+        pads: dict | None = None,
+        shared: tuple = (),
+    ) -> None:
         self.per_index, self.align, self.tensors, self.total = per_index, align, tensors, total
+        self.pads, self.shared = pads or {}, shared
 
     def whole(self, start: int, stop: int, rows: int) -> bool:
         """Whether dim-0 indices [start, stop) of a value with `rows` indices are whole blocks."""
@@ -81,10 +105,10 @@ def row_layout(tensor) -> RowLayout | str:
     block-scaled pieces (a string)."""
     storage, shape = tensor._storage, tuple(tensor.shape)
     kind = type(storage).__name__
-    if kind == "NVFP4TensorStorage":
-        return "NVFP4's per-tensor amax would have to be agreed over the ranks"
     if len(shape) < 2:
         return "a 1-D value is one row of blocks"
+    if kind == "NVFP4TensorStorage":
+        return _nvfp4_layout(storage, shape)
     if getattr(storage, "block_dim", None) == 2:
         rowwise = {"rowwise_data": (0, 1)}
         if len(shape) >= 3:  # each matrix tiled on its own: a piece is whole matrices
@@ -100,6 +124,20 @@ def row_layout(tensor) -> RowLayout | str:
         axes.update(columnwise_data=(0, 1), columnwise_scale_inv=(0, 32))
     held = {n: a for n, a in axes.items() if getattr(storage, n) is not None}
     return RowLayout(per_index, ALIGN, held, total)
+
+
+def _nvfp4_layout(storage, shape: tuple) -> RowLayout:
+    """NVFP4's RowLayout: the rowwise copy, and the columnwise one unless it is the rowwise
+    one's exact transpose (2-D blocks without RHT); the amaxes of the copies kept, shared."""
+    per_index = math.prod(shape[1:-1])
+    if storage.with_2d_quantization and storage.rht_sign_mask is None:
+        held = dict(_NVFP4_ROWWISE)  # made from the columnwise copy where missing
+    else:
+        axes = {**_NVFP4_ROWWISE, **_NVFP4_COLUMNWISE}
+        held = {n: a for n, a in axes.items() if getattr(storage, n) is not None}
+    pads = {n: p for n, p in _NVFP4_PADS.items() if n in held}
+    shared = tuple(f"amax_{n[: -len('_data')]}" for n in held if n.endswith("_data"))
+    return RowLayout(per_index, NVFP4_ALIGN, held, per_index * shape[0], pads, shared)
 
 
 def _require_rowwise(tensor, layout: RowLayout) -> None:
@@ -119,38 +157,92 @@ def _piece(tensor, layout: RowLayout, start: int, stop: int):
         state[name] = None
     for name, (axis, per) in layout.tensors.items():
         data = getattr(storage, name)
+        if name in layout.pads:  # the piece's own padding: a value of its rows on its own
+            rows = data.narrow(axis, m0 // per, (m1 - m0) // per)
+            state[name] = _pad_axis(rows, axis, layout.pads[name])
+            continue
         end = data.shape[axis] if m1 == layout.total else m1 // per
         state[name] = data.narrow(axis, m0 // per, end - m0 // per)
+        if layout.pads:  # all copies: a write through the piece must not reach half of tensor
+            state[name] = state[name].clone()
+    for name in layout.shared:
+        state[name] = getattr(storage, name).clone()
     state["shape"] = (stop - start, *tensor.shape[1:])
     piece = block_state.build(type(storage), state)
     return type(tensor).from_storage(piece, tensor.dtype, tensor._quantizer)
 
 
+def _pad_axis(t: torch.Tensor, axis: int, multiple: int) -> torch.Tensor:
+    """A zero-padded copy of t whose length along axis is rounded up to `multiple`."""
+    size = list(t.shape)
+    size[axis] = -(-size[axis] // multiple) * multiple
+    padded = torch.zeros(size, dtype=t.dtype, device=t.device)
+    padded.narrow(axis, 0, t.shape[axis]).copy_(t)
+    return padded
+
+
+def _sharding_frame():
+    """The frame of FSDP2's _init_sharded_param or reset_sharded_param on the stack, or None."""
+    frame = sys._getframe(2)
+    for _ in range(_STACK_DEPTH):
+        if frame is None:
+            return None
+        code = frame.f_code.co_name
+        if code in _FSDP_SHARDING and "fsdp" in frame.f_globals.get("__name__", ""):
+            return frame
+        frame = frame.f_back
+    return None
+
+
 def in_fsdp_sharding() -> bool:
     """Whether FSDP2 is sharding a parameter (its _init_sharded_param or reset_sharded_param
     is on the stack)."""
-    frame = sys._getframe(1)
-    for _ in range(_STACK_DEPTH):
-        if frame is None:
-            return False
-        code = frame.f_code.co_name
-        if code in _FSDP_SHARDING and "fsdp" in frame.f_globals.get("__name__", ""):
-            return True
-        frame = frame.f_back
-    return False
+    return _sharding_frame() is not None
+
+
+def _sharding_group():
+    """The shard process group of the parameter FSDP2 is sharding (its FSDPParam's
+    mesh_info.shard_process_group); None outside FSDP2's sharding or without one."""
+    frame = _sharding_frame()
+    fsdp_param = None if frame is None else frame.f_locals.get("self")
+    return getattr(getattr(fsdp_param, "mesh_info", None), "shard_process_group", None)
+
+
+def _agreeing_quantizer(quantizer, group):
+    """quantizer, or for NVFP4 (a per-tensor amax) a copy that all-reduces the amax with MAX
+    over `group` (after any reduction quantizer had), so that the ranks' shards are
+    requantized with the amax of the whole weight; the same quantizer where group is None."""
+    from .float8_fsdp import max_over
+    from .nvfp4 import NVFP4Quantizer
+
+    if group is None or not isinstance(quantizer, NVFP4Quantizer):
+        return quantizer
+    agreeing = quantizer.copy()
+    over_group = max_over(group)
+    before = quantizer.amax_reduction
+    agreeing.amax_reduction = over_group if before is None else _chained(before, over_group)
+    agreeing.with_amax_reduction = True
+    if before is None:
+        agreeing.amax_reduction_group = group
+    return agreeing
+
+
+def _chained(first, second):
+    """A function applying first, then second, to its argument (two MAX all-reductions)."""
+
+    def both(amax: torch.Tensor) -> None:
+        first(amax)
+        second(amax)
+
+    return both
 
 
 def _fallback(tensor, why: str) -> None:
     """Under FSDP2's sharding: warn once (per class, shape and reason) that tensor is sharded
-    in high precision; NotImplementedError for NVFP4."""
+    in high precision."""
     if not in_fsdp_sharding():
         return
     name = type(tensor).__name__
-    if name == "NVFP4Tensor":
-        raise NotImplementedError(
-            "FSDP2 (fully_shard) of NVFP4Tensor parameters is not implemented in torchte: "
-            f"{why}; build the model's NVFP4 weights without te.quantized_model_init"
-        )
     key = (name, tuple(tensor.shape), why)
     if key not in _warned:
         _warned.add(key)
@@ -202,7 +294,10 @@ def new_zeros(tensor, size) -> Any:
     _require_rowwise(tensor, layout)
     piece = _piece(tensor, layout, 0, size[0])
     zeros = block_state.map_storage(piece._storage, torch.zeros_like)
-    return type(tensor).from_storage(zeros, tensor.dtype, tensor._quantizer)
+    quantizer = tensor._quantizer
+    if layout.shared:  # the padded shard FSDP2 keeps: its steps agree on the amax
+        quantizer = _agreeing_quantizer(quantizer, _sharding_group())
+    return type(tensor).from_storage(zeros, tensor.dtype, quantizer)
 
 
 class _FlatView(torch.Tensor):
@@ -261,35 +356,48 @@ def _wire(t: torch.Tensor, axis: int) -> torch.Tensor:
 
 
 def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
-    """This rank's shard as the tensors to gather (its bytes and scales, row axis first), and
-    what makes the gathered ones a tensor of the whole weight."""
+    """This rank's shard as the tensors to gather (its bytes and scales, row axis first,
+    without padding; the shared amaxes whole), and what makes the gathered ones a tensor of
+    the whole weight."""
     layout = row_layout(self)
     if isinstance(layout, str):  # split_rows made no such shard: a tensor built by hand
         raise NotImplementedError(f"FSDP2 all-gather of {type(self).__name__}: {layout}")
     _require_rowwise(self, layout)
+    if layout.shared and getattr(self._quantizer, "amax_reduction", None) is None:
+        self._quantizer = _agreeing_quantizer(self._quantizer, mesh.get_group())
     storage = self._storage
-    names = tuple(layout.tensors)
-    inputs = tuple(_wire(getattr(storage, n), layout.tensors[n][0]) for n in names)
+    names = (*layout.tensors, *layout.shared)
+    axes = tuple(layout.tensors.get(n, (0, 1))[0] for n in names)
+    inputs = []
+    for name, axis in zip(names, axes, strict=True):
+        data = getattr(storage, name)
+        if name in layout.pads:  # the rows alone: every rank sends as many
+            data = data.narrow(axis, 0, layout.total // layout.tensors[name][1])
+        inputs.append(_wire(data, axis))
     state = {k: v for k, v in block_state.slot_state(storage).items() if k not in storage._SAVED}
     state["shape"] = tuple(outer_size)
-    axes = tuple(layout.tensors[n][0] for n in names)
     dtypes = tuple(getattr(storage, n).dtype for n in names)
     meta = (type(self), type(storage), state, names, axes, dtypes, self._quantizer)
-    return inputs, meta
+    return tuple(inputs), (*meta, layout.pads, layout.shared)
 
 
 def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
     """The gathered bytes and scales (the ranks' shards one after the other along each row
-    axis) as a tensor of the whole weight of nominal param_dtype; with out (a re-gather into
+    axis; padded scales padded again for the whole weight; NVFP4's amax: the first rank's) as
+    a tensor of the whole weight of nominal param_dtype; with out (a re-gather into
     the tensor made before), out takes them in a new storage (an older one may be saved for a
     backward)."""
-    cls, storage_cls, state, names, axes, dtypes, quantizer = metadata
+    cls, storage_cls, state, names, axes, dtypes, quantizer, pads, shared = metadata
     state = dict(state)
     for name in storage_cls._SAVED:
         state[name] = None
     for name, axis, dtype, gathered in zip(names, axes, dtypes, all_gather_outputs, strict=True):
         t = gathered.view(dtype)
-        state[name] = t if axis == 0 else t.movedim(0, axis).contiguous()
+        if name in shared:  # each rank's copy of one amax, equal on all: the first
+            state[name] = t[:1]
+            continue
+        t = t if axis == 0 else t.movedim(0, axis).contiguous()
+        state[name] = _pad_axis(t, axis, pads[name]) if name in pads else t
     storage = block_state.build(storage_cls, state)
     if out is not None:
         out._storage = storage

@@ -15,7 +15,16 @@ MXFP8Tensor (E8M0 codes per 1x32 rowwise and 32x1 columnwise block, or per 32x32
 of the blocks it touches in both directions (one MAX all-reduce for every weight), every code of
 both scale tensors is set from them, and each rank casts its slice into the same flat range of
 the rowwise AND the columnwise data (both (M, K) row-major); post_all_gather_processing has
-nothing to do. NVFP4Tensor masters: NotImplementedError.
+nothing to do.
+
+NVFP4Tensor with 16x16 tiles (NVFP4BlockScaling's weights; no Hadamard transform, no
+stochastic rounding): the per-tensor amax and every tile's amax are agreed over the ranks' slices
+(one MAX all-reduce), the E4M3 tile scales and the amax are set on every rank, and each rank
+encodes its slice into the rowwise data. Offsets count values, as in Transformer Engine; two
+values share a byte (value 2j in the low nibble of byte j), so a slice [start, end) owns the
+bytes [start // 2, ceil(end / 2)), and where start or end is odd it writes only its nibble of
+the shared byte (read-modify-write; the other rank writes the other nibble).
+post_all_gather_processing then makes the columnwise copy, the exact transpose.
 """
 
 from __future__ import annotations
@@ -27,10 +36,18 @@ import torch.nn.functional as F
 
 from torchte.kernels import block_cast_reference as bcr
 from torchte.kernels import mxfp8_cast as mx
+from torchte.kernels import nvfp4_cast as nv
+from torchte.kernels._fp4_codec import (
+    E4M3_MAX,
+    FLT_MAX,
+    RCP_6,
+    fp4_codes_reference,
+    global_scales_reference,
+)
 from torchte.kernels.block_layout import BLOCK
 
 from . import param_utils
-from .block_tensor import BlockQuantizedTensor, Float8BlockwiseQTensor, MXFP8Tensor
+from .block_tensor import BlockQuantizedTensor, Float8BlockwiseQTensor, MXFP8Tensor, NVFP4Tensor
 from .float8_tensor import Float8Tensor
 from .float8_tensor_te import as_fp8_bytes
 
@@ -64,7 +81,8 @@ def replace_raw_data(tensor: torch.Tensor, new_raw_data: torch.Tensor) -> None:
 
 def post_all_gather_processing(model_weights: torch.Tensor | Sequence[torch.Tensor]) -> None:
     """After the rowwise bytes of `model_weights` were all-gathered: Float8Tensor's transpose
-    (param_utils); a 128x128-block weight's columnwise copy made again from them. Other
+    (param_utils); the columnwise copy of a 128x128-block weight or of a 16x16-tile NVFP4
+    weight made again from them (an NVFP4 weight that cannot have it: ValueError). Other
     tensors: nothing to do."""
     weights = list(model_weights) if isinstance(model_weights, list | tuple) else [model_weights]
     float8 = [w for w in weights if not isinstance(w, BlockQuantizedTensor)]
@@ -74,6 +92,8 @@ def post_all_gather_processing(model_weights: torch.Tensor | Sequence[torch.Tens
             storage = weight._storage
             storage.update_usage(columnwise_usage=False)
             storage.update_usage(columnwise_usage=True)
+        elif isinstance(weight, NVFP4Tensor):
+            _nvfp4_columnwise(weight)
 
 
 def quantize_master_weights(
@@ -86,9 +106,11 @@ def quantize_master_weights(
 ) -> None:
     """Cast each rank's master-weight slices into its quantized parameters (see the module
     docstring; arguments as param_utils.quantize_master_weights). Float8Tensors go to
-    param_utils; 128x128-block Float8BlockwiseQTensors and MXFP8Tensors are cast here
-    (fsdp_shard_model_weights: what this rank writes instead, per weight: the flat rowwise bytes
-    of a 128x128-block weight; a pair (rowwise bytes, columnwise bytes) of an MXFP8 weight)."""
+    param_utils; 128x128-block Float8BlockwiseQTensors, MXFP8Tensors and 16x16-tile
+    NVFP4Tensors are cast here (fsdp_shard_model_weights: what this rank writes instead, per
+    weight: the flat rowwise bytes of a 128x128-block weight; a pair (rowwise bytes, columnwise
+    bytes) of an MXFP8 weight; the uint8 bytes [start // 2, ceil(end / 2)) of an NVFP4
+    weight's rowwise data)."""
     lists = {"master_weights": master_weights, "start_offsets": start_offsets}
     if fsdp_shard_model_weights is not None:
         lists["fsdp_shard_model_weights"] = fsdp_shard_model_weights
@@ -104,7 +126,10 @@ def quantize_master_weights(
         master = master_weights[i]
         if master is not None and master.numel():
             numel = model_weights[i].numel()
-            param_utils._checked_offset(i, start_offsets[i], master.numel(), numel)
+            start = param_utils._checked_offset(i, start_offsets[i], master.numel(), numel)
+            if isinstance(model_weights[i], NVFP4Tensor) and fsdp_shard_model_weights is not None:
+                shard = fsdp_shard_model_weights[i]
+                _nvfp4_fragment(model_weights[i]._storage, shard, start, master.numel())
     others = [i for i in range(len(model_weights)) if i not in set(blocks)]
     if others:
 
@@ -118,11 +143,14 @@ def quantize_master_weights(
     shards = fsdp_shard_model_weights or [None] * len(model_weights)
     casts = [(model_weights[i], master_weights[i], start_offsets[i], shards[i]) for i in blocks]
     mxfp8 = [cast for cast in casts if isinstance(cast[0], MXFP8Tensor)]
-    blockwise = [cast for cast in casts if not isinstance(cast[0], MXFP8Tensor)]
+    nvfp4 = [cast for cast in casts if isinstance(cast[0], NVFP4Tensor)]
+    blockwise = [cast for cast in casts if isinstance(cast[0], Float8BlockwiseQTensor)]
     if blockwise:
         _cast_blockwise(blockwise, group, manual_post_all_gather_processing)
     if mxfp8:
         _cast_mxfp8(mxfp8, group)
+    if nvfp4:
+        _cast_nvfp4(nvfp4, group, manual_post_all_gather_processing)
 
 
 # Transformer Engine's older name of quantize_master_weights (the same arguments).
@@ -133,12 +161,15 @@ def _check_block_weight(i: int, weight: torch.Tensor) -> None:
     if isinstance(weight, MXFP8Tensor):
         _check_mxfp8_weight(i, weight)
         return
+    if isinstance(weight, NVFP4Tensor):
+        _check_nvfp4_weight(f"quantize_master_weights: model_weights[{i}] (NVFP4Tensor)", weight)
+        return
     if not isinstance(weight, Float8BlockwiseQTensor) or weight._storage.block_dim != 2:
         raise NotImplementedError(
             f"quantize_master_weights: model_weights[{i}] is a {type(weight).__name__}"
             f"{'' if not isinstance(weight, Float8BlockwiseQTensor) else ' with 1x128 blocks'}"
-            "; only Float8Tensor, 128x128-block Float8BlockwiseQTensor and MXFP8Tensor are "
-            "supported"
+            "; only Float8Tensor, 128x128-block Float8BlockwiseQTensor, MXFP8Tensor and "
+            "16x16-tile NVFP4Tensor are supported"
         )
     if weight.dim() != 2:
         raise ValueError(
@@ -349,3 +380,152 @@ def _write_mxfp8(weight, start: int, amax, window, targets) -> None:
     for code, target in zip((code_r, code_c), targets, strict=True):
         data = mx._encode_reference(x4, code, weight._storage.fp8_dtype)
         target.copy_(data.reshape(-1)[offset : offset + target.numel()])
+
+
+# -- NVFP4, 16x16 tiles: per-tensor and tile amaxes agreed, each rank's nibbles of the rowwise data
+
+_FP4 = nv.FP4_BLOCK
+
+
+def _check_nvfp4_weight(name: str, weight: NVFP4Tensor) -> None:
+    """ValueError (starting with `name`, the weight) unless weight is 2-D, quantized with
+    16x16 tiles, without the Hadamard transform or stochastic rounding, and holds data."""
+    storage, quantizer = weight._storage, weight._quantizer
+    if weight.dim() != 2:
+        raise ValueError(f"{name} must be 2-D, got shape {tuple(weight.shape)}")
+    if not storage.with_2d_quantization or not getattr(quantizer, "with_2d_quantization", True):
+        raise ValueError(
+            f"{name} must use 2-D (16x16) quantization (NVFP4BlockScaling's weight quantizer, "
+            "with_2d_quantization=True): with 1x16 blocks the columnwise copy's scales belong "
+            "to other blocks, which no rank's slice gives"
+        )
+    if storage.rht_sign_mask is not None or getattr(quantizer, "with_rht", False):
+        raise ValueError(
+            f"{name} uses the random Hadamard transform: its columnwise copy cannot be made "
+            "from the rowwise bytes (weights take no RHT)"
+        )
+    if getattr(quantizer, "stochastic_rounding", False):
+        raise ValueError(
+            f"{name} uses stochastic rounding: a slice's cast would not equal the whole "
+            "weight's (weights are rounded to nearest)"
+        )
+    if storage.rowwise_data is None and storage.columnwise_data is None:
+        raise ValueError(f"{name} holds no data (emptied by prepare_for_saving?)")
+
+
+def _nvfp4_fragment(storage, shard, start: int, count: int) -> torch.Tensor:
+    """The flat uint8 bytes [start // 2, ceil((start + count) / 2)) the slice of values
+    [start, start + count) is written into: the weight's own rowwise data, or `shard`
+    (fsdp_shard_model_weights: uint8, contiguous, that many bytes, on the weight's device)."""
+    first, stop = start // 2, (start + count + 1) // 2
+    if shard is None:
+        return storage.rowwise_data.view(-1)[first:stop]
+    if isinstance(shard, NVFP4Tensor):
+        shard = shard._storage.rowwise_data
+    name = "quantize_master_weights: fsdp_shard_model_weights of an NVFP4 weight"
+    if not isinstance(shard, torch.Tensor) or shard.dtype != torch.uint8:
+        what = shard.dtype if isinstance(shard, torch.Tensor) else type(shard).__name__
+        raise TypeError(f"{name} must be a torch.uint8 tensor (two FP4 values a byte), got {what}")
+    if shard.numel() != stop - first or not shard.is_contiguous():
+        raise ValueError(
+            f"{name} must be contiguous with {stop - first} bytes (values [{start}, "
+            f"{start + count}) are bytes [{first}, {stop})), got {shard.numel()} elements"
+        )
+    if shard.device != storage.device:
+        raise ValueError(f"{name} must be on {storage.device}, got {shard.device}")
+    return shard.detach().view(-1)
+
+
+def _nvfp4_partial_amax(weight, master, start: int, amax: torch.Tensor):
+    """Write amax (1 + M/16 * K/16,) fp32: the per-tensor amax of this rank's slice, then the
+    amaxes of the 16x16 tiles it touches (NaN skipped, as the cast does; others 0); return
+    the slice's window (first row, fp32 values (R', K)) or None."""
+    if master is None or master.numel() == 0:
+        return None
+    param_utils._checked_offset(0, start, master.numel(), weight.numel())
+    first, values = _window(weight, master.detach(), start, _FP4)
+    tiles = nv._block_amax_reference(values, True)[::_FP4]  # (R'/16, K/16)
+    tile_amax = amax[1:].view(weight.shape[0] // _FP4, -1)
+    tile_amax[first // _FP4 : first // _FP4 + tiles.shape[0]] = tiles
+    amax[0] = tiles.max()
+    return first, values
+
+
+def _cast_nvfp4(casts: list, group, manual: bool) -> None:
+    """The per-tensor and tile amaxes over all ranks' slices (one MAX all-reduce), every
+    weight's tile scales and amax, each rank's slice encoded into its rowwise bytes."""
+    device = casts[0][0].device
+    sizes = [1 + w.numel() // (_FP4 * _FP4) for w, *_ in casts]
+    packed = torch.zeros(sum(sizes), dtype=torch.float32, device=device)
+    amaxes = packed.split(sizes)
+    windows = []
+    for (weight, master, start, _), amax in zip(casts, amaxes, strict=True):
+        windows.append(_nvfp4_partial_amax(weight, master, start, amax))
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.all_reduce(packed, op=torch.distributed.ReduceOp.MAX, group=group)
+    with torch.no_grad():
+        for (weight, master, start, shard), amax, window in zip(
+            casts, amaxes, windows, strict=True
+        ):
+            storage = weight._storage
+            if storage.rowwise_data is None:  # made from the columnwise copy (the transpose)
+                storage.update_usage(rowwise_usage=True)
+            encode = _nvfp4_scales(storage, amax[0:1], amax[1:].view(weight.shape[0] // _FP4, -1))
+            if window is not None:
+                target = _nvfp4_fragment(storage, shard, start, master.numel())
+                _write_nvfp4(start, master.numel(), encode, window, target)
+            if not manual:
+                storage.update_usage(columnwise_usage=False)
+            torch.autograd.graph.increment_version(weight)
+
+
+def _nvfp4_scales(storage, amax: torch.Tensor, tile_amax: torch.Tensor) -> torch.Tensor:
+    """Write the E4M3 scales of the tiles (tile_amax (M/16, K/16) fp32; each repeated on its
+    16 rows) and the per-tensor amax (1,) into the rowwise copy, with the cast's arithmetic
+    (kernels/nvfp4_cast.py's _encode_reference); return the tiles' fp32 encode factors."""
+    s_enc, s_dec = global_scales_reference(amax)
+    s = tile_amax * (s_enc * RCP_6)  # fp32 products, as the cast's
+    s = torch.where(s < FLT_MAX, s, FLT_MAX).clamp(max=E4M3_MAX)
+    code = s.to(torch.float8_e4m3fn)
+    encode = torch.ones_like(s) / (code.float() * s_dec)
+    rows, cols = tile_amax.shape
+    scale = storage.rowwise_scale_inv
+    scale[: rows * _FP4, :cols] = code.view(torch.uint8).repeat_interleave(_FP4, dim=0)
+    if storage.amax_rowwise is None:
+        storage.amax_rowwise = amax.clone()
+    else:
+        storage.amax_rowwise.copy_(amax)
+    return torch.where(encode < FLT_MAX, encode, FLT_MAX)
+
+
+def _write_nvfp4(start: int, count: int, encode, window, target: torch.Tensor) -> None:
+    """Encode the slice's values [start, start + count) (in its window) with the tiles' encode
+    factors (M/16, K/16) into target, the bytes [start // 2, ceil((start + count) / 2)):
+    only this slice's nibbles change (a shared first or last byte keeps the other one)."""
+    first, values = window
+    rows, cols = values.shape
+    tile_encode = encode[first // _FP4 : (first + rows) // _FP4]
+    y = values.view(rows // _FP4, _FP4, cols // _FP4, _FP4) * tile_encode[:, None, :, None]
+    offset = start - first * cols
+    codes = fp4_codes_reference(y, None).reshape(-1)[offset : offset + count]
+    nibbles = torch.stack((target & 15, target >> 4), dim=-1).reshape(-1).long()
+    nibbles[start % 2 : start % 2 + count] = codes
+    pairs = nibbles.view(-1, 2)
+    target.copy_(pairs[:, 0] | (pairs[:, 1] << 4))
+
+
+def _nvfp4_columnwise(weight: NVFP4Tensor) -> None:
+    """Make an NVFP4 weight's columnwise copy again from its rowwise one (the exact transpose
+    of 16x16-tile data), into the copy's existing tensors where it has them."""
+    _check_nvfp4_weight("post_all_gather_processing: an NVFP4Tensor", weight)
+    storage = weight._storage
+    if storage.rowwise_data is None:
+        return  # nothing gathered: the columnwise copy is all there is
+    names = ("columnwise_data", "columnwise_scale_inv", "amax_columnwise")
+    old = [getattr(storage, name) for name in names]
+    storage.update_usage(columnwise_usage=False)
+    storage.update_usage(columnwise_usage=True)
+    if all(t is not None for t in old):  # keep the addresses (CUDA graphs, FSDP buffers)
+        for name, tensor in zip(names, old, strict=True):
+            tensor.copy_(getattr(storage, name))
+            setattr(storage, name, tensor)
