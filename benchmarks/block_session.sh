@@ -16,7 +16,7 @@ GROUPS_OF_TESTS=(
   "tests/test_activation_block_gpu.py tests/test_kernels_gemm_epilogue.py"
   "tests/test_nvfp4_gpu.py tests/test_mxfp8_gpu.py"
   "tests/test_block_modules_gpu.py tests/test_grouped_gemm_block_gpu.py tests/test_block_tp.py"
-  "tests/test_block_tensor.py tests/test_gemm.py"
+  "tests/test_block_tensor.py tests/test_gemm.py tests/test_block_master_weights.py"
   "tests/test_block_cast_gpu.py -k grouped"
 )
 if [[ $PHASES == *tests* ]]; then
