@@ -173,10 +173,17 @@ def run_in_place(cls: type, dequantize: Callable[[Any], torch.Tensor], func, arg
 
 class BlockQuantizerMixin:
     """Mixin of the block-scaled quantizers: rowwise_usage / columnwise_usage set by
-    set_usage, what quantize returns (the Storage, or with internal=False its Tensor), and
-    quantize_gathered (sequence parallelism)."""
+    set_usage, what quantize returns (the Storage, or with internal=False its Tensor),
+    quantize_gathered (sequence parallelism), and the delayed-scaling hooks they answer with
+    nothing (every block's scale comes from its own values)."""
 
     __slots__ = ()
+
+    def record_amax(self, x_hp: torch.Tensor) -> None:
+        """Block scaling keeps no amax between calls: nothing to record."""
+
+    def prime_scale(self, x_hp: torch.Tensor, fp8_max: float, margin: int) -> None:
+        """Block scaling has no stored scale: nothing to prime."""
 
     def set_usage(self, *, rowwise: bool | None = None, columnwise: bool | None = None) -> None:
         """Set the copies quantize makes when not told; None leaves one as is."""

@@ -460,12 +460,6 @@ class Float8BlockQuantizer(BlockQuantizerMixin, Quantizer):
         shape = tuple(x.shape)
         return GroupedBlockwiseStorage(*out, self.fp8_dtype, shape, row_offsets, blocks, m_splits)
 
-    def record_amax(self, x_hp: torch.Tensor) -> None:
-        """Block scaling keeps no amax between calls: nothing to record."""
-
-    def prime_scale(self, x_hp: torch.Tensor, fp8_max: float, margin: int) -> None:
-        """Block scaling has no stored scale: nothing to prime."""
-
     def __repr__(self) -> str:
         return (
             f"Float8BlockQuantizer(fp8_dtype={self.fp8_dtype}, "

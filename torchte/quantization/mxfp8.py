@@ -298,12 +298,6 @@ class MXFP8Quantizer(BlockQuantizerMixin, Quantizer):
     def calibrate(self, tensor: torch.Tensor) -> None:
         """MXFP8 keeps no statistics: nothing to calibrate."""
 
-    def record_amax(self, x_hp: torch.Tensor) -> None:
-        """MXFP8 keeps no amax history: nothing to record."""
-
-    def prime_scale(self, x_hp: torch.Tensor, fp8_max: float, margin: int) -> None:
-        """MXFP8 has no stored scale: nothing to prime."""
-
     def __repr__(self) -> str:
         return (
             f"MXFP8Quantizer(fp8_dtype={self.fp8_dtype}, rowwise={self.rowwise_usage}, "

@@ -369,12 +369,6 @@ class NVFP4Quantizer(BlockQuantizerMixin, Quantizer):
         device: no host sync; a CUDA graph replays a fresh draw)."""
         return torch.randint(0, 2**62, (2,), dtype=torch.int64, device=device)
 
-    def record_amax(self, x_hp: torch.Tensor) -> None:
-        """NVFP4 keeps no amax between calls: nothing to record."""
-
-    def prime_scale(self, x_hp: torch.Tensor, fp8_max: float, margin: int) -> None:
-        """NVFP4 has no stored scale: nothing to prime."""
-
     def is_quantizable(self, x_hp: torch.Tensor) -> bool:
         """Whether x_hp has the shape NVFP4 needs (at least 2-D, rows and K multiples of 16)."""
         rows = math.prod(x_hp.shape[:-1])
