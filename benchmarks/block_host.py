@@ -5,7 +5,10 @@ back (events around 10 steps: the host runs ahead, as in a training loop), the h
 milliseconds to launch one step, and whether a step synchronizes with the GPU
 (torch.cuda.set_sync_debug_mode).
 
-    PYTHONPATH=. python benchmarks/block_host.py [--only NAME ...]
+    PYTHONPATH=. python benchmarks/block_host.py [--only NAME ...] [--cprofile]
+
+With --cprofile, also the host's Python functions over 20 te block steps (cProfile, the 25
+largest by own time).
 
 Never asserts.
 """
@@ -13,6 +16,8 @@ Never asserts.
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
 import statistics
 import sys
 import time
@@ -48,9 +53,23 @@ def syncs(step) -> list[str]:
     return sorted({str(w.message).splitlines()[0][:90] for w in caught})
 
 
+def profile_host(name: str, step, reps: int = 20) -> None:
+    """Print the 25 Python functions with the most own time over `reps` steps."""
+    torch.cuda.synchronize()
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(reps):
+        step()
+    profiler.disable()
+    torch.cuda.synchronize()
+    print(f"== host profile of {name}, te block, {reps} steps")
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", nargs="*")
+    parser.add_argument("--cprofile", action="store_true")
     args = parser.parse_args()
     rows = []
     for name, (make, _flops) in CASES.items():
@@ -66,6 +85,8 @@ def main() -> int:
             alone = gpu_ms(step, reps=10)
             back = gpu_ms(step, reps=5, inner=10)
             rows.append((name, label, alone, back, host_ms(step), syncs(step)))
+        if args.cprofile:
+            profile_host(name, steps["te block"])
         del torch_mod, te_mod
         torch.cuda.empty_cache()
     print(f"{'case':46s} {'impl':11s} {'alone ms':>9s} {'b2b ms':>8s} {'host ms':>8s}  syncs")

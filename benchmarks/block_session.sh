@@ -14,10 +14,11 @@ mkdir -p "$OUT"
 nvidia-smi --query-gpu=name --format=csv,noheader >"$OUT/device.txt"
 GROUPS_OF_TESTS=(
   "tests/test_activation_block_gpu.py tests/test_kernels_gemm_epilogue.py"
-  "tests/test_nvfp4_gpu.py tests/test_mxfp8_gpu.py"
+  "tests/test_nvfp4_gpu.py tests/test_mxfp8_gpu.py tests/test_mx_native_gpu.py"
   "tests/test_block_modules_gpu.py tests/test_grouped_gemm_block_gpu.py tests/test_block_tp.py"
   "tests/test_block_tensor.py tests/test_gemm.py tests/test_block_master_weights.py"
   "tests/test_block_cast_gpu.py -k grouped"
+  "tests/test_group_scales.py tests/test_host_splits_gpu.py"
 )
 if [[ $PHASES == *tests* ]]; then
   pids=()
@@ -39,6 +40,7 @@ fi
 if [[ $PHASES == *kernels* ]]; then
   timeout 100 python benchmarks/fused_block.py >"$OUT/fused_block.log" 2>&1
   timeout 60 python benchmarks/block_quantize.py >"$OUT/block_quantize.log" 2>&1
+  timeout 200 python benchmarks/nvfp4_cast.py >"$OUT/nvfp4_cast.log" 2>&1
 fi
 if [[ $PHASES == *train* ]]; then
   for recipe in bf16 block mxfp8 nvfp4; do
@@ -49,7 +51,7 @@ fi
 for log in "$OUT"/gpu_tests_*.log; do
   [[ -f $log ]] && { echo "== $log"; grep -E "^(FAILED|ERROR)|passed|failed|pytest exit" "$log" | tail -8; }
 done
-for log in fused_block block_quantize block_scaling; do
+for log in fused_block block_quantize nvfp4_cast block_scaling; do
   [[ -f $OUT/$log.log ]] && { echo "== $log"; tail -n 30 "$OUT/$log.log"; }
 done
 for recipe in bf16 block mxfp8 nvfp4; do

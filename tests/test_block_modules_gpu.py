@@ -11,13 +11,16 @@ from block_reference import QDQLinear
 from tolerances import representable, tolerance
 
 import torchte as te
-from torchte.recipe import Float8BlockScaling, MXFP8BlockScaling, NVFP4BlockScaling
+from torchte.recipe import Float8BlockScaling, Format, MXFP8BlockScaling, NVFP4BlockScaling
 
 pytestmark = pytest.mark.gpu
 
 RECIPES = {
     "block": Float8BlockScaling(),
     "block-x2d": Float8BlockScaling(x_block_scaling_dim=2, w_block_scaling_dim=1),
+    # E5M2 gradients: dgrad runs as 1x128 x 1x128, the weight's tiles read as strips
+    # (F.scaled_mm takes E5M2 in no block-scaled pairing).
+    "block-hybrid": Float8BlockScaling(fp8_format=Format.HYBRID),
     "mxfp8": MXFP8BlockScaling(),
     "nvfp4": NVFP4BlockScaling(disable_stochastic_rounding=True),
 }
@@ -84,10 +87,11 @@ def _grouped(sizes, k, n):
 
 @pytest.mark.parametrize("on_device", [True, False], ids=["device-splits", "host-splits"])
 @pytest.mark.parametrize("sizes", [[256, 0, 384, 128], [40, 8, 0, 16], [32, 16, 0, 16]], ids=str)
-def test_grouped_block_path_matches_per_group_references(sizes, on_device):
+@pytest.mark.parametrize("recipe_name", ["block", "block-hybrid"])
+def test_grouped_block_path_matches_per_group_references(sizes, on_device, recipe_name):
     """Device splits: the Triton grouped kernels; host splits of multiples of 16: cuBLAS per
     group (else the Triton kernels again)."""
-    recipe = RECIPES["block"]
+    recipe = RECIPES[recipe_name]
     k, n = (384, 256) if sum(sizes) > 64 else (128, 64)  # one K-block: scale strides of size 1
     layer = _grouped(sizes, k, n)
     x = representable((sum(sizes), k), torch.bfloat16, device="cuda").bfloat16()

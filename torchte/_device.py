@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 __all__ = [
@@ -83,18 +85,31 @@ def is_fp8_available(return_reason: bool = False) -> bool | tuple[bool, str]:
 # capability range whose tensor cores run their GEMMs natively, what the GEMM is).
 _BLOCK_NATIVE = {
     "Float8BlockScaling": ((9, 0), (10, 0), "cuBLAS 1x128/128x128 block-scaled FP8 (Hopper)"),
-    "MXFP8BlockScaling": ((10, 0), None, "MX-scaled FP8 (Blackwell)"),
-    "NVFP4BlockScaling": ((10, 0), None, "NVFP4 (Blackwell)"),
+    "MXFP8BlockScaling": ((10, 0), None, "MX-scaled FP8 (E8M0 scales per 32 values)"),
+    "NVFP4BlockScaling": ((10, 0), None, "NVFP4 (E4M3 scales per 16 values, a per-tensor scale)"),
 }
+# What torch needs for the MX formats' native GEMMs: its scaling type, the scale and data
+# dtypes (quantization/mx_operand.py views the stored bytes as these).
+_MX_TORCH = {
+    "MXFP8BlockScaling": ("BlockWise1x32", ("float8_e8m0fnu",)),
+    "NVFP4BlockScaling": ("BlockWise1x16", ("float4_e2m1fn_x2", "float8_e4m3fn")),
+}
+# Set to 1 to emulate MXFP8 / NVFP4 GEMMs on compute capability 10+ as well (the native path
+# is untested on such hardware here); read once per (recipe, device).
+_MX_EMULATE_ENV = "TORCHTE_MX_EMULATE"
+_UNTESTED = (
+    "untested: torchte's tests have not run on a GPU of compute capability 10 or higher "
+    f"(set {_MX_EMULATE_ENV}=1 to emulate instead)"
+)
 
 
 def block_gemm_native(recipe: str, device: torch.device) -> tuple[bool, str]:
     """(native, how) for the GEMMs of block-scaled `recipe` ("Float8BlockScaling",
     "MXFP8BlockScaling", "NVFP4BlockScaling") on `device`: native where torch runs them on
-    this GPU's tensor cores (Float8BlockScaling on compute capability 9.x; the MX formats'
-    native path, compute capability 10+, is not implemented in this release), else emulated:
-    the operands dequantized exactly and multiplied in bf16/fp32 (the format's numerics, not
-    its speed). Computed once per (recipe, device)."""
+    this GPU's tensor cores (Float8BlockScaling on compute capability 9.x; MXFP8 and NVFP4 on
+    10+ through torch.nn.functional.scaled_mm, a path UNTESTED on such hardware here, unless
+    TORCHTE_MX_EMULATE=1), else emulated: the operands dequantized exactly and multiplied in
+    bf16/fp32 (the format's numerics, not its speed). Computed once per (recipe, device)."""
     key = (recipe, device)
     answer = _BLOCK_GEMM.get(key)
     if answer is None:
@@ -103,6 +118,10 @@ def block_gemm_native(recipe: str, device: torch.device) -> tuple[bool, str]:
 
 
 _BLOCK_GEMM: dict[tuple[str, torch.device], tuple[bool, str]] = {}
+_EMULATED = (
+    "emulated (dequantized operands, bf16 GEMM, fp32 accumulation): the format's numerics, not "
+    "its speed"
+)
 
 
 def _block_gemm_native(recipe: str, device: torch.device) -> tuple[bool, str]:
@@ -113,18 +132,46 @@ def _block_gemm_native(recipe: str, device: torch.device) -> tuple[bool, str]:
     if not supported:
         return False, reason
     capability = torch.cuda.get_device_capability(device)
-    if recipe == "Float8BlockScaling" and low <= capability < high:
-        import torch.nn.functional as F
-
-        if hasattr(F, "scaled_mm") and hasattr(F, "ScalingType"):
-            return True, f"{what} through torch.nn.functional.scaled_mm"
-        return False, f"this torch has no torch.nn.functional.scaled_mm; {recipe} is emulated"
     major, minor = capability
-    return False, (
-        f"{recipe}: native {what} GEMMs are not implemented for compute capability "
-        f"{major}.{minor} in torchte; emulated (dequantized operands, bf16 GEMM, fp32 "
-        "accumulation): the format's numerics, not its speed"
+    if not (low <= capability and (high is None or capability < high)):
+        if recipe == "Float8BlockScaling":
+            return False, (
+                f"{recipe}: native {what} GEMMs are not implemented for compute capability "
+                f"{major}.{minor} in torchte; {_EMULATED}"
+            )
+        return False, (
+            f"{recipe}: native {what} GEMMs need compute capability {low[0]}.{low[1]} or "
+            f"higher; {device} has {major}.{minor}: {_EMULATED}"
+        )
+    missing = _torch_lacks(recipe)
+    if missing:
+        return False, f"this torch has no {missing}; {recipe} is {_EMULATED}"
+    if recipe == "Float8BlockScaling":
+        return True, f"{what} through torch.nn.functional.scaled_mm"
+    if os.environ.get(_MX_EMULATE_ENV, "0") not in ("", "0"):
+        return False, f"{recipe}: {_MX_EMULATE_ENV} is set; {_EMULATED}"
+    scaling = _MX_TORCH[recipe][0]
+    return True, (
+        f"{what} through torch.nn.functional.scaled_mm ({scaling}, SWIZZLE_32_4_4 scales); "
+        + _UNTESTED
     )
+
+
+def _torch_lacks(recipe: str) -> str:
+    """What this torch lacks for recipe's native GEMMs ("" when nothing)."""
+    import torch.nn.functional as F
+
+    if not (hasattr(F, "scaled_mm") and hasattr(F, "ScalingType")):
+        return "torch.nn.functional.scaled_mm"
+    if recipe not in _MX_TORCH:
+        return ""
+    scaling, dtypes = _MX_TORCH[recipe]
+    if not hasattr(F.ScalingType, scaling):
+        return f"torch.nn.functional.ScalingType.{scaling}"
+    if not hasattr(getattr(F, "SwizzleType", None), "SWIZZLE_32_4_4"):
+        return "torch.nn.functional.SwizzleType.SWIZZLE_32_4_4"
+    lacking = [f"torch.{name}" for name in dtypes if not hasattr(torch, name)]
+    return ", ".join(lacking)
 
 
 def _block_available(recipe: str, return_reason: bool) -> bool | tuple[bool, str]:
@@ -137,8 +184,9 @@ def _block_available(recipe: str, return_reason: bool) -> bool | tuple[bool, str
 
 
 def is_mxfp8_available(return_reason: bool = False) -> bool | tuple[bool, str]:
-    """Whether MXFP8BlockScaling runs on the default device (emulated on Hopper and the CPU:
-    exact MXFP8 numerics); with return_reason, (available, "native: ..." | "emulated: ...")."""
+    """Whether MXFP8BlockScaling runs on the default device (natively on compute capability
+    10+, untested here; emulated on Hopper and the CPU: exact MXFP8 numerics); with
+    return_reason, (available, "native: ..." | "emulated: ...")."""
     return _block_available("MXFP8BlockScaling", return_reason)
 
 
@@ -150,8 +198,9 @@ def is_fp8_block_scaling_available(return_reason: bool = False) -> bool | tuple[
 
 
 def is_nvfp4_available(return_reason: bool = False) -> bool | tuple[bool, str]:
-    """Whether NVFP4BlockScaling runs on the default device (emulated on Hopper and the CPU:
-    exact NVFP4 numerics); with return_reason, (available, "native: ..." | "emulated: ...")."""
+    """Whether NVFP4BlockScaling runs on the default device (natively on compute capability
+    10+, untested here; emulated on Hopper and the CPU: exact NVFP4 numerics); with
+    return_reason, (available, "native: ..." | "emulated: ...")."""
     return _block_available("NVFP4BlockScaling", return_reason)
 
 

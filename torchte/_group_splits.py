@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import torch
 
 from torchte._sizes import check_splits
+from torchte.kernels.host_values import to_device_async
 
 __all__ = ["GroupSplits", "group_splits"]
 
@@ -99,11 +100,14 @@ SPLIT_CACHE_SIZE = 8
 
 @functools.lru_cache(maxsize=SPLIT_CACHE_SIZE)
 def _host_split_tensors(sizes: tuple[int, ...], device: torch.device):
-    """(offsets int32 (G,), row groups int64 (T,)) on `device` for host sizes."""
+    """(offsets int32 (G,), row groups int64 (T,)) on `device` for host sizes (copies the host
+    does not wait for)."""
     counts = torch.tensor(sizes, dtype=torch.int64)
-    offsets = counts.cumsum(0).to(torch.int32)
+    offsets = counts.cumsum(0)
     row_groups = torch.repeat_interleave(torch.arange(len(sizes)), counts)
-    return offsets.to(device), row_groups.to(device)
+    return to_device_async(offsets, torch.int32, device), to_device_async(
+        row_groups, torch.int64, device
+    )
 
 
 @functools.lru_cache(maxsize=SPLIT_CACHE_SIZE)

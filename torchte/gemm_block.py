@@ -14,7 +14,9 @@ import torch.nn.functional as F
 
 from ._device import block_gemm_native
 from ._gemm_util import empty_product, fp32_mm
+from .gemm_mx import MX_KINDS, mx_operand_mm
 from .kernels.gemm_epilogue import scale_epilogue
+from .kernels.group_scales import group_scales
 from .kernels.grouped_gemm_block import grouped_block_reduction_gemm, grouped_block_rows_gemm
 from .quantization.base import GemmOperand
 
@@ -41,16 +43,21 @@ def operand_gemm(a, b, out_dtype, bias=None, out=None, accumulate=False) -> torc
 
     Two block-scaled FP8 operands run as one torch block-scaled matmul where the device has it
     (Hopper: 1x128 x 128x128, 128x128 x 1x128 and 1x128 x 1x128, every dimension a multiple of
-    16), the bias added in its epilogue; otherwise (the CPU, other GPUs, unaligned shapes, the
-    emulated formats' "values") the operands are dequantized exactly and multiplied with fp32
-    accumulation, scaled by their factors and the bias added before the one rounding.
+    16), the bias added in its epilogue; two MXFP8 ("mx") or NVFP4 ("nvfp4") operands, which
+    their storages make only where those GEMMs run natively (compute capability 10+, untested
+    here), as torch's MX-scaled matmul (gemm_mx.py; ValueError for a mixed pair); otherwise
+    (the CPU, other GPUs, unaligned shapes, the emulated formats' "values") the operands are
+    dequantized exactly and multiplied with fp32 accumulation, scaled by their factors and the
+    bias added before the one rounding.
     """
     m, n = a.data.shape[0], b.data.shape[0]
     if m == 0 or n == 0 or a.data.shape[1] == 0:
         return empty_product(m, n, a.data.device, out_dtype, bias, out, accumulate)
     gemm_dtype = out_dtype if out is None else torch.float32
     result = None
-    if a.data.is_cuda and a.kind != "values" and b.kind != "values":
+    if a.kind in MX_KINDS or b.kind in MX_KINDS:  # native MXFP8 / NVFP4 (capability 10+)
+        result = mx_operand_mm(a, b, gemm_dtype, bias)
+    elif a.data.is_cuda and a.kind != "values" and b.kind != "values":
         result = _block_scaled_mm(a, b, gemm_dtype, bias)
     if result is None:
         result = _dequantized_mm(a, b, gemm_dtype, bias)
@@ -71,9 +78,12 @@ def _block_scaled_mm(a, b, out_dtype, bias, out=None):
         return None
     if a.kind == "block2d" and b.kind == "block2d":
         return None
+    kb = -(-k // _BLOCK)
+    if a.kind == "block1d" and b.kind == "block2d" and (out is None or kb % 4) and _has_e5m2(a, b):
+        # F.scaled_mm (the path below) refuses E5M2: the tiles as 1x128 strips instead.
+        b = GemmOperand("block1d", b.data, tiles_as_strips(b.scale, b.data.shape[0], kb))
     fused = bias.to(out_dtype) if bias is not None and out_dtype != torch.float32 else None
     if out is not None:
-        kb = -(-k // _BLOCK)
         if a.kind == "block1d" and (b.kind == "block1d" or kb % 4 == 0):
             b_scale = b.scale if b.kind == "block1d" else b.scale[:, :kb].t()
             torch._scaled_mm(a.data, b.data.t(), a.scale.t(), b_scale, out_dtype=out_dtype, out=out)
@@ -93,6 +103,22 @@ def _block_scaled_mm(a, b, out_dtype, bias, out=None):
     if bias is not None and fused is None:
         result = result.add_(bias)
     return result
+
+
+def _has_e5m2(a, b) -> bool:
+    """Whether either operand holds E5M2 bytes: F.scaled_mm refuses them in its block-scaled
+    pairings, torch._scaled_mm takes them."""
+    return torch.float8_e5m2 in (a.data.dtype, b.data.dtype)
+
+
+def tiles_as_strips(tile_scales: torch.Tensor, rows: int, kb: int) -> torch.Tensor:
+    """The scales (..., KB, rows) fp32, contiguous, of an operand (..., rows, K) in 128x128 tiles
+    (tile_scales (..., ceil(rows / 128), >= KB)) read as 1x128 strips along K, each strip taking
+    its tile's scale: the same values, in the form torch._scaled_mm multiplies as 1x128 x 1x128,
+    for the pairs with an E5M2 operand that only F.scaled_mm would take as tiles (which it
+    refuses)."""
+    strips = tile_scales[..., :kb].repeat_interleave(_BLOCK, dim=-2)[..., :rows, :]
+    return strips.transpose(-1, -2).contiguous()
 
 
 def _dequantized_mm(a, b, out_dtype, bias):
@@ -137,86 +163,122 @@ def block_grouped_fprop(x_q, w_q, out_dtype) -> torch.Tensor:
     on the device), w_q a 128x128 storage of the G weights (rowwise (G, N, K)). With the sizes
     on the host (x_q.m_splits) and cuBLAS's block-scaled GEMM on the device: one per group,
     each writing its rows of y; else one Triton launch reading the sizes on the device."""
-    sizes = _cublas_group_sizes(x_q)
+    data, scales = w_q.rowwise_data, w_q.rowwise_scale_inv
+    sizes = _cublas_group_sizes(x_q, data.shape[1], x_q.shape[1])
     if sizes is None:
         return grouped_block_rows_gemm(
-            x_q.rowwise_data, x_q.rowwise_scale_inv, w_q.rowwise_data, w_q.rowwise_scale_inv,
-            x_q.row_offsets, out_dtype,
-        )  # fmt: skip
-    weights = (w_q.rowwise_data, w_q.rowwise_scale_inv)
-    return _per_group_rows(x_q, weights, sizes, out_dtype)
+            x_q.rowwise_data, x_q.rowwise_scale_inv, data, scales, x_q.row_offsets, out_dtype
+        )
+    return _per_group_rows(x_q, data, scales, sizes, out_dtype)
 
 
 def block_grouped_dgrad(dy_q, w_q, out_dtype) -> torch.Tensor:
     """dx (T, K): per group dy_g W_g, from dy's rowwise copy and the weights' columnwise tiles
     (G, K, N); per group on cuBLAS or one Triton launch, as block_grouped_fprop."""
-    sizes = _cublas_group_sizes(dy_q)
+    data, scales = w_q.columnwise_data, w_q.columnwise_scale_inv
+    sizes = _cublas_group_sizes(dy_q, data.shape[1], dy_q.shape[1])
     if sizes is None:
         return grouped_block_rows_gemm(
-            dy_q.rowwise_data, dy_q.rowwise_scale_inv, w_q.columnwise_data,
-            w_q.columnwise_scale_inv, dy_q.row_offsets, out_dtype,
-        )  # fmt: skip
-    weights = (w_q.columnwise_data, w_q.columnwise_scale_inv)
-    return _per_group_rows(dy_q, weights, sizes, out_dtype)
+            dy_q.rowwise_data, dy_q.rowwise_scale_inv, data, scales, dy_q.row_offsets, out_dtype
+        )
+    return _per_group_rows(dy_q, data, scales, sizes, out_dtype)
 
 
 def block_grouped_wgrad(dy_q, x_q, out_dtype) -> torch.Tensor:
     """dW (G, N, K): per group dy_g^T x_g over the group's tokens, from the columnwise copies
     of dy (N, T) and x (K, T) with their per-group 128-token blocks, zeros for a group without
     rows; per group on cuBLAS or one Triton launch, as block_grouped_fprop."""
-    sizes = _cublas_group_sizes(dy_q)
+    sizes = _cublas_group_sizes(dy_q, dy_q.shape[1], x_q.shape[1])
     if sizes is None:
         return grouped_block_reduction_gemm(
             dy_q.columnwise_data, dy_q.columnwise_scale_inv, x_q.columnwise_data,
             x_q.columnwise_scale_inv, dy_q.row_offsets, dy_q.block_offsets, out_dtype,
         )  # fmt: skip
+    return _per_group_wgrad(dy_q, x_q, sizes, out_dtype)
+
+
+def _per_group_wgrad(dy_q, x_q, sizes, out_dtype) -> torch.Tensor:
+    """(G, N, K): out[g] = dy_g^T x_g, one cuBLAS GEMM per non-empty group (1x128 x 1x128
+    along the group's tokens, written in place), zeros for an empty one. Every group's views
+    of an operand come from one split; scale rows past the last group's are padding."""
     n, k = dy_q.shape[1], x_q.shape[1]
     out = torch.empty(len(sizes), n, k, dtype=out_dtype, device=dy_q.columnwise_data.device)
-    start = block = 0
-    for g, m in enumerate(sizes):
-        if m == 0:
-            out[g].zero_()
-            continue
-        tokens, blocks = slice(start, start + m), slice(block, block + -(-m // _BLOCK))
-        a = GemmOperand(
-            "block1d", dy_q.columnwise_data[:, tokens], dy_q.columnwise_scale_inv[blocks]
-        )
-        b = GemmOperand("block1d", x_q.columnwise_data[:, tokens], x_q.columnwise_scale_inv[blocks])
-        _block_scaled_mm(a, b, out_dtype, None, out=out[g])
-        start, block = start + m, blocks.stop
+    blocks = [-(-m // _BLOCK) for m in sizes]
+    used = sum(blocks)
+    dy_scales = dy_q.columnwise_scale_inv[:used].t().split(blocks, 1)  # (N, blocks_g)
+    x_scales = x_q.columnwise_scale_inv[:used].split(blocks)  # (blocks_g, K)
+    dy_cols = dy_q.columnwise_data.split(sizes, 1)  # (N, m_g)
+    x_rows = x_q.columnwise_data.t().split(sizes)  # (m_g, K)
+    for out_g, m, a, b, a_scale, b_scale in zip(
+        out.unbind(0), sizes, dy_cols, x_rows, dy_scales, x_scales, strict=True
+    ):
+        if m:
+            torch._scaled_mm(a, b, a_scale, b_scale, out_dtype=out_dtype, out=out_g)
+        else:
+            out_g.zero_()
     return out
 
 
-def _cublas_group_sizes(q) -> list[int] | None:
+def _cublas_group_sizes(q, *dims: int) -> list[int] | None:
     """The group sizes of grouped storage q where its GEMMs run group by group on cuBLAS's
-    block-scaled GEMM (sizes on the host, every group and the token count multiples of 16,
-    Hopper), else None (the Triton kernels)."""
+    block-scaled GEMM (sizes on the host, every group, the token count and the GEMM's other
+    dimensions `dims` multiples of 16, Hopper), else None (the Triton kernels)."""
     sizes = q.m_splits
     data = q.rowwise_data if q.rowwise_data is not None else q.columnwise_data
     if sizes is None or not data.is_cuda or q.shape[0] % _BLOCK_ALIGN:
         return None
-    if any(m % _BLOCK_ALIGN for m in sizes):
+    if any(d % _BLOCK_ALIGN for d in dims) or any(m % _BLOCK_ALIGN for m in sizes):
         return None
-    return list(sizes) if block_gemm_native("Float8BlockScaling", data.device)[0] else None
+    return sizes if block_gemm_native("Float8BlockScaling", data.device)[0] else None
 
 
-def _per_group_rows(a_q, weights, sizes, out_dtype) -> torch.Tensor:
-    """(T, N): rows of group g = A_g B_g^T, A the 1x128 rowwise copy of a_q, B_g = weights'
-    (data (G, N, R), scales (G, ...)) tile g; one cuBLAS GEMM per non-empty group, each
-    writing its rows of the output."""
-    data, scales = weights
-    out = torch.empty(a_q.shape[0], data.shape[1], dtype=out_dtype, device=data.device)
+def _per_group_rows(a_q, data, scales, sizes, out_dtype) -> torch.Tensor:
+    """(T, N): rows of group g = A_g B_g^T, A the 1x128 rowwise copy of a_q, B_g = tile g of
+    data (G, N, R) FP8 with scales (G, ceil(N/128), round_up(ceil(R/128), 4)); one cuBLAS GEMM
+    per non-empty group, each writing its rows of the output.
+
+    Group g's 1x128 scales must be an (m_g, KB) matrix with strides (1, m_g): one launch
+    (kernels/group_scales.py) lays every group's (KB, m_g) block out contiguously, and the
+    GEMMs take views of it. torch._scaled_mm takes the 128x128 operand's scales only without
+    padding (KB a multiple of 4); otherwise F.scaled_mm pads them, into a new output copied
+    into the rows."""
+    a_data, a_scale = a_q.rowwise_data, a_q.rowwise_scale_inv
+    kb = a_scale.shape[0]
+    out = torch.empty(a_data.shape[0], data.shape[1], dtype=out_dtype, device=data.device)
+    if (kb == 1 or len(sizes) == 1) and a_scale.is_contiguous():
+        flat = a_scale.view(-1)  # the (KB, T) matrix is that layout already
+    else:
+        flat = group_scales(a_scale, a_q.row_offsets)
+    base = flat.storage_offset()  # as_strided's offset counts from the storage's start
+    direct = kb % 4 == 0
+    if direct:  # (KB, NB): the tiles' scales without the padding columns
+        b_scales = scales[:, :, :kb].transpose(1, 2).unbind(0)
+    elif torch.float8_e5m2 in (a_data.dtype, data.dtype):  # (KB, N): as 1x128 strips
+        b_scales = tiles_as_strips(scales, data.shape[1], kb).unbind(0)
+        direct = True
+    else:  # (round_up(KB, 4), NB)
+        b_scales = scales.transpose(1, 2).unbind(0)
+    b_data = data.transpose(1, 2).unbind(0)  # (R, N)
     start = 0
-    for g, m in enumerate(sizes):
+    for out_g, m, a, b, b_scale in zip(
+        out.split(sizes), sizes, a_data.split(sizes), b_data, b_scales, strict=True
+    ):
         if m:
-            rows = slice(start, start + m)
-            part = a_q.rowwise_scale_inv[:, rows]
-            # A fresh (K-blocks, m) buffer: .contiguous() keeps a view whose one K-block row
-            # still has the full tensor's stride, which cuBLAS's layout check refuses.
-            a_scale = torch.empty(part.shape, dtype=part.dtype, device=part.device).copy_(part)
-            a = GemmOperand("block1d", a_q.rowwise_data[rows], a_scale)
-            _block_scaled_mm(
-                a, GemmOperand("block2d", data[g], scales[g]), out_dtype, None, out[rows]
-            )
+            a_scale_g = flat.as_strided((m, kb), (1, m), base + kb * start)
+            if direct:
+                torch._scaled_mm(a, b, a_scale_g, b_scale, out_dtype=out_dtype, out=out_g)
+            else:
+                out_g.copy_(_padded_scales_mm(a, b, a_scale_g, b_scale, out_dtype))
         start += m
     return out
+
+
+def _padded_scales_mm(a, b, a_scale, b_scale, out_dtype) -> torch.Tensor:
+    """a (m, R) in 1x128 blocks with a_scale (m, KB) times b (R, N) in 128x128 tiles with
+    b_scale (round_up(KB, 4), NB): what _block_scaled_mm runs for such a pair without `out`
+    (F.scaled_mm, no bias)."""
+    scaling = F.ScalingType
+    return F.scaled_mm(
+        a, b, a_scale, scaling.BlockWise1x128, b_scale, scaling.BlockWise128x128, bias=None,
+        output_dtype=out_dtype,
+    )  # fmt: skip

@@ -49,7 +49,7 @@ from .block_cast_reference import (
     transpose_fp8,
     value_for_inf,
 )
-from .block_layout import BLOCK, max_blocks
+from .block_layout import BLOCK, check_offsets, max_blocks
 
 __all__ = [
     "BLOCK",
@@ -471,11 +471,4 @@ def check_row_offsets(x: torch.Tensor, row_offsets: torch.Tensor) -> None:
     values are on the device: not checked)."""
     if x.dim() != 2:
         raise ValueError(f"x must be 2-D (T, K), got shape {tuple(x.shape)}")
-    if not isinstance(row_offsets, torch.Tensor) or row_offsets.dtype != torch.int32:
-        raise TypeError("row_offsets must be an int32 tensor (G + 1,)")
-    if row_offsets.dim() != 1 or row_offsets.shape[0] < 2:
-        raise ValueError(
-            f"row_offsets must have shape (G + 1,) with G >= 1, got {tuple(row_offsets.shape)}"
-        )
-    if row_offsets.device != x.device:
-        raise ValueError(f"row_offsets is on {row_offsets.device}, x on {x.device}: must match")
+    check_offsets(row_offsets, x.device, "x")

@@ -58,6 +58,7 @@ from ._fp8_codec import (
 )
 from ._triton import FastLaunch, int_key, ptr_key, tl, triton, triton_available
 from .cast_spec import CastSpec
+from .host_values import to_device_async
 
 __all__ = [
     "GROUPED_AMAX_CONFIG",
@@ -215,7 +216,7 @@ def _grouped_offsets(m_splits: tuple[int, ...], device: torch.device):
     for rows in m_splits:
         row_offsets.append(row_offsets[-1] + rows)
         col_offsets.append(col_offsets[-1] + round_up(rows, COLUMNWISE_ALIGN))
-    offsets = torch.tensor([row_offsets, col_offsets], dtype=torch.int32).to(device)
+    offsets = to_device_async([row_offsets, col_offsets], torch.int32, device)
     return offsets[0], offsets[1]
 
 
@@ -224,7 +225,8 @@ def grouped_offsets(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(row_offsets, col_offsets): int32 (G + 1,) tensors on device holding o_g (running sum of
     m_splits) and c_g (running sum of round_up(m_g, 16)). Cached per (m_splits, device): one
-    host-to-device copy per new split; the tensors are shared, so callers must not modify them.
+    host-to-device copy per new split, which the host does not wait for; the tensors are
+    shared, so callers must not modify them.
     """
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:  # the key names the device it is on

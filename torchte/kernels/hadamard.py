@@ -13,11 +13,12 @@ orthogonal, so the inverse is y @ H / 4 @ diag(s) (its transpose).
 Arithmetic: Transformer Engine multiplies on tensor cores (bf16 x bf16, fp32 accumulation, no
 addend) and rounds the result to bf16. Here the sum is formed in float64 by the fast
 Walsh-Hadamard butterfly (4 stages of a + b, a - b), in the same order in Triton and in torch,
-then rounded to fp32 (and by the caller to the input dtype). Sums of 16 bf16 values are exact
-in fp64 unless their exponents span more than ~40 binades, and exact in fp32 (so in any
-accumulation order, the tensor core's included) when they span at most 12: wherever the tensor
-core's sum is exact, these are its bytes. A zero result is +0, as an fp32 accumulation from a
-zero addend gives.
+then rounded to fp32 (and by the caller to the input dtype). The Triton kernels (nvfp4_cols.py)
+hold the 16 rows of a group as 16 tensors and run the butterfly on them (_wht16). Sums of 16
+bf16 values are exact in fp64 unless their exponents span more than ~40 binades, and exact in
+fp32 (so in any accumulation order, the tensor core's included) when they span at most 12:
+wherever the tensor core's sum is exact, these are its bytes. A zero result is +0, as an fp32
+accumulation from a zero addend gives.
 """
 
 from __future__ import annotations
@@ -69,28 +70,61 @@ def hadamard_matrix(mask: int, dtype: torch.dtype = torch.float64, device=None) 
 if triton is not None:
 
     @triton.jit
-    def _butterfly_rows(t, ROWS: tl.constexpr, COLS: tl.constexpr):
-        """The 16-point Walsh-Hadamard transform (unnormalized) of t (ROWS, COLS) along its
-        rows, in groups of 16 (ROWS a multiple of 16): 4 stages; the stage of span h maps the
-        rows (r, r + h) of each pair to (a + b, a - b)."""
-        for stage in tl.static_range(4):
-            pairs = tl.reshape(t, (ROWS // (2 << stage), 2, (1 << stage) * COLS))
-            which = tl.arange(0, 2)[None, :, None]
-            total = tl.sum(pairs, axis=1)
-            diff = tl.sum(tl.where(which == 0, pairs, -pairs), axis=1)
-            t = tl.reshape(tl.where(which == 0, total[:, None, :], diff[:, None, :]), (ROWS, COLS))
-        return t
+    def _pm(a, b):
+        return a + b, a - b
 
     @triton.jit
-    def _rht16(v, SIGN_MASK: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr):
-        """The transform of v (ROWS, COLS) fp32 along its rows (module docstring): fp32, the
-        float64 result rounded once; zeros +0."""
-        r = tl.arange(0, ROWS) % 16
-        negative = ((tl.full((ROWS,), SIGN_MASK, tl.int32) >> r) & 1) == 1
-        t = v.to(tl.float64)
-        t = tl.where(negative[:, None], -t, t)
-        t = _butterfly_rows(t, ROWS, COLS) * 0.25
-        y = t.to(tl.float32)
+    def _signed(v, SIGN_MASK: tl.constexpr, ROW: tl.constexpr):
+        """v times the sign s[ROW] of the mask."""
+        if (SIGN_MASK >> ROW) & 1:
+            v = -v
+        return v
+
+    @triton.jit
+    def _wht16(v0, v1, v2, v3, v4, v5, v6, v7, v8, v9, v10, v11, v12, v13, v14, v15):
+        """The 16-point Walsh-Hadamard butterfly (unnormalized) of 16 same-shaped tensors, the
+        16 rows of a group: the stage of span h maps each pair of rows (r, r + h) to
+        (a + b, a - b), spans 1, 2, 4, 8 in turn (the order _butterfly_reference follows).
+        Elementwise on each thread's own values: nothing moves between threads."""
+        v0, v1 = _pm(v0, v1)
+        v2, v3 = _pm(v2, v3)
+        v4, v5 = _pm(v4, v5)
+        v6, v7 = _pm(v6, v7)
+        v8, v9 = _pm(v8, v9)
+        v10, v11 = _pm(v10, v11)
+        v12, v13 = _pm(v12, v13)
+        v14, v15 = _pm(v14, v15)
+        v0, v2 = _pm(v0, v2)
+        v1, v3 = _pm(v1, v3)
+        v4, v6 = _pm(v4, v6)
+        v5, v7 = _pm(v5, v7)
+        v8, v10 = _pm(v8, v10)
+        v9, v11 = _pm(v9, v11)
+        v12, v14 = _pm(v12, v14)
+        v13, v15 = _pm(v13, v15)
+        v0, v4 = _pm(v0, v4)
+        v1, v5 = _pm(v1, v5)
+        v2, v6 = _pm(v2, v6)
+        v3, v7 = _pm(v3, v7)
+        v8, v12 = _pm(v8, v12)
+        v9, v13 = _pm(v9, v13)
+        v10, v14 = _pm(v10, v14)
+        v11, v15 = _pm(v11, v15)
+        v0, v8 = _pm(v0, v8)
+        v1, v9 = _pm(v1, v9)
+        v2, v10 = _pm(v2, v10)
+        v3, v11 = _pm(v3, v11)
+        v4, v12 = _pm(v4, v12)
+        v5, v13 = _pm(v5, v13)
+        v6, v14 = _pm(v6, v14)
+        v7, v15 = _pm(v7, v15)
+        return v0, v1, v2, v3, v4, v5, v6, v7, v8, v9, v10, v11, v12, v13, v14, v15
+
+    @triton.jit
+    def _rht_value(t):
+        """One output row of the butterfly (float64) -> the transform's fp32 value: times 1/4,
+        rounded once to fp32, a zero made +0."""
+        y = (t * 0.25).to(tl.float32)
         return tl.where(y == 0.0, 0.0, y)
 
 

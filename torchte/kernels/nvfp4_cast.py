@@ -18,8 +18,9 @@ Transformer Engine, which takes RHT for bf16 only) before their amax and their e
 scales, FP4 codes and stochastic rounding: _fp4_codec.py. Random blocks: rowwise block (m, j)
 has index m * K/16 + j, columnwise block (k, i) of x^T the index M * K/16 + k * M/16 + i.
 
-Launches: compute_amax 2 (zeroing, amax), quantize 1 plus the zeroing of the scale paddings,
-dequantize_values 1. Every tile reads x once and writes both copies.
+Launches: compute_amax 2 (zeroing, amax); quantize one per copy (the rowwise copy here, the
+columnwise one by nvfp4_cols.py, which also takes the amax with the transform) plus the zeroing
+of the scale paddings; dequantize_values 1.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from ._fp4_codec import (
 )
 from ._triton import FastLaunch, int_key, ptr_key, tl, triton, triton_available
 from .hadamard import TE_SIGN_MASK, rht16_reference
+from .nvfp4_cols import quantize_columnwise, rht_amax
 
 __all__ = [
     "AMAX_CONFIG",
@@ -67,10 +69,12 @@ FP4_BLOCK = 16
 SCALE_ROW_ALIGN, SCALE_COL_ALIGN = 128, 4
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
-# Tiles (BLOCK_M, BLOCK_K, num_warps), powers of two, multiples of 16 (not yet tuned on a GPU).
-CAST_CONFIG = (32, 64, 4)
-AMAX_CONFIG = (64, 64, 4)
-VALUES_CONFIG = (32, 128, 4)
+# Tiles (BLOCK_M, BLOCK_K, num_warps), powers of two, multiples of 16: the rowwise copy, the
+# amax without the transform, dequantize_values (the columnwise copy: nvfp4_cols.COLS_CONFIG).
+# Each the fastest of benchmarks/nvfp4_cast.py's sweep on an H200 (8192 x 8192 bf16).
+CAST_CONFIG = (16, 256, 4)
+AMAX_CONFIG = (32, 256, 4)
+VALUES_CONFIG = (32, 256, 8)
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,8 +101,7 @@ if triton is not None:
         _nonnan_abs,
         _random_bytes,
     )
-    from ._fp8_codec import _abs_bits, _round_as
-    from .hadamard import _rht16
+    from ._fp8_codec import _abs_bits
 
     @triton.jit
     def _encode_rows(
@@ -136,43 +139,6 @@ if triton is not None:
         tl.store(scale_ptr + offs, code_s.to(tl.uint8), mask=mask)
 
     @triton.jit
-    def _encode_cols(
-        w, row0, col0, M, K, amax_ptr, rng_ptr, data_t_ptr, scale_t_ptr, scale_t_stride,
-        TWO_D: tl.constexpr, STOCHASTIC: tl.constexpr, BLOCK_M: tl.constexpr,
-        BLOCK_K: tl.constexpr,
-    ):  # fmt: skip
-        """Columnwise NVFP4 of the tile w (BLOCK_M, BLOCK_K) fp32 at (row0, col0): blocks of
-        16 along M, stored transposed into data_t (K, M/2) and scales_t."""
-        MB: tl.constexpr = BLOCK_M // 16
-        a = _nonnan_abs(w)
-        if TWO_D:
-            tile = tl.max(tl.max(tl.reshape(a, (MB, 16, BLOCK_K // 16, 16)), axis=3), axis=1)
-            tile = tl.broadcast_to(tile[:, :, None], (MB, BLOCK_K // 16, 16))
-            block_amax = tl.reshape(tile, (MB, BLOCK_K))
-        else:
-            block_amax = tl.max(tl.reshape(a, (MB, 16, BLOCK_K)), axis=1)
-        s_enc, s_dec = _global_scales(tl.load(amax_ptr + 1))
-        code_s, encode = _block_scales(block_amax, s_enc, s_dec)
-        y = tl.reshape(w, (MB, 16, BLOCK_K)) * encode[:, None, :]
-        cols = (col0 + tl.arange(0, BLOCK_K)).to(tl.int64)
-        blocks = row0 // 16 + tl.arange(0, MB)
-        if STOCHASTIC:
-            index = (K + cols[None, :]) * (M // 16) + blocks[:, None]  # M*K/16 + k*M/16 + i
-            rbits = tl.permute(_random_bytes(rng_ptr, index), (0, 2, 1))
-            q = _fp4_sr(y, rbits)
-        else:
-            q = _fp4_rn(y)
-        pairs = tl.permute(tl.reshape(q, (BLOCK_M // 2, 2, BLOCK_K)), (0, 2, 1))
-        lo, hi = tl.split(pairs)
-        byte_rows = row0 // 2 + tl.arange(0, BLOCK_M // 2)
-        mask = (byte_rows < M // 2)[:, None] & (cols < K)[None, :]
-        offs = cols[None, :] * (M // 2) + byte_rows[:, None]
-        tl.store(data_t_ptr + offs, (lo | (hi << 4)).to(tl.uint8), mask=mask)
-        mask = (blocks < M // 16)[:, None] & (cols < K)[None, :]
-        offs = cols[None, :] * scale_t_stride + blocks[:, None]
-        tl.store(scale_t_ptr + offs, code_s.to(tl.uint8), mask=mask)
-
-    @triton.jit
     def _load_tile(x_ptr, row0, col0, M, K, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
         """The fp32 tile (BLOCK_M, BLOCK_K) of x (M, K) at (row0, col0), zero outside."""
         rows = (row0 + tl.arange(0, BLOCK_M)).to(tl.int64)
@@ -182,22 +148,15 @@ if triton is not None:
         return x.to(tl.float32)
 
     @triton.jit
-    def _nvfp4_cast_kernel(
+    def _nvfp4_rows_kernel(
         x_ptr,  # (M, K) fp32 / bf16 / fp16, contiguous
-        amax_ptr,  # (2,) fp32: rowwise, columnwise per-tensor amax
+        amax_ptr,  # (2,) fp32: [0] the rowwise per-tensor amax
         rng_ptr,  # (2,) int64: Philox seed, counter offset (read when STOCHASTIC)
-        data_ptr,  # (M, K/2) uint8 rowwise codes, written when ROWWISE
+        data_ptr,  # (M, K/2) uint8 rowwise codes
         scale_ptr,  # (round_up(M, 128), round_up(K/16, 4)) uint8 E4M3 rowwise scales
-        data_t_ptr,  # (K, M/2) uint8 columnwise codes, written when COLUMNWISE
-        scale_t_ptr,  # (round_up(K, 128), round_up(M/16, 4)) uint8 columnwise scales
         M,
         K,
         scale_stride,
-        scale_t_stride,
-        ROWWISE: tl.constexpr,
-        COLUMNWISE: tl.constexpr,
-        RHT: tl.constexpr,
-        SIGN_MASK: tl.constexpr,
         TWO_D: tl.constexpr,
         STOCHASTIC: tl.constexpr,
         BLOCK_M: tl.constexpr,
@@ -206,18 +165,10 @@ if triton is not None:
         row0 = tl.program_id(0) * BLOCK_M
         col0 = tl.program_id(1) * BLOCK_K
         v = _load_tile(x_ptr, row0, col0, M, K, BLOCK_M, BLOCK_K)
-        if ROWWISE:
-            _encode_rows(
-                v, row0, col0, M, K, amax_ptr, rng_ptr, data_ptr, scale_ptr, scale_stride,
-                TWO_D, STOCHASTIC, BLOCK_M, BLOCK_K,
-            )  # fmt: skip
-        if COLUMNWISE:
-            if RHT:
-                v = _round_as(_rht16(v, SIGN_MASK, BLOCK_M, BLOCK_K), x_ptr)
-            _encode_cols(
-                v, row0, col0, M, K, amax_ptr, rng_ptr, data_t_ptr, scale_t_ptr,
-                scale_t_stride, TWO_D, STOCHASTIC, BLOCK_M, BLOCK_K,
-            )  # fmt: skip
+        _encode_rows(
+            v, row0, col0, M, K, amax_ptr, rng_ptr, data_ptr, scale_ptr, scale_stride,
+            TWO_D, STOCHASTIC, BLOCK_M, BLOCK_K,
+        )  # fmt: skip
 
     @triton.jit
     def _nvfp4_amax_kernel(
@@ -225,9 +176,6 @@ if triton is not None:
         amax_ptr,  # (2,) fp32, zeroed: max-accumulated as int32 bits (no NaN reaches it)
         M,
         K,
-        COLUMNWISE: tl.constexpr,
-        RHT: tl.constexpr,
-        SIGN_MASK: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_K: tl.constexpr,
     ):
@@ -237,9 +185,6 @@ if triton is not None:
         bits = tl.max(_abs_bits(_nonnan_abs(v)))
         amax_bits = amax_ptr.to(tl.pointer_type(tl.int32))
         tl.atomic_max(amax_bits, bits, sem="relaxed")
-        if COLUMNWISE and RHT:
-            w = _round_as(_rht16(v, SIGN_MASK, BLOCK_M, BLOCK_K), x_ptr)
-            bits = tl.max(_abs_bits(_nonnan_abs(w)))
         tl.atomic_max(amax_bits + 1, bits, sem="relaxed")
 
     @triton.jit
@@ -279,7 +224,7 @@ if triton is not None:
 
 
 if triton is not None:
-    _launch_cast = FastLaunch(_nvfp4_cast_kernel)
+    _launch_rows = FastLaunch(_nvfp4_rows_kernel)
     _launch_amax = FastLaunch(_nvfp4_amax_kernel)
     _launch_values = FastLaunch(_nvfp4_values_kernel)
 
@@ -324,15 +269,17 @@ def compute_amax(x: torch.Tensor, spec: NVFP4Spec) -> torch.Tensor:
 
 
 def _amax_triton(x: torch.Tensor, spec: NVFP4Spec) -> torch.Tensor:
-    """Launch _nvfp4_amax_kernel on x (M, K), M, K > 0."""
+    """compute_amax's kernels on x (M, K), M, K > 0: nvfp4_cols.rht_amax for a columnwise copy
+    with the transform, else _nvfp4_amax_kernel (both amaxes max |x|)."""
     x = x.contiguous()
+    if spec.rht and spec.columnwise:
+        return rht_amax(x, spec.sign_mask)
     rows, cols = x.shape
     block_m, block_k, num_warps = AMAX_CONFIG
     amax = torch.zeros(2, dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(rows, block_m), triton.cdiv(cols, block_k), 1)
-    flags = (spec.columnwise, spec.rht, spec.sign_mask if spec.rht else 0)
-    key = (x.dtype, *flags, AMAX_CONFIG, *int_key(rows), *int_key(cols), *ptr_key(x, amax))
-    _launch_amax(key, grid, num_warps, x, amax, rows, cols, *flags, block_m, block_k)
+    key = (x.dtype, AMAX_CONFIG, *int_key(rows), *int_key(cols), *ptr_key(x, amax))
+    _launch_amax(key, grid, num_warps, x, amax, rows, cols, block_m, block_k)
     return amax
 
 
@@ -352,26 +299,26 @@ def quantize(
 
 
 def _quantize_triton(x, amax, spec, rng):
-    """Launch _nvfp4_cast_kernel on x (M, K), M, K > 0 (quantize's arguments, checked)."""
+    """The copies of x (M, K), M, K > 0 (quantize's arguments, checked): the rowwise one by
+    _nvfp4_rows_kernel, the columnwise one by nvfp4_cols.quantize_columnwise."""
     x = x.contiguous()
     rows, cols = x.shape
     data, scale = _outputs(rows, cols, x.device, spec.rowwise)
     data_t, scale_t = _outputs(cols, rows, x.device, spec.columnwise)
-    # An output not asked for is never stored to, and rng is read only when stochastic: any
-    # pointer will do.
-    out = (data, scale, data_t, scale_t)
-    out = tuple(amax if t is None else t for t in out)
-    rng = amax if rng is None else rng
-    strides = (out[1].stride(0), out[3].stride(0))
-    block_m, block_k, num_warps = CAST_CONFIG
-    grid = (triton.cdiv(rows, block_m), triton.cdiv(cols, block_k), 1)
-    flags = (spec.rowwise, spec.columnwise, spec.rht, spec.sign_mask if spec.rht else 0)
-    flags += (spec.two_d, spec.stochastic)
-    key = (x.dtype, *flags, CAST_CONFIG, *int_key(rows), *int_key(cols))
-    key += (*int_key(strides[0]), *int_key(strides[1]), *ptr_key(x, amax, rng, *out))
-    _launch_cast(
-        key, grid, num_warps, x, amax, rng, *out, rows, cols, *strides, *flags, block_m, block_k
-    )
+    if spec.rowwise:
+        rng_in = amax if rng is None else rng  # read only when stochastic
+        block_m, block_k, num_warps = CAST_CONFIG
+        grid = (triton.cdiv(rows, block_m), triton.cdiv(cols, block_k), 1)
+        stride = scale.stride(0)
+        flags = (spec.two_d, spec.stochastic)
+        key = (x.dtype, *flags, CAST_CONFIG, *int_key(rows), *int_key(cols), *int_key(stride))
+        key += ptr_key(x, amax, rng_in, data, scale)
+        _launch_rows(
+            key, grid, num_warps, x, amax, rng_in, data, scale, rows, cols, stride, *flags,
+            block_m, block_k,
+        )  # fmt: skip
+    if spec.columnwise:
+        quantize_columnwise(x, amax, spec, rng, data_t, scale_t)
     return data, scale, data_t, scale_t
 
 

@@ -25,7 +25,7 @@ import torch
 from torchte._sizes import check_splits
 from torchte.constants import TE_DType_To_Torch
 from torchte.kernels import block_cast as bc
-from torchte.kernels.block_layout import BLOCK, block_offsets
+from torchte.kernels.block_layout import BLOCK, block_offsets, host_block_offsets
 
 from ._block_common import BlockQuantizerMixin, SavedTensorsStorage
 from .base import GemmOperand, Quantizer
@@ -437,7 +437,9 @@ class Float8BlockQuantizer(BlockQuantizerMixin, Quantizer):
     ) -> GroupedBlockwiseStorage:
         """x (T, K) in G groups of rows (row_offsets (G + 1,) int32 on x's device; m_splits
         the same sizes on the host, or None) -> GroupedBlockwiseStorage in 1x128 blocks
-        (block_scaling_dim must be 1). One kernel launch on CUDA, no host synchronization."""
+        (block_scaling_dim must be 1). One kernel launch on CUDA, no host synchronization; the
+        block offsets from m_splits where given (block_layout.host_block_offsets: a tensor
+        shared by the calls with the same sizes), else from row_offsets on the device."""
         if self.block_scaling_dim != 1:
             raise ValueError(
                 "quantize_grouped makes the grouped 1x128 layout: needs block_scaling_dim=1, "
@@ -456,7 +458,10 @@ class Float8BlockQuantizer(BlockQuantizerMixin, Quantizer):
             )  # fmt: skip
         else:
             out = (None, None, None, None)
-        blocks = block_offsets(row_offsets)
+        if m_splits is None:
+            blocks = block_offsets(row_offsets)
+        else:  # summed on the host: no launches (cached on a GPU)
+            blocks = host_block_offsets(m_splits, row_offsets)
         shape = tuple(x.shape)
         return GroupedBlockwiseStorage(*out, self.fp8_dtype, shape, row_offsets, blocks, m_splits)
 

@@ -9,7 +9,9 @@ Engine's compact (unswizzled) layout with its padding, the padding zero (kernels
 says how the GEMM-swizzled form differs). With 2-D quantization (`with_2d_quantization`) each
 32x32 block has one code and the two copies are the same bytes.
 
-Hopper has no MXFP8 GEMM: a GEMM takes the exact dequantized values (gemm_operand, bf16).
+Hopper has no MXFP8 GEMM: a GEMM takes the exact dequantized values (gemm_operand, bf16). On
+compute capability 10+ (untested here) gemm_operand hands out the bytes for torch's MX-scaled
+matmul instead (quantization/mx_operand.py).
 """
 
 from __future__ import annotations
@@ -18,12 +20,14 @@ import math
 
 import torch
 
+from torchte._device import block_gemm_native
 from torchte._sizes import check_splits
 from torchte.constants import TE_DType, TE_DType_To_Torch
 from torchte.kernels import mxfp8_cast as mx
 
 from ._block_common import BlockQuantizerMixin, SavedTensorsStorage
 from .base import GemmOperand, Quantizer
+from .mx_operand import mxfp8_native_operand
 
 __all__ = ["MXFP8Quantizer", "MXFP8TensorStorage"]
 
@@ -87,9 +91,12 @@ class MXFP8TensorStorage(SavedTensorsStorage):
         raise RuntimeError("MXFP8TensorStorage holds no data (emptied by prepare_for_saving?)")
 
     def gemm_operand(self, usage: str) -> GemmOperand:
-        """GemmOperand("values", v, None), v the exact dequantized operand in bf16: "rowwise"
-        (num_rows, K) from the rowwise copy; "columnwise" (K, num_rows) from the columnwise
-        copy (a transposed view)."""
+        """The GEMM operand of copy `usage`: "rowwise" (num_rows, K) from the rowwise copy,
+        "columnwise" (K, num_rows) from the columnwise copy. Where MXFP8 GEMMs run natively
+        (compute capability 10+, _device.block_gemm_native; untested on such hardware here):
+        an "mx" operand (quantization/mx_operand.py: the FP8 bytes, K-major, the columnwise
+        copy transposed, the codes swizzled); elsewhere GemmOperand("values", v, None), v the
+        exact dequantized operand in bf16 (of the columnwise copy: a transposed view)."""
         if usage not in _USAGES:
             raise ValueError(f"usage must be 'rowwise' or 'columnwise', got {usage!r}")
         data, scale = self._copy(usage)
@@ -98,6 +105,8 @@ class MXFP8TensorStorage(SavedTensorsStorage):
                 f"MXFP8TensorStorage has no {usage} data for a {usage} GEMM operand (quantize "
                 f"with {usage}=True, or keep it with update_usage)"
             )
+        if block_gemm_native("MXFP8BlockScaling", data.device)[0]:
+            return mxfp8_native_operand(data, scale, usage == "columnwise")
         values = mx.mxfp8_dequantize(data, scale, usage == "rowwise", torch.bfloat16)
         return GemmOperand("values", values if usage == "rowwise" else values.t(), None)
 

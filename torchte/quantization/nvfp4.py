@@ -12,6 +12,8 @@ bytes and the arithmetic (Transformer Engine's).
 GEMMs take gemm_operand(usage): the exact products e2m1 * block scale in bf16 and the
 per-tensor factor amax * fp32(1 / 2688). Both operands of the wgrad GEMM (dy and x, columnwise)
 carry the same orthogonal transform along the reduced dimension, so it cancels in dy^T x.
+On compute capability 10+ (untested here) gemm_operand hands out the FP4 bytes for torch's
+NVFP4 matmul instead (quantization/mx_operand.py).
 """
 
 from __future__ import annotations
@@ -21,11 +23,13 @@ import math
 
 import torch
 
+from torchte._device import block_gemm_native
 from torchte.kernels import nvfp4_cast as nv
 from torchte.kernels.hadamard import hadamard_matrix, rht16_reference, sign_mask
 
 from ._block_common import BlockQuantizerMixin, SavedTensorsStorage
 from .base import GemmOperand, Quantizer
+from .mx_operand import nvfp4_native_fits, nvfp4_native_operand
 
 __all__ = ["NVFP4Quantizer", "NVFP4TensorStorage"]
 
@@ -114,12 +118,19 @@ class NVFP4TensorStorage(SavedTensorsStorage):
         return values.to(dtype).reshape(self.shape)
 
     def gemm_operand(self, usage: str) -> GemmOperand:
-        """GemmOperand("values", v, factor): usage "rowwise" v (num_rows, K), "columnwise"
-        v (K, num_rows) (transformed along num_rows when the copy holds RHT values), bf16 exact
-        products e2m1 * block scale; factor (1,) fp32 the per-tensor decode factor."""
+        """The GEMM operand of copy `usage`: "rowwise" (num_rows, K), "columnwise" (K,
+        num_rows) (transformed along num_rows when the copy holds RHT values). Where NVFP4
+        GEMMs run natively (compute capability 10+, _device.block_gemm_native; untested on
+        such hardware here) and the packed rows are a multiple of 16 bytes: an "nvfp4" operand
+        (quantization/mx_operand.py: the FP4 bytes, the scales swizzled, the per-tensor
+        factor); else GemmOperand("values", v, factor), v the bf16 exact products e2m1 * block
+        scale, factor (1,) fp32 the per-tensor decode factor."""
         if usage not in _COPIES:
             raise ValueError(f"usage must be 'rowwise' or 'columnwise', got {usage!r}")
         data, scale, amax = self._copy(usage)
+        native = block_gemm_native("NVFP4BlockScaling", data.device)[0]
+        if native and nvfp4_native_fits(data.shape[1] * 2):
+            return nvfp4_native_operand(data, scale, amax)
         values = nv.dequantize_values(data, scale, torch.bfloat16)
         return GemmOperand("values", values, nv.tensor_factor(amax))
 
