@@ -1,7 +1,8 @@
 """Mixture-of-experts helpers under Transformer Engine's names: the router fusions
 (`transformer_engine.pytorch.router`) and token permutation
-(`transformer_engine.pytorch.permutation`)."""
+(`transformer_engine.pytorch.permutation`), and torchte's own whole MoE layer, MoELayer."""
 
+from .layer import MoELayer
 from .permutation import (
     moe_permute,
     moe_permute_and_pad_with_probs,
@@ -19,6 +20,7 @@ from .router import (
 )
 
 __all__ = [
+    "MoELayer",
     "QBHistogramMode",
     "RoutingMapFormat",
     "fused_compute_score_for_moe_aux_loss",

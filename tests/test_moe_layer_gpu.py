@@ -1,0 +1,139 @@
+"""te.moe.MoELayer on a GPU: device split sizes against host ones, no host synchronization in a
+step with device splits, a CUDA graph of one forward + backward step replayed with new routings
+against eager bit for bit, NaN logits with device splits (NaN outputs of those tokens only).
+
+Legend: T tokens, H hidden, F the experts' width, E experts.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from tolerances import assert_close_to_scale
+
+import torchte as te
+import torchte.moe
+from torchte import recipe
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU"),
+]
+T, H, F_, E = 40, 64, 32, 6
+RECIPES = {"bf16": None, "current": recipe.Float8CurrentScaling, "delayed": recipe.DelayedScaling}
+
+
+def _layer(device_splits, seed=0, **kw) -> te.moe.MoELayer:
+    torch.manual_seed(seed)
+    return te.moe.MoELayer(
+        H, F_, E, 2, params_dtype=torch.bfloat16, device="cuda", device_splits=device_splits,
+        shared_expert_ffn_hidden_size=32, aux_loss_coeff=0.01, **kw,
+    )  # fmt: skip
+
+
+def _autocast(name: str):
+    make = RECIPES[name]
+    return te.autocast(enabled=make is not None, recipe=make() if make else None)
+
+
+def _step(layer, x, gy):
+    """One forward + backward: (y, aux loss); gradients land in x.grad and the parameters."""
+    y = layer(x)
+    ((y.float() * gy).sum() + layer.aux_loss).backward()
+    return y, layer.aux_loss
+
+
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_device_splits_equal_host_splits(name):
+    host = _layer(False)
+    dev = copy.deepcopy(host)
+    dev.device_splits = True
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    x = torch.randn(T, H, device="cuda", generator=gen).bfloat16()
+    gy = torch.randn(T, H, device="cuda", generator=gen)
+    x_h, x_d = x.clone().requires_grad_(), x.clone().requires_grad_()
+    with _autocast(name):
+        y_h, aux_h = _step(host, x_h, gy)
+        y_d, aux_d = _step(dev, x_d, gy)
+    # bf16 / FP8 GEMMs may block differently for the two buffers' sizes: bf16's tolerance
+    assert_close_to_scale(y_d, y_h, torch.bfloat16)
+    assert_close_to_scale(x_d.grad, x_h.grad, torch.bfloat16)
+    assert torch.equal(aux_d, aux_h)
+    for (n, p_h), p_d in zip(host.named_parameters(), dev.parameters(), strict=True):
+        assert_close_to_scale(p_d.grad, p_h.grad, torch.bfloat16, msg=n)
+
+
+@pytest.mark.parametrize("name", ["bf16", "current"])
+def test_no_host_sync_with_device_splits(name):
+    layer = _layer(True)
+    x = torch.randn(T, H, device="cuda").bfloat16().requires_grad_()
+    gy = torch.randn(T, H, device="cuda")
+    with _autocast(name):
+        _step(layer, x, gy)  # warm-up: kernels compiled, caches filled
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            _step(layer, x, gy)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+
+
+@pytest.mark.parametrize("name", ["bf16", "current"])
+def test_cuda_graph_replays_new_routings_as_eager(name):
+    layer = _layer(True)
+    eager = copy.deepcopy(layer)
+    static_x = torch.randn(T, H, device="cuda").bfloat16().requires_grad_()
+    static_gy = torch.randn(T, H, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), _autocast(name):
+        for _ in range(3):
+            _step(layer, static_x, static_gy)
+    torch.cuda.current_stream().wait_stream(side)
+    for p in (*layer.parameters(), static_x):
+        p.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph), _autocast(name):
+        static_y, static_aux = _step(layer, static_x, static_gy)
+    routings = []
+    for seed in (11, 12, 13):
+        gen = torch.Generator(device="cuda").manual_seed(seed)
+        x = torch.randn(T, H, device="cuda", generator=gen).bfloat16()
+        gy = torch.randn(T, H, device="cuda", generator=gen)
+        with torch.no_grad():
+            static_x.copy_(x)
+            static_gy.copy_(gy)
+        graph.replay()
+        x_e = x.clone().requires_grad_()
+        for p in eager.parameters():
+            p.grad = None
+        with _autocast(name):
+            y_e, aux_e = _step(eager, x_e, gy)
+        with torch.no_grad():
+            routings.append(eager._logits(x).topk(2, dim=-1).indices)
+        assert torch.equal(static_y, y_e)
+        assert torch.equal(static_aux, aux_e)
+        assert torch.equal(static_x.grad, x_e.grad)
+        for (n, p_g), p_e in zip(layer.named_parameters(), eager.parameters(), strict=True):
+            assert torch.equal(p_g.grad, p_e.grad), n
+    assert not torch.equal(routings[0], routings[1])  # the replays did route differently
+
+
+def test_nan_logits_with_device_splits_poison_their_tokens_only():
+    layer = _layer(True)
+    x = torch.randn(T, H, device="cuda").bfloat16()
+    x[3, 5] = float("nan")
+    with torch.no_grad():
+        y = layer(x)
+    bad = torch.isnan(y).any(dim=-1)
+    assert bad[3] and bad.sum() == 1
+
+
+def test_nan_logits_with_host_splits_raise():
+    layer = _layer(False)
+    x = torch.randn(T, H, device="cuda").bfloat16()
+    x[3, 5] = float("nan")
+    with pytest.raises(ValueError, match=r"MoELayer.*NaN"):
+        layer(x)
