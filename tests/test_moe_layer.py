@@ -68,6 +68,12 @@ def _params64(layer) -> dict[str, torch.Tensor]:
     return {n: p.detach().double().requires_grad_() for n, p in named.items()}
 
 
+def _linear64(x, w, weight, bias):
+    """x @ w[weight]^T (+ w[bias] where the layer has that bias)."""
+    y = x @ w[weight].T
+    return y + w[bias] if bias in w else y
+
+
 def _reference(layer, x, w, activation="swiglu", scaling_factor=None):
     """(y (T, H), routing map (T, E), logits (T, E)) of the layer's math, per expert, fp64."""
     logits = x @ w["router.weight"].T
@@ -76,11 +82,16 @@ def _reference(layer, x, w, activation="swiglu", scaling_factor=None):
     y = torch.zeros_like(x)
     for e in range(layer.num_experts):
         rows = routing[:, e].nonzero().squeeze(1)
-        h = _act64(x[rows] @ w[f"experts.fc1.weight{e}"].T, activation)
-        y = y.index_add(0, rows, probs[rows, e, None] * (h @ w[f"experts.fc2.weight{e}"].T))
+        h = _act64(
+            _linear64(x[rows], w, f"experts.fc1.weight{e}", f"experts.fc1.bias{e}"), activation
+        )
+        out = _linear64(h, w, f"experts.fc2.weight{e}", f"experts.fc2.bias{e}")
+        y = y.index_add(0, rows, probs[rows, e, None] * out)
     if layer.shared_experts is not None:
-        h = _act64(x @ w["shared_experts.fc1.weight"].T, activation)
-        y = y + h @ w["shared_experts.fc2.weight"].T
+        h = _act64(
+            _linear64(x, w, "shared_experts.fc1.weight", "shared_experts.fc1.bias"), activation
+        )
+        y = y + _linear64(h, w, "shared_experts.fc2.weight", "shared_experts.fc2.bias")
     return y, routing, logits
 
 
@@ -168,6 +179,15 @@ def test_expert_without_tokens(score_function, device_splits):
     assert not routing[:, 0].any() and routing.sum() == T * layer.top_k
     grads = dict(layer.named_parameters())
     assert torch.count_nonzero(grads["experts.fc1.weight0"].grad) == 0
+
+
+@pytest.mark.parametrize("device_splits", [False, True])
+def test_biases_fc2_scaled_by_the_probability(device_splits):
+    layer = _layer(bias=True, shared_expert_ffn_hidden_size=8, device_splits=device_splits)
+    names = {n for n, _ in layer.named_parameters()}
+    assert {f"experts.fc2.bias{e}" for e in range(E)} <= names
+    assert "shared_experts.fc2.bias" in names
+    _check(layer, torch.float32)
 
 
 def test_gelu_and_expert_bias():

@@ -8,8 +8,8 @@ experts, k experts per token, P rows of the permuted buffer (each expert's rows 
 multiple of EXPERT_ALIGN, plus, with device splits, the spare rows no routing fills).
 
 Where the router probabilities are applied: inside the grouped MLP. Each permuted row's
-probability is the per-row scale of the Scaled* activation (the experts have no biases), so
-FC2's output row is already p * expert(x); moe_unpermute is then called without
+probability is the per-row scale of the Scaled* activation and, with bias=True, of FC2's bias
+(scale_bias), so FC2's output row is already p * expert(x); moe_unpermute is then called without
 merging_probs, a plain (fp32-accumulated) sum of each token's k rows. The probabilities'
 gradient reaches the router through the MLP's row scales and the permutation.
 
@@ -79,8 +79,8 @@ class MoELayer(nn.Module):
     scores for the choice only (sigmoid / sqrtsoftplus), with a buffer
     `local_tokens_per_expert` (E,) float32 that each forward adds its routed counts to, for the
     caller's bias update (it zeroes it itself); scaling_factor multiplies the probabilities;
-    shared_expert_ffn_hidden_size: width of a shared expert MLP (same activation, no bias) run
-    on every token and added; aux_loss_coeff > 0: the load-balancing loss (Switch
+    shared_expert_ffn_hidden_size: width of a shared expert MLP (same activation) run on every
+    token and added; aux_loss_coeff > 0: the load-balancing loss (Switch
     Transformer's, as Megatron-Core's "aux_loss": E * coeff / (k T^2) * sum_e f_e P_e, from
     the scores without expert bias) is computed every forward and kept as `self.aux_loss`, a
     0-dim fp32 tensor in the autograd graph that the caller adds to its loss (None when
@@ -89,7 +89,9 @@ class MoELayer(nn.Module):
     (None: torch's default); init_method / output_layer_init_method: init of the router and
     FC1 weights / of FC2 weights (None: te.ops.GroupedLinear's default, nn.Linear's for the
     router); device_splits: whether the experts' row counts stay on the device (None: on a
-    GPU yes, on the CPU no (a host list)).
+    GPU yes, on the CPU no (a host list)); bias: FC1 / FC2 biases for every expert (FC2's
+    scaled by the probability) and the shared expert (default False, as Megatron-Core's
+    experts).
 
     Router logits with NaN raise a ValueError naming the layer wherever the split sizes are
     read on the host (every CPU call, GPU calls with host splits). With device splits on a GPU
@@ -97,7 +99,7 @@ class MoELayer(nn.Module):
     outputs instead (never another token's, never silently finite).
 
     Submodules: `router` (nn.Linear H -> E, no bias), `experts` (te.ops.Sequential fc1 /
-    act / fc2 of te.ops.GroupedLinear, no bias), `shared_experts` (te.ops.Sequential of
+    act / fc2 of te.ops.GroupedLinear), `shared_experts` (te.ops.Sequential of
     te.ops.Linear, or None). Under te.autocast the experts (and the shared expert) run in FP8;
     the router stays in router_dtype.
     """
@@ -123,6 +125,7 @@ class MoELayer(nn.Module):
         init_method: Callable[[torch.Tensor], None] | None = None,
         output_layer_init_method: Callable[[torch.Tensor], None] | None = None,
         device_splits: bool | None = None,
+        bias: bool = False,
     ) -> None:
         super().__init__()
         _check_args(
@@ -138,7 +141,7 @@ class MoELayer(nn.Module):
         self.num_groups, self.group_topk = num_groups, group_topk
         self.scaling_factor = scaling_factor
         self.aux_loss_coeff, self.router_dtype = float(aux_loss_coeff), router_dtype
-        self.device_splits = device_splits
+        self.device_splits, self.bias = device_splits, bool(bias)
         self.router = nn.Linear(
             hidden_size, num_experts, bias=False, device=device, dtype=router_dtype
         )
@@ -152,13 +155,13 @@ class MoELayer(nn.Module):
             self.expert_bias = None
         self.experts = _expert_mlp(
             num_experts, hidden_size, ffn_hidden_size, activation, dtype, device,
-            init_method, output_layer_init_method,
+            init_method, output_layer_init_method, self.bias,
         )  # fmt: skip
         self.shared_experts = None
         if shared_expert_ffn_hidden_size is not None:
             self.shared_experts = _shared_mlp(
                 hidden_size, shared_expert_ffn_hidden_size, activation, dtype, device,
-                init_method, output_layer_init_method,
+                init_method, output_layer_init_method, self.bias,
             )  # fmt: skip
         self.aux_loss: torch.Tensor | None = None
 
@@ -196,7 +199,9 @@ class MoELayer(nn.Module):
             x_PH, probs_P, row_id_map, pad_offsets, m_splits = self._permute_on_host(
                 x_TH, probs_TE, map_TE, counts_E, logits_TE
             )
-        y_PH = self.experts(x_PH, m_splits, probs_P, m_splits)
+        # fc2's bias (with bias=True) is scaled by the probability too (scale_bias)
+        extra = (probs_P,) if self.bias else ()
+        y_PH = self.experts(x_PH, m_splits, probs_P, m_splits, *extra)
         # the probabilities were applied inside the MLP: a plain sum of each token's rows
         y_TH = moe_unpermute(y_PH, row_id_map, None, None, "mask", None, pad_offsets)
         if not checked:
@@ -277,23 +282,29 @@ class MoELayer(nn.Module):
 # ----------------------------------------------------------------------------------------------
 
 
-def _expert_mlp(experts, hidden, ffn, activation, dtype, device, init, out_init) -> Sequential:
-    """te.ops' grouped MLP: fc1 (E groups, H -> F or 2F), Scaled<act>, fc2 (F -> H)."""
+def _expert_mlp(
+    experts, hidden, ffn, activation, dtype, device, init, out_init, bias
+) -> Sequential:
+    """te.ops' grouped MLP: fc1 (E groups, H -> F or 2F), Scaled<act>, fc2 (F -> H); with
+    bias, fc2's bias scaled by the row's probability like the activation (scale_bias)."""
     fc1_width = 2 * ffn if is_gated(activation) else ffn
-    kw = {"bias": False, "dtype": dtype, "device": device}
+    kw = {"bias": bias, "dtype": dtype, "device": device}
     return Sequential(
         OrderedDict(
             fc1=ops_basic.GroupedLinear(experts, hidden, fc1_width, init_method=init, **kw),
             act=getattr(ops_basic, "Scaled" + _ACTIVATIONS[activation])(),
-            fc2=ops_basic.GroupedLinear(experts, ffn, hidden, init_method=out_init, **kw),
+            fc2=ops_basic.GroupedLinear(
+                experts, ffn, hidden, init_method=out_init, scale_bias=bias, **kw
+            ),
         )
     )
 
 
-def _shared_mlp(hidden, ffn, activation, dtype, device, init, out_init) -> Sequential:
-    """The shared expert: te.ops.Linear H -> F (2F gated), the activation, te.ops.Linear F -> H."""
+def _shared_mlp(hidden, ffn, activation, dtype, device, init, out_init, bias) -> Sequential:
+    """The shared expert: te.ops.Linear H -> F (2F gated), the activation, te.ops.Linear F -> H
+    (biases with bias)."""
     fc1_width = 2 * ffn if is_gated(activation) else ffn
-    kw = {"bias": False, "dtype": dtype, "device": device}
+    kw = {"bias": bias, "dtype": dtype, "device": device}
     mlp = Sequential(
         OrderedDict(
             fc1=ops_basic.Linear(hidden, fc1_width, **kw),
