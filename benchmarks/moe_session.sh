@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# On the GPU machine: the mixture-of-experts GPU tests (phase `tests`, in parallel groups), the
+# grouped GEMM and grouped MLP benchmarks (phase `kernels`) and the training example with
+# experts (phase `train`); all by default; a short table last. Logs under $OUT (default ./out).
+#   bash benchmarks/moe_session.sh [tests] [kernels] [train]
+set -uo pipefail
+export PYTHONPATH=. PYTHONUNBUFFERED=1
+OUT=${OUT:-out}
+PHASES=${*:-tests kernels train}
+TEST_LIMIT=${TEST_LIMIT:-240}
+STEPS=${STEPS:-120}
+mkdir -p "$OUT"
+nvidia-smi --query-gpu=name --format=csv,noheader >"$OUT/device.txt"
+GROUPS_OF_TESTS=(
+  "tests/test_moe_layer_gpu.py tests/test_host_splits_gpu.py"
+  "tests/test_grouped_device_splits.py tests/test_grouped_linear_gpu.py"
+  "tests/test_moe_router.py tests/test_moe_permutation.py tests/test_ops_grouped.py"
+)
+if [[ $PHASES == *tests* ]]; then
+  pids=()
+  for i in "${!GROUPS_OF_TESTS[@]}"; do
+    # shellcheck disable=SC2086
+    timeout "$TEST_LIMIT" python -m pytest -q -m gpu -p no:cacheprovider ${GROUPS_OF_TESTS[$i]} \
+      >"$OUT/moe_tests_$i.log" 2>&1 &
+    pids+=($!)
+  done
+  for i in "${!pids[@]}"; do
+    wait "${pids[$i]}"
+    echo "pytest exit: $?" >>"$OUT/moe_tests_$i.log"
+  done
+fi
+if [[ $PHASES == *kernels* ]]; then
+  timeout 150 python benchmarks/grouped_fp8_gemm.py >"$OUT/grouped_fp8_gemm.log" 2>&1
+  timeout 240 python benchmarks/grouped_mlp.py >"$OUT/grouped_mlp.log" 2>&1
+fi
+if [[ $PHASES == *train* ]]; then
+  for recipe in bf16 delayed current; do
+    timeout 150 python -m torchte.train --size large --experts 8 --recipe "$recipe" \
+      --steps "$STEPS" --seed 0 --out "$OUT/train_moe_$recipe" >"$OUT/train_moe_$recipe.log" 2>&1
+  done
+fi
+for log in "$OUT"/moe_tests_*.log; do
+  [[ -f $log ]] && { echo "== $log"; grep -E "^(FAILED|ERROR)|passed|failed|pytest exit" "$log" | tail -8; }
+done
+for log in grouped_fp8_gemm grouped_mlp; do
+  [[ -f $OUT/$log.log ]] && { echo "== $log"; tail -n 20 "$OUT/$log.log"; }
+done
+for recipe in bf16 delayed current; do
+  [[ -f $OUT/train_moe_$recipe.log ]] && { echo "== train --experts 8 $recipe"; grep -A2 "^recipe  compute" "$OUT/train_moe_$recipe.log" | tail -1; }
+done
