@@ -5,6 +5,8 @@
 # by default; a short table last. Logs under $OUT (default ./out).
 #   bash benchmarks/block_session.sh [tests] [kernels] [modules] [train]
 set -uo pipefail
+# shellcheck source=benchmarks/session_lib.sh
+source "$(dirname "$0")/session_lib.sh"
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-out}
 PHASES=${*:-tests kernels modules train}
@@ -21,17 +23,7 @@ GROUPS_OF_TESTS=(
   "tests/test_group_scales.py tests/test_host_splits_gpu.py"
 )
 if [[ $PHASES == *tests* ]]; then
-  pids=()
-  for i in "${!GROUPS_OF_TESTS[@]}"; do
-    # shellcheck disable=SC2086
-    timeout "$TEST_LIMIT" python -m pytest -q -m gpu -p no:cacheprovider ${GROUPS_OF_TESTS[$i]} \
-      >"$OUT/gpu_tests_$i.log" 2>&1 &
-    pids+=($!)
-  done
-  for i in "${!pids[@]}"; do
-    wait "${pids[$i]}"
-    echo "pytest exit: $?" >>"$OUT/gpu_tests_$i.log"
-  done
+  run_test_groups gpu_tests "$TEST_LIMIT" "${GROUPS_OF_TESTS[@]}"
 fi
 if [[ $PHASES == *modules* ]]; then
   timeout 240 python benchmarks/block_scaling.py --emulated --json "$OUT/block_scaling.json" \
@@ -48,9 +40,7 @@ if [[ $PHASES == *train* ]]; then
       --seed 0 --out "$OUT/train_$recipe" >"$OUT/train_$recipe.log" 2>&1
   done
 fi
-for log in "$OUT"/gpu_tests_*.log; do
-  [[ -f $log ]] && { echo "== $log"; grep -E "^(FAILED|ERROR)|passed|failed|pytest exit" "$log" | tail -8; }
-done
+print_test_logs gpu_tests
 for log in fused_block block_quantize nvfp4_cast block_scaling; do
   [[ -f $OUT/$log.log ]] && { echo "== $log"; tail -n 30 "$OUT/$log.log"; }
 done

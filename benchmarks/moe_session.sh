@@ -4,6 +4,8 @@
 # experts (phase `train`); all by default; a short table last. Logs under $OUT (default ./out).
 #   bash benchmarks/moe_session.sh [tests] [kernels] [train]
 set -uo pipefail
+# shellcheck source=benchmarks/session_lib.sh
+source "$(dirname "$0")/session_lib.sh"
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-out}
 PHASES=${*:-tests kernels train}
@@ -17,17 +19,7 @@ GROUPS_OF_TESTS=(
   "tests/test_moe_router.py tests/test_moe_permutation.py tests/test_ops_grouped.py"
 )
 if [[ $PHASES == *tests* ]]; then
-  pids=()
-  for i in "${!GROUPS_OF_TESTS[@]}"; do
-    # shellcheck disable=SC2086
-    timeout "$TEST_LIMIT" python -m pytest -q -m gpu -p no:cacheprovider ${GROUPS_OF_TESTS[$i]} \
-      >"$OUT/moe_tests_$i.log" 2>&1 &
-    pids+=($!)
-  done
-  for i in "${!pids[@]}"; do
-    wait "${pids[$i]}"
-    echo "pytest exit: $?" >>"$OUT/moe_tests_$i.log"
-  done
+  run_test_groups moe_tests "$TEST_LIMIT" "${GROUPS_OF_TESTS[@]}"
 fi
 if [[ $PHASES == *kernels* ]]; then
   timeout 150 python benchmarks/grouped_fp8_gemm.py >"$OUT/grouped_fp8_gemm.log" 2>&1
@@ -39,9 +31,7 @@ if [[ $PHASES == *train* ]]; then
       --steps "$STEPS" --seed 0 --out "$OUT/train_moe_$recipe" >"$OUT/train_moe_$recipe.log" 2>&1
   done
 fi
-for log in "$OUT"/moe_tests_*.log; do
-  [[ -f $log ]] && { echo "== $log"; grep -E "^(FAILED|ERROR)|passed|failed|pytest exit" "$log" | tail -8; }
-done
+print_test_logs moe_tests
 for log in grouped_fp8_gemm grouped_mlp; do
   [[ -f $OUT/$log.log ]] && { echo "== $log"; tail -n 20 "$OUT/$log.log"; }
 done
