@@ -249,6 +249,24 @@ if triton is not None:
         v1 = _load_slice(x_tile, r + 1, c, rows, col_in, K)
         v2 = _load_slice(x_tile, r + 2, c, rows, col_in, K)
         v3 = _load_slice(x_tile, r + 3, c, rows, col_in, K)
+        _cast_1x128_slices(
+            v0, v1, v2, v3, r, c, rows, col_in, out_ptr, s_ptr, out_t_ptr, s_t_ptr, T, K, row0,
+            s_t_row, col0, eps, FP8_MAX, INF_BITS, POWER_2, ROWWISE, COLUMNWISE, BLOCK, WORDS,
+        )  # fmt: skip
+
+    @triton.jit
+    def _cast_1x128_slices(
+        v0, v1, v2, v3, r, c, rows, col_in, out_ptr, s_ptr, out_t_ptr, s_t_ptr, T, K, row0,
+        s_t_row, col0, eps, FP8_MAX: tl.constexpr, INF_BITS: tl.constexpr,
+        POWER_2: tl.constexpr, ROWWISE: tl.constexpr, COLUMNWISE: tl.constexpr,
+        BLOCK: tl.constexpr, WORDS: tl.constexpr,
+    ):  # fmt: skip
+        """A tile's four slices (rows 4i + k, fp32, of rows [row0, row0 + rows) x columns
+        [col0, col0 + BLOCK) of a (T, K) value) cast in 1x128 blocks from the same registers:
+        each row in its K-block (rowwise), each column in its 128-row block (columnwise, scale
+        row s_t_row; zeros where the tile has no rows). The producers that write 1x128 FP8
+        themselves (activation_block.py) call it on the values they computed."""
+        tile = row0.to(tl.int64) * K + col0
         if ROWWISE:
             out = out_ptr.to(tl.pointer_type(tl.uint8)) + tile
             s_col = s_ptr + (col0 // BLOCK).to(tl.int64) * T + row0

@@ -75,14 +75,7 @@ BACKWARD_CONFIG = (8, 1)
 SUM_CONFIG = (32, 64, 4)
 
 if triton is not None:
-    from ._block_tiles import (
-        _abs_for_amax,
-        _block_scale,
-        _rows_1x128,
-        _scale_inv,
-        _store_t,
-        _words,
-    )
+    from ._block_tiles import _cast_1x128_slices
     from ._fp8_codec import _round_as
     from .activation import _act_and_grad, _gate
     from .activation_fp8 import grads_of
@@ -113,35 +106,6 @@ if triton is not None:
             if GATED:
                 v = v * _gate(g, limit, ACT)
         return tl.where(mask, _round_as(v, h_tile), 0.0)
-
-    @triton.jit
-    def _cast_tile(
-        v0, v1, v2, v3, r, c, rows, col_in, out_ptr, s_ptr, out_t_ptr, s_t_ptr, M, C, row0,
-        pid_m, col0, eps, FP8_MAX: tl.constexpr, INF_BITS: tl.constexpr,
-        POWER_2: tl.constexpr, ROWWISE: tl.constexpr, COLUMNWISE: tl.constexpr,
-        BLOCK: tl.constexpr, WORDS: tl.constexpr,
-    ):  # fmt: skip
-        """The tile's four slices (rows 4i + k) cast in 1x128 blocks: each row in its K-block
-        (rowwise), each column in its 128-row block (columnwise), as block_cast's 1x128 tile."""
-        tile = row0.to(tl.int64) * C + col0
-        if ROWWISE:
-            out = out_ptr.to(tl.pointer_type(tl.uint8)) + tile
-            s_col = s_ptr + (col0 // BLOCK).to(tl.int64) * M + row0
-            _rows_1x128(v0, r, c, rows, col_in, out, s_col, C, eps, FP8_MAX, INF_BITS, POWER_2)
-            _rows_1x128(v1, r + 1, c, rows, col_in, out, s_col, C, eps, FP8_MAX, INF_BITS, POWER_2)
-            _rows_1x128(v2, r + 2, c, rows, col_in, out, s_col, C, eps, FP8_MAX, INF_BITS, POWER_2)
-            _rows_1x128(v3, r + 3, c, rows, col_in, out, s_col, C, eps, FP8_MAX, INF_BITS, POWER_2)
-        if COLUMNWISE:
-            amax = tl.maximum(
-                tl.maximum(_abs_for_amax(v0), _abs_for_amax(v1)),
-                tl.maximum(_abs_for_amax(v2), _abs_for_amax(v3)),
-            )
-            scale_t = _block_scale(tl.max(amax, axis=0), eps, FP8_MAX, INF_BITS, POWER_2)[None, :]
-            words = _words(v0, v1, v2, v3, scale_t, FP8_MAX)
-            out_t = out_t_ptr.to(tl.pointer_type(tl.uint8))
-            _store_t(out_t, words, M, row0, rows, col0, c, col_in, BLOCK, WORDS)
-            s_t = s_t_ptr + pid_m.to(tl.int64) * C + col0 + c[None, :]
-            tl.store(s_t, _scale_inv(scale_t, POWER_2), mask=col_in[None, :])
 
     @triton.jit
     def _act_block_kernel(
@@ -202,7 +166,7 @@ if triton is not None:
                 h_tile, da_tile, r + 3, j, first, rows, col_in, N, limit, alpha, ACT, GATED,
                 BACKWARD,
             )  # fmt: skip
-            _cast_tile(
+            _cast_1x128_slices(
                 v0, v1, v2, v3, r, c, rows, col_in, out_ptr, s_ptr, out_t_ptr, s_t_ptr, M, C,
                 row0, pid_m, col0, eps, FP8_MAX, INF_BITS, POWER_2, ROWWISE, COLUMNWISE, BLOCK,
                 WORDS,
