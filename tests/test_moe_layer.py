@@ -294,3 +294,20 @@ def test_no_module_setattr_per_call():
     finally:
         del cls.__setattr__
     assert calls == [] and layer.aux_loss is not None
+
+
+@pytest.mark.parametrize("normalization", ["LayerNorm", "RMSNorm"])
+def test_normalization_comes_first(normalization):
+    normed = _layer(normalization=normalization, shared_expert_ffn_hidden_size=8)
+    assert next(iter(normed.named_parameters()))[0] == "norm.weight"
+    with torch.no_grad():
+        normed.norm.weight.copy_(torch.linspace(0.5, 1.5, H))
+    plain = _layer(shared_expert_ffn_hidden_size=8)
+    plain.load_state_dict({k: v for k, v in normed.state_dict().items() if "norm" not in k})
+    x = torch.randn(T, H, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        want = plain(normed.norm(x))
+        got = normed(x)
+    assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="normalization"):
+        _layer(normalization="BatchNorm")

@@ -31,6 +31,7 @@ from torch import nn
 
 from .._device import default_device
 from ..kernels.activation import is_gated
+from ..module.norm import LayerNorm, RMSNorm
 from ..ops import basic as ops_basic
 from ..ops.sequential import Sequential
 from ._permutation_functions import MaskPermute, Plan
@@ -89,7 +90,9 @@ class MoELayer(nn.Module):
     (None: torch's default); init_method / output_layer_init_method: init of the router and
     FC1 weights / of FC2 weights (None: te.ops.GroupedLinear's default, nn.Linear's for the
     router); device_splits: whether the experts' row counts stay on the device (None: on a
-    GPU yes, on the CPU no (a host list)); bias: FC1 / FC2 biases for every expert (FC2's
+    GPU yes, on the CPU no (a host list)); normalization: None, "LayerNorm" or "RMSNorm", a
+    te norm (`norm`) applied to x before everything else (the router, the experts and the
+    shared expert all see its output); bias: FC1 / FC2 biases for every expert (FC2's
     scaled by the probability) and the shared expert (default False, as Megatron-Core's
     experts).
 
@@ -126,6 +129,7 @@ class MoELayer(nn.Module):
         output_layer_init_method: Callable[[torch.Tensor], None] | None = None,
         device_splits: bool | None = None,
         bias: bool = False,
+        normalization: str | None = None,
     ) -> None:
         super().__init__()
         _check_args(
@@ -142,6 +146,15 @@ class MoELayer(nn.Module):
         self.scaling_factor = scaling_factor
         self.aux_loss_coeff, self.router_dtype = float(aux_loss_coeff), router_dtype
         self.device_splits, self.bias = device_splits, bool(bias)
+        self.norm = None
+        if normalization is not None:
+            if normalization not in ("LayerNorm", "RMSNorm"):
+                raise ValueError(
+                    f"MoELayer: normalization must be None, 'LayerNorm' or 'RMSNorm', got "
+                    f"{normalization!r}"
+                )
+            norm = RMSNorm if normalization == "RMSNorm" else LayerNorm
+            self.norm = norm(hidden_size, params_dtype=dtype, device=device)
         self.router = nn.Linear(
             hidden_size, num_experts, bias=False, device=device, dtype=router_dtype
         )
@@ -180,6 +193,8 @@ class MoELayer(nn.Module):
                 f"MoELayer: x must be (..., hidden_size={self.hidden_size}), got {got}"
             )
         x_TH = x.reshape(-1, self.hidden_size)
+        if self.norm is not None:
+            x_TH = self.norm(x_TH)
         logits_TE = self._logits(x_TH)
         probs_TE, map_TE = fused_topk_with_score_function(
             logits_TE, self.top_k, False, self.num_groups, self.group_topk,

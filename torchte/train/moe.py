@@ -1,5 +1,5 @@
-"""The training example's mixture-of-experts MLP: te.LayerNorm (or te.RMSNorm), then
-te.moe.MoELayer (router, dropless permutation padded to 16 rows an expert, te.ops' fused grouped
+"""The training example's mixture-of-experts MLP: te.moe.MoELayer with its te.LayerNorm (or
+te.RMSNorm) first (router, dropless permutation padded to 16 rows an expert, te.ops' fused grouped
 MLP with the router's probabilities as row scales, the weighted sum back).
 
 Each token goes to the k experts with the largest router logits, weighted by the softmax over
@@ -18,7 +18,6 @@ from collections.abc import Callable
 
 import torch
 
-import torchte as te
 from torchte.moe import MoELayer
 
 # Whether the group sizes stay on the device, so that nothing in a step waits for the router
@@ -29,8 +28,9 @@ DEVICE_SPLITS: bool | None = False
 
 
 class MoEMLP(MoELayer):
-    """x (..., H) -> y (..., H): norm, then te.moe.MoELayer (top-k softmax routing, per-expert
-    MLPs with biases, weighted sum). Gated activations (swiglu, geglu, ...) make FC1 2F wide."""
+    """x (..., H) -> y (..., H): te.moe.MoELayer with its norm (top-k softmax routing,
+    per-expert MLPs with biases, weighted sum). Gated activations (swiglu, geglu, ...) make
+    FC1 2F wide."""
 
     def __init__(
         self,
@@ -48,16 +48,5 @@ class MoEMLP(MoELayer):
         super().__init__(
             hidden, ffn, num_experts, top_k, activation=activation, params_dtype=dtype,
             device=device, init_method=init, output_layer_init_method=out_init, bias=True,
-            device_splits=DEVICE_SPLITS,
+            device_splits=DEVICE_SPLITS, normalization=normalization,
         )  # fmt: skip
-        kw = {"params_dtype": dtype, "device": device}
-        self.norm = (te.RMSNorm if normalization == "RMSNorm" else te.LayerNorm)(hidden, **kw)
-        # The norm's parameters first, as before this class was built on MoELayer: optimizer
-        # states saved by earlier checkpoints list the parameters in that order.
-        modules = dict(self._modules)
-        self._modules.clear()
-        self._modules["norm"] = modules.pop("norm")
-        self._modules.update(modules)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return super().forward(self.norm(x))
