@@ -79,7 +79,12 @@ def _block_scaled_mm(a, b, out_dtype, bias, out=None):
     if a.kind == "block2d" and b.kind == "block2d":
         return None
     kb = -(-k // _BLOCK)
-    if a.kind == "block1d" and b.kind == "block2d" and (out is None or kb % 4) and _has_e5m2(a, b):
+    if (
+        a.kind == "block1d"
+        and b.kind == "block2d"
+        and (out is None or kb % 4)
+        and _has_e5m2(a.data, b.data)
+    ):
         # F.scaled_mm (the path below) refuses E5M2: the tiles as 1x128 strips instead.
         b = GemmOperand("block1d", b.data, tiles_as_strips(b.scale, b.data.shape[0], kb))
     fused = bias.to(out_dtype) if bias is not None and out_dtype != torch.float32 else None
@@ -105,10 +110,10 @@ def _block_scaled_mm(a, b, out_dtype, bias, out=None):
     return result
 
 
-def _has_e5m2(a, b) -> bool:
-    """Whether either operand holds E5M2 bytes: F.scaled_mm refuses them in its block-scaled
-    pairings, torch._scaled_mm takes them."""
-    return torch.float8_e5m2 in (a.data.dtype, b.data.dtype)
+def _has_e5m2(*data: torch.Tensor) -> bool:
+    """Whether any of the operands' FP8 data is E5M2: F.scaled_mm refuses it in its
+    block-scaled pairings, torch._scaled_mm takes it."""
+    return any(d.dtype == torch.float8_e5m2 for d in data)
 
 
 def tiles_as_strips(tile_scales: torch.Tensor, rows: int, kb: int) -> torch.Tensor:
@@ -253,7 +258,7 @@ def _per_group_rows(a_q, data, scales, sizes, out_dtype) -> torch.Tensor:
     direct = kb % 4 == 0
     if direct:  # (KB, NB): the tiles' scales without the padding columns
         b_scales = scales[:, :, :kb].transpose(1, 2).unbind(0)
-    elif torch.float8_e5m2 in (a_data.dtype, data.dtype):  # (KB, N): as 1x128 strips
+    elif _has_e5m2(a_data, data):  # (KB, N): as 1x128 strips
         b_scales = tiles_as_strips(scales, data.shape[1], kb).unbind(0)
         direct = True
     else:  # (round_up(KB, 4), NB)
