@@ -44,3 +44,18 @@ def on_ranks(fn, world: int, tmp_path, *args, backend: str = "gloo") -> list:
         _rank_main, args=(world, init_file, fn, args, results, backend), nprocs=world, join=True
     )
     return [results[rank] for rank in range(world)]
+
+
+def each_config(check, configs, *extra, named: bool = False, limit: int = 600) -> dict:
+    """{key: "ok" or the error, cut to `limit` characters} of check(*config, *extra) for each
+    config, run on this rank: the errors come back to the main process per config. The key is
+    the config, or (check.__name__, *config) with named."""
+    outcome = {}
+    for config in configs:
+        key = (check.__name__, *config) if named else config
+        try:
+            check(*config, *extra)
+            outcome[key] = "ok"
+        except Exception as err:  # reported per config, in the main process
+            outcome[key] = f"{type(err).__name__}: {str(err)[:limit]}"
+    return outcome

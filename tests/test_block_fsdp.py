@@ -18,7 +18,7 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
-from ranks import on_ranks
+from ranks import each_config, on_ranks
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -296,26 +296,21 @@ def _check_amax_reductions_chain(rank: int) -> None:
     assert block_fsdp._agreeing_quantizer(other, dist.group.WORLD) is other
 
 
-def _each(check, configs, rank) -> dict:
-    outcome = {}
-    for config in configs:
-        try:
-            check(*config, rank)
-            outcome[(check.__name__, *config)] = "ok"
-        except Exception as err:  # reported per config, in the main process
-            outcome[(check.__name__, *config)] = f"{type(err).__name__}: {str(err)[:800]}"
-    return outcome
-
-
 def _rank_main(rank: int) -> dict:
     warnings.simplefilter("error", RuntimeWarning)  # torchte's setattr guard, as in the suite
     configs = [(p,) for p in RECIPES]
-    outcome = _each(_check_trains_as_one_process, configs, rank)
-    outcome.update(_each(_check_state_dict, configs, rank))
-    outcome.update(_each(_check_state_dict_round_trip, [("nvfp4",), ("blockwise",)], rank))
-    outcome.update(_each(_check_unaligned_falls_back, configs, rank))
-    outcome.update(_each(_check_amax_reductions_chain, [()], rank))
-    outcome.update(_each(_check_master_slices_cut_anywhere, [()], rank))
+    outcome = each_config(_check_trains_as_one_process, configs, rank, named=True, limit=800)
+    outcome.update(each_config(_check_state_dict, configs, rank, named=True, limit=800))
+    outcome.update(
+        each_config(
+            _check_state_dict_round_trip, [("nvfp4",), ("blockwise",)], rank, named=True, limit=800
+        )
+    )
+    outcome.update(each_config(_check_unaligned_falls_back, configs, rank, named=True, limit=800))
+    outcome.update(each_config(_check_amax_reductions_chain, [()], rank, named=True, limit=800))
+    outcome.update(
+        each_config(_check_master_slices_cut_anywhere, [()], rank, named=True, limit=800)
+    )
     return outcome
 
 

@@ -20,7 +20,7 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
-from ranks import on_ranks
+from ranks import each_config, on_ranks
 from tolerances import assert_close, representable
 
 import torchte as te
@@ -228,18 +228,6 @@ MODULE_CONFIGS = [
 ] + [("Linear", "block", False, False)]
 
 
-def _each(check, configs, rank, world) -> dict:
-    """{config: "ok" or the error} of check(*config, rank, world) over configs."""
-    outcome = {}
-    for config in configs:
-        try:
-            check(*config, rank, world)
-            outcome[config] = "ok"
-        except Exception as err:  # reported per config, in the main process
-            outcome[config] = f"{type(err).__name__}: {str(err)[:600]}"
-    return outcome
-
-
 # Four ranks: each quantizer with the columnwise copy, rows whole blocks or not, and the rowwise
 # 1x128 gather of rows that are not (no fallback).
 GATHER_CONFIGS_4 = [(name, aligned, True) for name in QUANTIZERS for aligned in (True, False)]
@@ -249,10 +237,10 @@ GATHER_CONFIGS_4.append(("block", False, False))
 def _rank_main(rank: int, world: int) -> dict:
     torch.set_num_threads(1)  # the ranks share the machine's cores
     if world != 2:
-        return _each(_check_gathered, GATHER_CONFIGS_4, rank, world)
-    outcome = _each(_check_gathered, GATHER_CONFIGS, rank, world)
-    outcome.update(_each(_check_empty, [()], rank, world))
-    outcome.update(_each(_check_module, MODULE_CONFIGS, rank, world))
+        return each_config(_check_gathered, GATHER_CONFIGS_4, rank, world)
+    outcome = each_config(_check_gathered, GATHER_CONFIGS, rank, world)
+    outcome.update(each_config(_check_empty, [()], rank, world))
+    outcome.update(each_config(_check_module, MODULE_CONFIGS, rank, world))
     return outcome
 
 
@@ -363,4 +351,4 @@ def _check_gathered_cuda(name, aligned, columnwise, rank, world) -> None:
 
 
 def _rank_main_nccl(rank: int) -> dict:
-    return _each(_check_gathered_cuda, GATHER_CONFIGS, rank, 2)
+    return each_config(_check_gathered_cuda, GATHER_CONFIGS, rank, 2)

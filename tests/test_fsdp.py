@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from ranks import on_ranks
+from ranks import each_config, on_ranks
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -333,20 +333,9 @@ def _check_state_dict_round_trip(rank) -> None:
     assert _train(back, "delayed", steps=1) == _train(ref, "delayed", steps=1)
 
 
-def _each(check, configs, rank) -> dict:
-    outcome = {}
-    for config in configs:
-        try:
-            check(*config, rank)
-            outcome[(check.__name__, *config)] = "ok"
-        except Exception as err:  # reported per config, in the main process
-            outcome[(check.__name__, *config)] = f"{type(err).__name__}: {str(err)[:600]}"
-    return outcome
-
-
 def _rank_main(rank: int) -> dict:
     warnings.simplefilter("error", RuntimeWarning)  # torchte's setattr guard, as in the suite
-    outcome = _each(_check_one_rank, ONE_RANK_CONFIGS, rank)
+    outcome = each_config(_check_one_rank, ONE_RANK_CONFIGS, rank, named=True)
     checks = (
         _check_one_region,
         _check_fp8_all_gather,
@@ -357,9 +346,13 @@ def _rank_main(rank: int) -> dict:
         _check_state_dict_round_trip,
     )
     for check in checks:
-        outcome.update(_each(check, [()], rank))
-    outcome.update(_each(_check_quantized_model_init, [(p,) for p in RECIPES], rank))
-    outcome.update(_each(_check_fp8_all_gather_modules, [("LayerNorm",), ("Grouped",)], rank))
+        outcome.update(each_config(check, [()], rank, named=True))
+    outcome.update(
+        each_config(_check_quantized_model_init, [(p,) for p in RECIPES], rank, named=True)
+    )
+    outcome.update(
+        each_config(_check_fp8_all_gather_modules, [("LayerNorm",), ("Grouped",)], rank, named=True)
+    )
     return outcome
 
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from ranks import on_ranks
+from ranks import each_config, on_ranks
 from tolerances import assert_close, representable
 
 import torchte as te
@@ -447,26 +447,18 @@ def _check_linear_composite(mode, sp, rank):
     assert_close(layer(x), want, torch.float32)
 
 
-def _each(check, configs, rank) -> dict:
-    outcome = {}
-    for config in configs:
-        try:
-            check(*config, rank)
-            outcome[config] = "ok"
-        except Exception as err:  # reported per config, in the main process
-            outcome[config] = f"{type(err).__name__}: {str(err)[:600]}"
-    return outcome
-
-
 def _tp_rank(rank: int) -> dict:
     with torch.device("cpu"):
-        outcome = _each(_check_basic_linear, TP_CONFIGS, rank)
-        outcome.update({("mlp", sp): _each(_check_fused_mlp, [(sp,)], rank)[(sp,)]
+        outcome = each_config(_check_basic_linear, TP_CONFIGS, rank)
+        outcome.update({("mlp", sp): each_config(_check_fused_mlp, [(sp,)], rank)[(sp,)]
                         for sp in (False, True)})  # fmt: skip
-        outcome.update(_each(_check_collectives, [()], rank))
+        outcome.update(each_config(_check_collectives, [()], rank))
         linear = [(mode, sp) for mode in ("column", "row") for sp in (False, True)]
         outcome.update(
-            {("linear", *c): t for c, t in _each(_check_linear_composite, linear, rank).items()}
+            {
+                ("linear", *c): t
+                for c, t in each_config(_check_linear_composite, linear, rank).items()
+            }
         )
     return outcome
 

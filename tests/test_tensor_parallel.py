@@ -18,7 +18,7 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
-from ranks import on_ranks
+from ranks import each_config, on_ranks
 from tolerances import assert_close, tolerance
 
 import torchte as te
@@ -464,32 +464,20 @@ def _check_grouped_current_scaling_agrees(rank) -> None:
     )
 
 
-def _each(check, configs, rank) -> dict:
-    """{config: "ok" or the error} of check(*config, rank) over configs."""
-    outcome = {}
-    for config in configs:
-        try:
-            check(*config, rank)
-            outcome[config] = "ok"
-        except Exception as err:  # reported per config, in the main process
-            outcome[config] = f"{type(err).__name__}: {str(err)[:600]}"
-    return outcome
-
-
 def _rank_main(rank: int) -> dict:
-    outcome = _each(_check_config, CONFIGS, rank)
-    outcome.update(_each(_check_norm_linear, NORM_CONFIGS, rank))
-    mlp = _each(_check_mlp, NORM_CONFIGS, rank)
+    outcome = each_config(_check_config, CONFIGS, rank)
+    outcome.update(each_config(_check_norm_linear, NORM_CONFIGS, rank))
+    mlp = each_config(_check_mlp, NORM_CONFIGS, rank)
     outcome.update({("mlp", *config): text for config, text in mlp.items()})
-    outcome.update(_each(_check_features, FEATURE_CONFIGS, rank))
-    outcome.update(_each(_check_current_scaling_agrees, [()], rank))
-    symmetric = _each(_check_symmetric, SYMMETRIC_CONFIGS, rank)
+    outcome.update(each_config(_check_features, FEATURE_CONFIGS, rank))
+    outcome.update(each_config(_check_current_scaling_agrees, [()], rank))
+    symmetric = each_config(_check_symmetric, SYMMETRIC_CONFIGS, rank)
     outcome.update({("symmetric", *config): text for config, text in symmetric.items()})
-    agrees = _each(_check_grouped_current_scaling_agrees, [()], rank)
+    agrees = each_config(_check_grouped_current_scaling_agrees, [()], rank)
     outcome.update({("grouped", *config): text for config, text in agrees.items()})
     gathered = [("LayerNormLinear",), ("LayerNormMLP",)]
-    outcome.update(_each(_check_gathered_norm_output, gathered, rank))
-    grouped = _each(_check_grouped, GROUPED_CONFIGS, rank)
+    outcome.update(each_config(_check_gathered_norm_output, gathered, rank))
+    grouped = each_config(_check_grouped, GROUPED_CONFIGS, rank)
     outcome.update({("grouped", *config): text for config, text in grouped.items()})
     layer = te.Linear(K, N, parallel_mode="row", sequence_parallel=True, tp_group=dist.group.WORLD)
     try:
@@ -528,7 +516,7 @@ CONFIGS_4 = [
 
 
 def _rank_main_4(rank: int) -> dict:
-    return _each(_check_config, CONFIGS_4, rank)
+    return each_config(_check_config, CONFIGS_4, rank)
 
 
 def test_linear_tensor_parallel_over_four_ranks(tmp_path):
