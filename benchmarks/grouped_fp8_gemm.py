@@ -110,13 +110,22 @@ def case(tokens: int, experts: int, k: int, n: int):
         yield f"{name} {k}->{n}", t_grouped, t_loop, flop, diff
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def shape_args(doc: str) -> argparse.Namespace | None:
+    """--tokens and --experts from the command line (a script's doc as its description); None,
+    said on stdout, without a CUDA GPU."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=32768)
     parser.add_argument("--experts", type=int, default=8)
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("needs a CUDA GPU")
+        return None
+    return args
+
+
+def main() -> int:
+    args = shape_args(__doc__)
+    if args is None:
         return 1
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; {args.experts} experts, "
           f"{args.tokens} tokens")  # fmt: skip

@@ -4,6 +4,10 @@ kernels, whose names contain "scale", count as "FP8 cast/amax/scale").
 
     PYTHONPATH=. python benchmarks/train_profile.py medium large   # on a CUDA GPU
     PYTHONPATH=. python benchmarks/train_profile.py --host-splits medium   # sizes read back
+    PYTHONPATH=. python benchmarks/train_profile.py --eager medium   # no CUDA graphs
+
+The runs take the example's defaults, so their blocks are CUDA graphs (--cuda-graph auto on a
+GPU); --eager and --host-splits (which no graph can hold) run them eagerly.
 
 Per size and recipe (bf16, current, delayed): 8 warm-up steps, 10 timed steps (wall), then 3
 profiled steps (kernel times). Never asserts.
@@ -58,9 +62,14 @@ def kind(name):
 
 
 sizes = sys.argv[1:]
+extra = []
 if "--host-splits" in sizes:  # the experts' sizes read back each step instead of kept on the GPU
     sizes.remove("--host-splits")
     moe.DEVICE_SPLITS = False
+    extra = ["--cuda-graph", "off"]
+if "--eager" in sizes:
+    sizes.remove("--eager")
+    extra = ["--cuda-graph", "off"]
 for size in sizes:
     for recipe in ("bf16", "current", "delayed"):
         args = [
@@ -76,6 +85,7 @@ for size in sizes:
             recipe,
             "--out",
             "/tmp/o",
+            *extra,
         ]
         model_config, config = cli.parse_args(args)
         corpus = load_corpus(config.data, config.max_bytes, model_config.seq_len)

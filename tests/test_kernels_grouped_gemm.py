@@ -252,6 +252,7 @@ ROWS = [  # (splits, R, N, dtypes, config): (BLOCK_M, BLOCK_N, BLOCK_K, num_warp
     ([0, 16, 5, 0], 32, 40, (E5M2, E4M3), (32, 32, 32, 4, 2)),
     ([50], 20, 17, (E4M3, E5M2), (16, 32, 16, 4, 1)),
     ([0] * 9 + [3, 0, 20, 0, 0, 0, 0, 2, 0, 0, 1], 16, 16, (E5M2, E5M2), (16, 16, 16, 4, 2)),
+    ([7, 0, 33, 1], 48, 24, (E4M3, E5M2), (16, 16, 16, 4, 2)),  # 3 k steps, 16-byte rows
 ]
 for i, (splits, reduced, features, dtypes, config) in enumerate(ROWS):
     args = rows_case(splits, reduced, features, dtypes, seed=i)
@@ -268,6 +269,25 @@ for i, (widths, m, n, dtypes, config) in enumerate(REDUCTIONS):
     args = reduction_case(widths, m, n, dtypes, seed=i)
     launch = lambda *args: gg._reduction_gemm(*args, config)
     check(launch, args, reduction_fp64(*args), (widths, m, n, dtypes, config))
+
+# The TMA kernels (grouped_gemm_tma.py): configs (BLOCK_M, BLOCK_N, BLOCK_K, num_warps,
+# num_stages, GROUP_M, TMA store); TMA stores only where the row bytes allow it.
+from torchte.kernels import grouped_gemm_tma as tma
+from torchte.kernels.grouped_cast import _group_block
+for i, (splits, reduced, features, dtypes, config) in enumerate(ROWS):
+    if reduced % 16:  # TMA's row stride rule: the launcher's callers take the pointer kernel
+        continue
+    tma_config = (*config[:3], 4, 2, 2, True)
+    args = rows_case(splits, reduced, features, dtypes, seed=i)
+    g_block = _group_block(len(splits))
+    launch = lambda *args: tma.rows_gemm_tma(*args, tma_config, g_block)
+    check(launch, args, rows_fp64(*args), (splits, reduced, features, dtypes, tma_config))
+for i, (widths, m, n, dtypes, config) in enumerate(REDUCTIONS):
+    for store in (False, True):
+        tma_config = (*config[:3], 4, 2, 2, store)
+        args = reduction_case(widths, m, n, dtypes, seed=i)
+        launch = lambda *args: tma.reduction_gemm_tma(*args, tma_config)
+        check(launch, args, reduction_fp64(*args), (widths, m, n, dtypes, tma_config))
 print("ok")
 """
 
@@ -409,3 +429,28 @@ def test_triton_one_launch_each_and_graph_replay_with_new_splits():
         assert_close_to_scale(outs[0], want, torch.bfloat16)
         want = gg.grouped_reduction_gemm_reference(*reduction, torch.float32)
         assert_close_to_tensor_cores(outs[1], want)
+
+
+@pytest.mark.gpu
+@requires_triton
+@pytest.mark.parametrize("dtypes", GPU_PAIRS)
+def test_tma_rows_gemm_past_small_rows(dtypes):
+    # Past SMALL_ROWS tokens the persistent TMA kernel runs where the GPU has TMA: partial row
+    # tiles at every group's end, an empty group, N not a multiple of the tile, and a CUDA
+    # graph replayed with new splits (its descriptors live in scratch from the graph's pool).
+    splits = [0, 3000, 1, 1500, 700]
+    rows = gpu_rows_case(splits, 512, 200, dtypes, seed=5)
+    assert sum(splits) > gg.SMALL_ROWS
+    want = gg.grouped_rows_gemm_reference(*rows, torch.float32)
+    assert_close_to_tensor_cores(gg.grouped_rows_gemm(*rows, torch.float32), want)
+    fast = gg.grouped_rows_gemm(*rows, torch.bfloat16, fast_accum=True)
+    assert_close_to_scale(fast, want, torch.bfloat16)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = gg.grouped_rows_gemm(*rows, torch.bfloat16)
+    rows[4].copy_(offsets([2600, 0, 1, 2500, 100], "cuda"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, gg.grouped_rows_gemm(*rows, torch.bfloat16))
+    want = gg.grouped_rows_gemm_reference(*rows, torch.bfloat16)
+    assert_close_to_scale(out, want, torch.bfloat16)

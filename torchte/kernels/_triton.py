@@ -55,6 +55,7 @@ class FastLaunch:
     num_warps); the first launch for (device, key) goes through Triton, which compiles or finds
     the kernel, and later ones call the compiled kernel directly, as Triton's own launch does.
     Float arguments must always be Python floats (Triton does not specialize them).
+    Compile options (num_stages, ...) go to the first launch only: the key must include them.
     """
 
     __slots__ = ("compiled", "kernel", "stream_of")
@@ -64,11 +65,13 @@ class FastLaunch:
         self.compiled: dict = {}
         self.stream_of = None
 
-    def __call__(self, key: tuple, grid: tuple[int, int, int], num_warps: int, *args) -> None:
+    def __call__(
+        self, key: tuple, grid: tuple[int, int, int], num_warps: int, *args, **options
+    ) -> None:
         device = torch.cuda.current_device()
         compiled = self.compiled.get((device, key))
         if compiled is None:
-            compiled = self.kernel[grid](*args, num_warps=num_warps)
+            compiled = self.kernel[grid](*args, num_warps=num_warps, **options)
             if compiled is not None:  # None under TRITON_INTERPRET
                 self.compiled[(device, key)] = getattr(compiled, "result", lambda: compiled)()
                 self.stream_of = triton.runtime.driver.active.get_current_stream

@@ -41,28 +41,39 @@ import torch
 from ._fp8_codec import FP8_MAX
 from ._triton import FastLaunch, int_key, ptr_key, tl, triton, triton_available
 from .grouped_cast import _group_block
+from .grouped_gemm_tma import reduction_gemm_tma, rows_gemm_tma, tma_available
 
 __all__ = [
     "REDUCTION_CONFIG",
+    "REDUCTION_TMA_CONFIG",
     "ROWS_CONFIG",
     "ROWS_CONFIG_SMALL",
+    "ROWS_TMA_CONFIG",
     "grouped_reduction_gemm",
     "grouped_reduction_gemm_reference",
     "grouped_rows_gemm",
     "grouped_rows_gemm_reference",
+    "rows_gemm_takes_tma",
 ]
 
-# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages), from a sweep on an H100 (8 groups, K and N
-# 1024 to 4096): 64-row tiles win up to SMALL_ROWS tokens, where 128-row ones leave SMs idle.
+# Pointer kernels (GPUs without TMA, and up to SMALL_ROWS tokens): (BLOCK_M, BLOCK_N, BLOCK_K,
+# num_warps, num_stages), from a sweep on an H100 (8 groups, K and N 1024 to 4096): 64-row
+# tiles win up to SMALL_ROWS tokens, where 128-row ones leave SMs idle.
 ROWS_CONFIG = (128, 128, 128, 8, 4)
 ROWS_CONFIG_SMALL = (64, 128, 128, 4, 4)
 SMALL_ROWS = 4096
 REDUCTION_CONFIG = (128, 128, 128, 8, 4)
+# The persistent TMA kernels (grouped_gemm_tma.py) past SMALL_ROWS tokens on GPUs with TMA:
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, GROUP_M, TMA store), the fastest of
+# benchmarks/grouped_fp8_sweep.py on an H200 at the MoE MLP's shapes (docs/benchmarks.md).
+ROWS_TMA_CONFIG = (256, 128, 128, 8, 3, 8, True)
+REDUCTION_TMA_CONFIG = (256, 128, 128, 8, 3, 8, False)
 
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 if triton is not None:
     from .grouped_cast import _tile_group
+    from .grouped_gemm_tma import _masked_store as _store_tile
 
     @triton.jit
     def _fp8_tile_product(
@@ -88,16 +99,6 @@ if triton is not None:
             a_ptrs += BLOCK_K
             b_ptrs += BLOCK_K
         return acc
-
-    @triton.jit
-    def _store_tile(out_ptr, stride, rows_left, cols_left, acc, BLOCK_M, BLOCK_N):
-        """Store fp32 acc (BLOCK_M, BLOCK_N) at the row-major out_ptr (row stride `stride`), in
-        out's dtype, rows < rows_left and columns < cols_left."""
-        rows = tl.arange(0, BLOCK_M)
-        cols = tl.arange(0, BLOCK_N)
-        mask = (rows < rows_left)[:, None] & (cols < cols_left)[None, :]
-        ptrs = out_ptr + rows[:, None] * stride + cols[None, :]
-        tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _grouped_rows_gemm_kernel(
@@ -186,10 +187,13 @@ def grouped_rows_gemm(
     b_scale_inv: torch.Tensor,
     row_offsets: torch.Tensor,
     out_dtype: torch.dtype,
+    fast_accum: bool = False,
 ) -> torch.Tensor:
     """c (T, N) out_dtype = per group g, (a[o_g:o_{g+1}] * a_scale_inv[g]) @ (b[g] *
     b_scale_inv[g]).T, for a (T, R) fp8, b (G, N, R) fp8, scale_invs (G,) fp32, row_offsets
-    int32 (G + 1,). One launch on CUDA; the torch reference elsewhere."""
+    int32 (G + 1,). One launch on CUDA; the torch reference elsewhere. fast_accum allows the
+    FP8 tensor cores' accumulator throughout (as torch._scaled_mm's use_fast_accum; the TMA
+    kernel takes it, the pointer kernels always promote)."""
     _check_rows(a, a_scale_inv, b, b_scale_inv, row_offsets, out_dtype)
     if not (a.is_cuda and triton_available()):
         return grouped_rows_gemm_reference(a, a_scale_inv, b, b_scale_inv, row_offsets, out_dtype)
@@ -197,6 +201,12 @@ def grouped_rows_gemm(
     features = b.shape[1]
     if tokens == 0 or features == 0 or reduced == 0:
         return torch.zeros(tokens, features, dtype=out_dtype, device=a.device)
+    a, b = a.contiguous(), b.contiguous()
+    if rows_gemm_takes_tma(a, b):
+        return rows_gemm_tma(
+            a, a_scale_inv, b, b_scale_inv, row_offsets, out_dtype, ROWS_TMA_CONFIG,
+            _group_block(b.shape[0]), fast_accum,
+        )  # fmt: skip
     config = ROWS_CONFIG_SMALL if tokens <= SMALL_ROWS else ROWS_CONFIG
     return _rows_gemm(a, a_scale_inv, b, b_scale_inv, row_offsets, out_dtype, config)
 
@@ -223,9 +233,27 @@ def grouped_reduction_gemm(
     groups = col_offsets.numel() - 1
     if groups == 0 or m == 0 or n == 0:
         return torch.zeros(groups, m, n, dtype=out_dtype, device=a_cols.device)
-    return _reduction_gemm(
-        a_cols, a_scale_inv, b_cols, b_scale_inv, col_offsets, m, n, out_dtype, REDUCTION_CONFIG
-    )
+    a_cols, b_cols = a_cols.contiguous(), b_cols.contiguous()
+    operands = (a_cols, a_scale_inv, b_cols, b_scale_inv, col_offsets, m, n, out_dtype)
+    if _tma_fits(16, a_cols, b_cols):  # row strides w_g: multiples of 16
+        return reduction_gemm_tma(*operands, REDUCTION_TMA_CONFIG)
+    return _reduction_gemm(*operands, REDUCTION_CONFIG)
+
+
+def rows_gemm_takes_tma(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether grouped_rows_gemm runs the TMA kernel on these operands (a (T, R), b (G, N, R)
+    FP8 on a GPU with TMA, more than SMALL_ROWS tokens, R a multiple of 16, aligned bases)."""
+    if not (a.is_cuda and triton_available()) or a.shape[0] <= SMALL_ROWS:
+        return False
+    return a.is_contiguous() and b.is_contiguous() and _tma_fits(a.shape[1], a, b)
+
+
+def _tma_fits(row_bytes: int, *operands: torch.Tensor) -> bool:
+    """Whether the TMA kernels take these FP8 operands: a GPU with TMA, 16-byte aligned
+    bases, rows of a multiple of 16 bytes."""
+    if row_bytes % 16 or not tma_available(operands[0].device.index):
+        return False
+    return all(t.data_ptr() % 16 == 0 for t in operands)
 
 
 def _rows_gemm(a, a_scale_inv, b, b_scale_inv, row_offsets, out_dtype, config) -> torch.Tensor:

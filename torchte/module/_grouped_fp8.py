@@ -27,6 +27,7 @@ from torchte.gemm import (
     device_grouped_rows,
     device_grouped_wgrad,
     fp8_gemm,
+    grouped_fprop_takes_tma,
     scaled_grouped_dgrad,
     scaled_grouped_fprop,
     scaled_grouped_mm_supported,
@@ -83,13 +84,20 @@ def fp8_forward(ctx, x, splits: GroupSplits, plan, biases, w_fp8: GroupedStorage
     bias = [cast_to(b, dtype) for b in biases] if biases else [None] * num_groups
     device = x_fp8.rowwise_data.device
     exact = ctx.exact  # GEMMs per group, as te.Linear runs them (sizes on the host then)
-    one_gemm = not exact and one_fprop_gemm(device, x_fp8.fp8_dtype, w_fp8.fp8_dtype, sizes, dtype)
-    if one_gemm or sizes is None:
+    # One grouped GEMM unless exact: the TMA kernel where it runs (faster than
+    # torch._scaled_grouped_mm and level with per-expert cuBLAS, see grouped_fprop_takes_tma),
+    # else torch._scaled_grouped_mm where it takes the operands.
+    tma = not exact and grouped_fprop_takes_tma(x_fp8, w_fp8)
+    one_gemm = not (exact or tma) and one_fprop_gemm(
+        device, x_fp8.fp8_dtype, w_fp8.fp8_dtype, sizes, dtype
+    )
+    if tma or one_gemm or sizes is None:
         if one_gemm:
             y = scaled_grouped_fprop(x_fp8, w_fp8, splits, dtype)
         else:
             weights = w_fp8.rowwise_data.view(num_groups, n, -1)
-            y = device_grouped_rows(x_fp8, weights, w_fp8.scale_inv, dtype)
+            # fast accumulation, as te.Linear's forward GEMM (fp8_gemm use_fast_accum)
+            y = device_grouped_rows(x_fp8, weights, w_fp8.scale_inv, dtype, fast_accum=True)
         if biases:
             y.add_(group_bias_rows(biases, splits, dtype))
     else:

@@ -31,6 +31,7 @@ from .config import (
     ModelConfig,
     RunConfig,
 )
+from .cuda_graph import CUDA_GRAPH_MODES, resolve_cuda_graph
 from .data import Corpus, load_corpus
 from .fsdp_run import DataParallel, check_fsdp, data_parallel, data_parallel_ranks
 from .fsdp_state import check_save_path, read_position
@@ -89,6 +90,14 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         help="what the model computes in besides FP8 GEMMs (weights are fp32 either way); "
         "auto: bf16 on a GPU, on the CPU bf16 where it is faster than fp32, else fp32",
+    )
+    p.add_argument(
+        "--cuda-graph",
+        choices=CUDA_GRAPH_MODES,
+        default="auto",
+        help="capture each transformer block's forward and backward as CUDA graphs (fewer "
+        "kernel launches from Python); auto: on for one process on a GPU, off elsewhere "
+        "(the CPU, --tp, --fsdp, --packed, which `on` refuses)",
     )
     p.add_argument(
         "--size", choices=tuple(SIZES), help="model size (default: tiny on the CPU, large on a GPU)"
@@ -264,6 +273,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[ModelConfig, RunConfig]:
             )
         if args.experts is not None and args.experts < 1:
             raise ValueError(f"--experts must be at least 1, got {args.experts}")
+        graphs, graphs_reason = resolve_cuda_graph(
+            args.cuda_graph, args.device, args.tp, args.fsdp, args.packed
+        )
         config = RunConfig(
             recipes=recipes,
             device=args.device,
@@ -287,6 +299,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[ModelConfig, RunConfig]:
             fsdp=args.fsdp,
             fp8_all_gather=args.fp8_all_gather,
             fsdp_gather_dtype=args.fsdp_gather_dtype,
+            cuda_graph=graphs,
+            cuda_graph_reason=graphs_reason,
         )
     except ValueError as err:
         p.error(str(err))
@@ -406,7 +420,8 @@ def _train(
         f"run: {', '.join(labels)} on {config.device}, compute {config.compute_dtype} "
         f"({config.compute_reason}); {config.steps} steps of {config.batch_size} x "
         f"{model_config.seq_len} tokens, lr {config.lr:g} (warmup {config.warmup}, cosine), "
-        f"validation every {config.eval_every} steps",
+        f"validation every {config.eval_every} steps; CUDA graphs "
+        f"{'on' if config.cuda_graph else 'off'} ({config.cuda_graph_reason})",
         flush=True,
     )
     results, summaries = run_recipes(model_config, config, corpus, starts, group, dp)
@@ -465,6 +480,8 @@ def run_recipes(
             if config.resume is not None:
                 trainer.resume(config.resume)
                 print(f"[{trainer.label}] resumed at step {trainer.step}", flush=True)
+            if trainer.graph_plan is not None:
+                print(f"[{trainer.label}] CUDA graphs: {trainer.graph_plan.note}", flush=True)
             reset_peak_memory(device)
         except KeyboardInterrupt:
             break

@@ -194,6 +194,12 @@ class RunConfig:
     FP8 GEMMs; see precision.py."""
     compute_reason: str = ""
     """Why that dtype (the option, or what the device does fast), for the log and the table."""
+    cuda_graph: bool = False
+    """Capture the transformer blocks' forwards and backwards as CUDA graphs (cuda_graph.py):
+    one process, not packed. On the CPU the same code runs the blocks eagerly (what the tests
+    use; the command line refuses it there)."""
+    cuda_graph_reason: str = ""
+    """Why graphs are on or off (the option, or what auto found), for the log."""
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "log_every", "eval_every", "eval_batches"):
@@ -220,6 +226,11 @@ class RunConfig:
             )
         if self.max_bytes < 1:
             raise ValueError(f"--max-bytes must be positive, got {self.max_bytes}")
+        if self.cuda_graph and (self.tp > 1 or self.fsdp):
+            raise ValueError(
+                "--cuda-graph on captures one process's blocks: it does not go with --tp or "
+                "--fsdp; use --cuda-graph off"
+            )
         if self.fsdp_gather_dtype not in GATHER_DTYPES:
             raise ValueError(
                 f"--fsdp-gather-dtype must be one of {', '.join(GATHER_DTYPES)}, got "

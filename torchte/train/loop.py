@@ -11,6 +11,10 @@ A row is logged every `log_every` steps, every `eval_every` steps (with the vali
 at step 0 (validation only) and at the last step. Its train loss is the mean over the steps
 since the previous row; its tokens/s counts training time only (not evaluation or saving).
 
+With config.cuda_graph the blocks are captured as CUDA graphs at the first training step and
+replayed by the steps after it (cuda_graph.py); evaluation runs them eagerly, and run() frees
+the graphs when it ends.
+
 Ctrl-C (KeyboardInterrupt) ends a run early: run() returns what was logged up to the last
 step that finished, marked interrupted, and saves nothing (a step cut short leaves the weights
 half updated); the last checkpoint written before it stays.
@@ -32,7 +36,7 @@ import torchte as te
 from torchte import fsdp as te_fsdp
 from torchte import recipe as te_recipe
 
-from . import checkpoint
+from . import checkpoint, cuda_graph
 from .config import ModelConfig, RunConfig
 from .data import BatchSampler, Corpus, validation_batches
 from .fsdp_run import DataParallel, local_rows, shard_model
@@ -154,8 +158,12 @@ class Trainer:
         self.device = torch.device(config.device)
         self.autocast_bf16 = config.compute_dtype == "bf16"
         self.recipe = make_recipe(name)
+        # CUDA graphs (cuda_graph.py): captured at the first training step, freed after run()
+        self.graph_plan = cuda_graph.plan_graphs(name, model_config, config)
+        self.graphed: tuple[torch.nn.Module, ...] | None = None
+        splits = self.graph_plan.moe_device_splits if self.graph_plan else None
         torch.manual_seed(config.seed)
-        self.model = GPT(model_config, PARAMS_DTYPE, self.device)
+        self.model = GPT(model_config, PARAMS_DTYPE, self.device, moe_device_splits=splits)
         self.tp_group = (
             tp_group if tp_group is not None and dist.get_world_size(tp_group) > 1 else None
         )
@@ -225,7 +233,9 @@ class Trainer:
 
     def train_step(self) -> torch.Tensor:
         """One optimizer step on the next batch; returns its loss (detached). self.step counts
-        it once it is done."""
+        it once it is done. With a graph plan, the first step captures the blocks first."""
+        if self.graph_plan is not None and self.graphed is None:
+            self.capture_graphs()
         lr = learning_rate(self.step + 1, self.config)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
@@ -239,6 +249,22 @@ class Trainer:
             te_fsdp.precompute_fp8_scales(self.model)
         self.step += 1
         return self._batch_mean(loss.detach())
+
+    def capture_graphs(self) -> None:
+        """Capture the blocks as the graph plan says (cuda_graph.capture_blocks), for batches
+        of this run's shape in the residual stream's dtype."""
+        stream_dtype = torch.bfloat16 if self.autocast_bf16 else PARAMS_DTYPE
+        self.graphed = cuda_graph.capture_blocks(
+            self.model, self.graph_plan, self.recipe, self.config.batch_size, stream_dtype,
+            self.autocast_bf16,
+        )  # fmt: skip
+
+    def release_graphs(self) -> None:
+        """Free the captured graphs (the blocks run eagerly again; the next training step
+        captures anew)."""
+        if self.graphed is not None:
+            graphed, self.graphed = self.graphed, None
+            cuda_graph.release(graphed)
 
     def _backward(self, loss: torch.Tensor) -> None:
         """loss.backward(); where the batch's rows are split over P ranks (sequence and data
@@ -297,6 +323,8 @@ class Trainer:
             self._train(progress, start, meter)
         except KeyboardInterrupt:
             interrupted = True
+        finally:
+            self.release_graphs()  # the graphs' memory is free for the next recipe's run
         self.elapsed = time.perf_counter() - start
         progress.close()
         return RunResult(self.label, self.rows, self.step, meter.rate(), interrupted, self.saved)

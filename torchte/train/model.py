@@ -99,7 +99,10 @@ class MoEBlock(nn.Module):
     """A block with experts (pre-norm): x + self_attention(x), then + mlp (MoEMLP).
     x (B, S, H), or (T, H) packed -> the same shape."""
 
-    def __init__(self, config: ModelConfig, number: int, kw: dict) -> None:
+    def __init__(
+        self, config: ModelConfig, number: int, kw: dict, device_splits: bool | None = None
+    ) -> None:
+        """device_splits: MoEMLP's (None: the example's default)."""
         super().__init__()
         out_std = INIT_STD / math.sqrt(2 * config.layers)
         qkv_format, mask = _format(config)
@@ -118,7 +121,7 @@ class MoEBlock(nn.Module):
         self.mlp = MoEMLP(
             config.hidden, config.ffn, config.experts, config.top_k,
             kw["params_dtype"], kw["device"], _normal(INIT_STD), _normal(out_std),
-            config.normalization, config.activation,
+            config.normalization, config.activation, device_splits,
         )  # fmt: skip
 
     def forward(self, x: torch.Tensor, **attention: object) -> torch.Tensor:
@@ -138,7 +141,10 @@ class GPT(nn.Module):
         device: torch.device,
         tp_group=None,
         sequence_parallel: bool = False,
+        moe_device_splits: bool | None = None,
     ) -> None:
+        """moe_device_splits: where the MoE layers keep their experts' row counts (True: on the
+        device, as CUDA graphs need; None: moe.DEVICE_SPLITS)."""
         super().__init__()
         self.config = config
         tp = {}
@@ -162,7 +168,9 @@ class GPT(nn.Module):
             self.pos_emb = nn.Embedding(config.seq_len, config.hidden, device=device, dtype=dtype)
             nn.init.normal_(self.pos_emb.weight, mean=0.0, std=INIT_STD)
         self.blocks = nn.ModuleList(
-            MoEBlock(config, i + 1, kw) if config.experts else dense_block(config, i + 1, kw, tp)
+            MoEBlock(config, i + 1, kw, moe_device_splits)
+            if config.experts
+            else dense_block(config, i + 1, kw, tp)
             for i in range(config.layers)
         )
         split_rows = bool(tp) and sequence_parallel

@@ -7,9 +7,10 @@ those k logits (the router's softmax score function without pre-softmax). The ex
 biases, FC2's scaled by the probability like the activation (MoELayer's bias=True), so FC2's
 output row is already p * expert(x) and a token's rows are only summed.
 
-DEVICE_SPLITS says where the experts' row counts live: on the host (a list, one
-synchronization a step), or on the device (no step waits for the router: what CUDA graphs
-need). It is read when a layer is built.
+Where the experts' row counts live: on the host (a list, one synchronization a step), or on the
+device (no step waits for the router: what CUDA graphs need). The model passes that choice
+(`device_splits`: True where --cuda-graph captures the layer, see cuda_graph.py); a layer
+built without it reads DEVICE_SPLITS, the example's default.
 """
 
 from __future__ import annotations
@@ -44,9 +45,14 @@ class MoEMLP(MoELayer):
         out_init: Callable[[torch.Tensor], None],
         normalization: str = "LayerNorm",
         activation: str = "gelu",
+        device_splits: bool | None = None,
     ) -> None:
+        """device_splits: the row counts on the device (True) or the host (False); None:
+        DEVICE_SPLITS as it is now."""
+        if device_splits is None:
+            device_splits = DEVICE_SPLITS
         super().__init__(
             hidden, ffn, num_experts, top_k, activation=activation, params_dtype=dtype,
             device=device, init_method=init, output_layer_init_method=out_init, bias=True,
-            device_splits=DEVICE_SPLITS, normalization=normalization,
+            device_splits=device_splits, normalization=normalization,
         )  # fmt: skip
