@@ -206,3 +206,43 @@ def test_device_splits_never_synchronize_and_capture_in_a_cuda_graph(recipe_name
         assert torch.equal(got, want)
     else:
         assert_close(got, want.double(), torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe_name", list(RECIPES))
+def test_grouped_linear_past_small_rows_equals_a_stack_of_linears(recipe_name):
+    """Past kernels/grouped_gemm_fp8.SMALL_ROWS tokens the device-split GEMMs are the
+    persistent TMA kernels (the forward with fast accumulation, as te.Linear's): y, dx and
+    each weight's gradient against te.Linear per group (cuBLAS) on the same weights, within
+    bf16's tolerance. One step, so delayed scaling's scales are the initial ones on both."""
+    from torchte.kernels.grouped_gemm_fp8 import SMALL_ROWS
+
+    splits, k, n = [0, 3000, 1, 1999], 256, 128
+    assert sum(splits) > SMALL_ROWS
+    kw = {"bias": False, "device": "cuda", "params_dtype": torch.bfloat16}
+    layer = te.GroupedLinear(len(splits), k, n, **kw)
+    linears = [te.Linear(k, n, **kw) for _ in splits]
+    gen = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for g, linear in enumerate(linears):
+            weight = representable((n, k), torch.bfloat16, scale=0.125, generator=gen)
+            getattr(layer, f"weight{g}").copy_(weight)
+            linear.weight.copy_(weight)
+    x = representable((sum(splits), k), torch.bfloat16, generator=gen, device="cuda")
+    dy = representable((sum(splits), n), torch.bfloat16, generator=gen, device="cuda")
+    x_grouped = x.to(torch.bfloat16).requires_grad_(True)
+    x_linear = x.to(torch.bfloat16).requires_grad_(True)
+    with te.autocast(recipe=RECIPES[recipe_name]()):
+        y = layer(x_grouped, torch.tensor(splits, device="cuda"))
+        parts = [
+            linear(part) for linear, part in zip(linears, x_linear.split(splits), strict=True)
+            if part.shape[0]
+        ]  # fmt: skip
+    y.backward(dy.to(torch.bfloat16))
+    torch.cat(parts).backward(dy.to(torch.bfloat16))
+    assert_close(y, torch.cat(parts).double(), torch.bfloat16, msg="y")
+    assert_close(x_grouped.grad, x_linear.grad.double(), torch.bfloat16, msg="dx")
+    for g, linear in enumerate(linears):
+        got = getattr(layer, f"weight{g}").grad
+        want = linear.weight.grad if splits[g] else torch.zeros_like(got)
+        assert_close(got, want.double(), torch.bfloat16, msg=f"dw{g}")

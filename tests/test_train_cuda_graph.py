@@ -67,13 +67,22 @@ def test_bad_mode_is_refused(capsys: pytest.CaptureFixture) -> None:
         cuda_graph.resolve_cuda_graph("yes", "cuda")
 
 
-def test_on_a_gpu_auto_is_on_and_packed_turns_it_off(
+def test_on_a_gpu_auto_is_on_with_experts_and_packed_turns_it_off(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:
     _cuda(monkeypatch)
-    base = ["--device", "cuda", "--recipe", "bf16", "--compute-dtype", "bf16"]
+    dense = ["--device", "cuda", "--recipe", "bf16", "--compute-dtype", "bf16"]
+    _, config = cli.parse_args(dense)
+    assert (config.cuda_graph, config.cuda_graph_reason) == (
+        False,
+        "auto: dense blocks run eagerly (--cuda-graph on captures them)",
+    )
+    base = [*dense, "--experts", "4"]
     _, config = cli.parse_args(base)
-    assert (config.cuda_graph, config.cuda_graph_reason) == (True, "auto: one process on a GPU")
+    assert (config.cuda_graph, config.cuda_graph_reason) == (
+        True,
+        "auto: experts, one process on a GPU",
+    )
     _, config = cli.parse_args([*base, "--cuda-graph", "on"])
     assert (config.cuda_graph, config.cuda_graph_reason) == (True, "--cuda-graph on")
     _, config = cli.parse_args([*base, "--packed"])

@@ -96,8 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
         choices=CUDA_GRAPH_MODES,
         default="auto",
         help="capture each transformer block's forward and backward as CUDA graphs (fewer "
-        "kernel launches from Python); auto: on for one process on a GPU, off elsewhere "
-        "(the CPU, --tp, --fsdp, --packed, which `on` refuses)",
+        "kernel launches from Python); auto: on for a model with --experts in one process on "
+        "a GPU, off for dense models and elsewhere (the CPU, --tp, --fsdp, --packed, which "
+        "`on` refuses)",
     )
     p.add_argument(
         "--size", choices=tuple(SIZES), help="model size (default: tiny on the CPU, large on a GPU)"
@@ -274,7 +275,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[ModelConfig, RunConfig]:
         if args.experts is not None and args.experts < 1:
             raise ValueError(f"--experts must be at least 1, got {args.experts}")
         graphs, graphs_reason = resolve_cuda_graph(
-            args.cuda_graph, args.device, args.tp, args.fsdp, args.packed
+            args.cuda_graph, args.device, args.tp, args.fsdp, args.packed, bool(args.experts)
         )
         config = RunConfig(
             recipes=recipes,
