@@ -231,8 +231,8 @@ def grouped_fprop_takes_tma(x_fp8, w_fp8) -> bool:
     """Whether device_grouped_rows runs the persistent TMA kernel for the forward GEMM of these
     operands (x_fp8 a GroupedStorage (T, K), w_fp8 G groups of N rows): on a GPU with TMA past
     kernels/grouped_gemm_fp8.SMALL_ROWS tokens. Measured on an H200 at the MoE MLP's shapes
-    (docs/benchmarks.md), with fast accumulation it runs at 1.04x / 0.92x the time of the same
-    GEMMs as per-expert cuBLAS calls and 0.8x that of torch._scaled_grouped_mm."""
+    (docs/benchmarks.md), with fast accumulation it takes 0.96x / 1.09x the time of the same
+    GEMMs as per-expert cuBLAS calls and 0.82x that of torch._scaled_grouped_mm."""
     weights = w_fp8.rowwise_data.view(w_fp8.num_groups, w_fp8.m_splits[0], -1)
     return rows_gemm_takes_tma(x_fp8.rowwise_data, weights)
 

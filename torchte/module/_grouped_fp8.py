@@ -9,11 +9,14 @@ per-group forward the results equal a stack of te.Linear layers bit for bit.
 
 Group sizes known only on the device (m_splits a device tensor; a CUDA graph replayed with new
 splits): nothing reads them back. The grouped casts take the offsets on the device and leave
-room for the worst case; fprop is torch._scaled_grouped_mm where it takes the operands, else,
-like dgrad (whose e5m2 gradients sm90's torch._scaled_grouped_mm refuses) and wgrad, one Triton
-grouped GEMM (gemm.device_grouped_rows / device_grouped_wgrad) that finds each group's rows on
-the device; bias gradients are one GEMM with a one-hot matrix. Results then differ from the
-per-group cuBLAS GEMMs by the accumulation order. When determinism is asked for (ctx.exact,
+room for the worst case; fprop is the persistent TMA grouped GEMM with fast accumulation where
+it runs (gemm.grouped_fprop_takes_tma: Hopper and newer, past SMALL_ROWS tokens; also with
+host sizes, where it is as fast as cuBLAS per group in one launch), else
+torch._scaled_grouped_mm where it takes the operands, else, like dgrad (whose e5m2 gradients
+sm90's torch._scaled_grouped_mm refuses) and wgrad, one Triton grouped GEMM
+(gemm.device_grouped_rows / device_grouped_wgrad) that finds each group's rows on the device;
+bias gradients are one GEMM with a one-hot matrix. Results then differ from the per-group
+cuBLAS GEMMs by the accumulation order. When determinism is asked for (ctx.exact,
 grouped_linear.exact_requested) the sizes are read back and every GEMM runs per group.
 """
 

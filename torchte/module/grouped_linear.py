@@ -12,7 +12,7 @@ Four paths, chosen per setting (the plan's mode):
   out of one (G, N, K) buffer as views.
 - "fp8": FP8 recipes (_grouped_fp8.py): x and dy quantized for all groups in one launch
   (delayed scaling; three under current scaling) into a GroupedStorage, the GEMMs per group as
-  te.Linear runs them (fprop as one torch._scaled_grouped_mm where that runs), the weight
+  te.Linear runs them (fprop as one grouped GEMM where one runs: see _grouped_fp8.py), the weight
   gradients accumulated into each weight's main_grad with fuse_wgrad_accumulation. Sizes in a
   device tensor are never read back: the casts and Triton grouped GEMMs find the groups on the
   device (see _grouped_fp8.py).
