@@ -454,3 +454,39 @@ def test_tma_rows_gemm_past_small_rows(dtypes):
     assert torch.equal(out, gg.grouped_rows_gemm(*rows, torch.bfloat16))
     want = gg.grouped_rows_gemm_reference(*rows, torch.bfloat16)
     assert_close_to_scale(out, want, torch.bfloat16)
+
+
+@requires_interpreter  # needs triton installed (its allocator registry), not a GPU
+def test_scratch_allocator_is_set_per_thread_and_never_replaces_one():
+    """The TMA kernels' descriptors live in Triton's scratch: the launchers set
+    scratch_allocator where a thread has none (autograd's backward thread starts with none),
+    and keep an allocator the caller set."""
+    import threading
+
+    import triton
+
+    from torchte.kernels import grouped_gemm_tma as tma
+
+    def current():
+        return triton.runtime._allocation._allocator.get()
+
+    seen = {}
+
+    def fresh_thread():
+        seen["before"] = current()
+        tma._use_scratch_allocator()
+        seen["after"] = current()
+
+        def mine(size, alignment, stream):
+            return None
+
+        triton.set_allocator(mine)
+        tma._use_scratch_allocator()
+        seen["kept"], seen["mine"] = current(), mine
+
+    worker = threading.Thread(target=fresh_thread)
+    worker.start()
+    worker.join()
+    assert isinstance(seen["before"], triton.runtime._allocation.NullAllocator)
+    assert seen["after"] is tma.scratch_allocator
+    assert seen["kept"] is seen["mine"]
