@@ -51,63 +51,78 @@ def columns(rows_major: torch.Tensor, sizes: list[int]) -> torch.Tensor:
     return torch.cat(blocks)
 
 
-def case(tokens: int, experts: int, k: int, n: int):
-    """Rows of (gemm, grouped ms, loop ms, flop, relative difference) for one linear K -> N."""
+def operands(tokens: int, experts: int, k: int, n: int) -> dict:
+    """The operands of one linear K -> N: x (T, K) and dy (T, N) with their columnwise blocks,
+    w (G, N, K) and w_t (G, K, N), the split sizes, their padded widths and both offsets."""
     gen = torch.Generator(device="cuda").manual_seed(k + n)
     sizes = uneven_splits(tokens, experts)
-    offs = torch.tensor([0, *sizes], device="cuda").cumsum(0).to(torch.int32)
     widths = [-(-m // ALIGN) * ALIGN for m in sizes]
-    col_offs = torch.tensor([0, *widths], device="cuda").cumsum(0).to(torch.int32)
     x, dy = fp8((tokens, k), E4M3, gen), fp8((tokens, n), E5M2, gen)
     w = fp8((experts, n, k), E4M3, gen)
-    w_t = w.float().transpose(1, 2).contiguous().to(E4M3)  # (G, K, N)
-    ones = torch.ones(experts, device="cuda")
+    return {
+        "sizes": sizes, "widths": widths, "x": x, "dy": dy, "w": w,
+        "w_t": w.float().transpose(1, 2).contiguous().to(E4M3),
+        "offs": torch.tensor([0, *sizes], device="cuda").cumsum(0).to(torch.int32),
+        "col_offs": torch.tensor([0, *widths], device="cuda").cumsum(0).to(torch.int32),
+        "x_cols": columns(x, sizes), "dy_cols": columns(dy, sizes),
+        "ones": torch.ones(experts, device="cuda"),
+    }  # fmt: skip
+
+
+def per_expert_loops(ops: dict, k: int, n: int):
+    """(loop_rows(a, b, out_dtype, fast=False), loop_wgrad()): the grouped GEMMs as
+    per-expert torch._scaled_mm calls with the sizes on the host (no sync). loop_rows: a_g @
+    b[g]^T for b (G, N_out, R); loop_wgrad: dy_g^T x_g from the columnwise blocks, fp32."""
+    sizes, widths = ops["sizes"], ops["widths"]
+    dy_cols, x_cols = ops["dy_cols"], ops["x_cols"]
     one = torch.ones((), device="cuda")
-    x_cols, dy_cols = columns(x, sizes), columns(dy, sizes)
-    bf16, fp32 = torch.bfloat16, torch.float32
-
-    def loop_rows(a, b_t, out_dtype):  # b_t (G, N_out, R): per expert a_g @ b_t[g]^T
-        outs = [
-            torch._scaled_mm(part, b_t[g].t(), one, one, out_dtype=out_dtype)
-            for g, part in enumerate(a.split(sizes))
-        ]
-        return torch.cat(outs)
-
     starts = [0]
     for width in widths:
         starts.append(starts[-1] + width)
 
-    def loop_wgrad():  # dy_g^T x_g from the columnwise blocks (host offsets: no sync)
-        outs = []
-        for g, width in enumerate(widths):
-            a_t = dy_cols[n * starts[g] : n * starts[g + 1]].view(n, width)
-            b_t = x_cols[k * starts[g] : k * starts[g + 1]].view(k, width)
-            outs.append(torch._scaled_mm(a_t, b_t.t(), one, one, out_dtype=fp32))
-        return torch.stack(outs)
+    def loop_rows(a, b, out_dtype, fast=False):
+        return torch.cat([
+            torch._scaled_mm(part, b[g].t(), one, one, out_dtype=out_dtype, use_fast_accum=fast)
+            for g, part in enumerate(a.split(sizes))
+        ])  # fmt: skip
 
+    def loop_wgrad():
+        return torch.stack([
+            torch._scaled_mm(
+                dy_cols[n * starts[g] : n * starts[g + 1]].view(n, width),
+                x_cols[k * starts[g] : k * starts[g + 1]].view(k, width).t(), one, one,
+                out_dtype=torch.float32,
+            )
+            for g, width in enumerate(widths)
+        ])  # fmt: skip
+
+    return loop_rows, loop_wgrad
+
+
+def case(tokens: int, experts: int, k: int, n: int):
+    """Rows of (gemm, grouped ms, loop ms, flop, relative difference) for one linear K -> N."""
+    ops = operands(tokens, experts, k, n)
+    x, dy, w, w_t, ones, offs = (ops[key] for key in ("x", "dy", "w", "w_t", "ones", "offs"))
+    loop_rows, loop_wgrad = per_expert_loops(ops, k, n)
+    bf16, fp32 = torch.bfloat16, torch.float32
+    cols = (ops["dy_cols"], ones, ops["x_cols"], ones, ops["col_offs"], n, k, fp32)
     gemms = {
         "fprop": (
             lambda: gg.grouped_rows_gemm(x, ones, w, ones, offs, bf16),
             lambda: loop_rows(x, w, bf16),
-            2 * tokens * k * n,
         ),
         "dgrad": (
             lambda: gg.grouped_rows_gemm(dy, ones, w_t, ones, offs, bf16),
             lambda: loop_rows(dy, w_t, bf16),
-            2 * tokens * k * n,
         ),
-        "wgrad": (
-            lambda: gg.grouped_reduction_gemm(dy_cols, ones, x_cols, ones, col_offs, n, k, fp32),
-            loop_wgrad,
-            2 * tokens * k * n,
-        ),
+        "wgrad": (lambda: gg.grouped_reduction_gemm(*cols), loop_wgrad),
     }
-    for name, (grouped, loop, flop) in gemms.items():
+    for name, (grouped, loop) in gemms.items():
         got, want = grouped().float(), loop().float()
         diff = ((got - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
         t_grouped = gpu_ms(grouped, reps=10, inner=10)
         t_loop = gpu_ms(loop, reps=10, inner=10)
-        yield f"{name} {k}->{n}", t_grouped, t_loop, flop, diff
+        yield f"{name} {k}->{n}", t_grouped, t_loop, 2 * tokens * k * n, diff
 
 
 def shape_args(doc: str) -> argparse.Namespace | None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import sys
 
 import torch
-from grouped_fp8_gemm import ALIGN, E4M3, E5M2, columns, fp8, shape_args, uneven_splits
+from grouped_fp8_gemm import operands, per_expert_loops, shape_args
 from timing import gpu_ms
 
 from torchte.kernels import grouped_gemm_fp8 as gg
@@ -36,54 +36,22 @@ REDUCTION_CONFIGS = (
 )
 
 
-def operands(tokens: int, experts: int, k: int, n: int) -> dict:
-    gen = torch.Generator(device="cuda").manual_seed(k + n)
-    sizes = uneven_splits(tokens, experts)
-    widths = [-(-m // ALIGN) * ALIGN for m in sizes]
-    x, dy = fp8((tokens, k), E4M3, gen), fp8((tokens, n), E5M2, gen)
-    w = fp8((experts, n, k), E4M3, gen)
-    return {
-        "sizes": sizes, "widths": widths, "x": x, "dy": dy, "w": w,
-        "w_t": w.float().transpose(1, 2).contiguous().to(E4M3),
-        "offs": torch.tensor([0, *sizes], device="cuda").cumsum(0).to(torch.int32),
-        "col_offs": torch.tensor([0, *widths], device="cuda").cumsum(0).to(torch.int32),
-        "x_cols": columns(x, sizes), "dy_cols": columns(dy, sizes),
-        "ones": torch.ones(experts, device="cuda"),
-    }  # fmt: skip
-
-
 def contenders(ops: dict, k: int, n: int):
-    """(gemm, {name: fn}) for fprop, dgrad and wgrad; the first entry of each is the loop."""
+    """(gemm, {name: fn}) for fprop, dgrad and wgrad: the per-expert loop, the pointer kernels
+    (grouped_gemm_fp8's _rows_gemm / _reduction_gemm, called directly: at these sizes the
+    launchers choose the TMA kernels) and each TMA configuration."""
     x, dy, w, w_t, ones = ops["x"], ops["dy"], ops["w"], ops["w_t"], ops["ones"]
-    sizes, widths, offs, col_offs = ops["sizes"], ops["widths"], ops["offs"], ops["col_offs"]
+    sizes, offs, col_offs = ops["sizes"], ops["offs"], ops["col_offs"]
     x_cols, dy_cols = ops["x_cols"], ops["dy_cols"]
-    one = torch.ones((), device="cuda")
+    loop_rows, loop_wgrad = per_expert_loops(ops, k, n)
     bf16, fp32 = torch.bfloat16, torch.float32
     g_block = _group_block(len(sizes))
-    starts = [0]
-    for width in widths:
-        starts.append(starts[-1] + width)
-
-    def loop_rows(a, b, fast=False):
-        parts = a.split(sizes)
-        return torch.cat([
-            torch._scaled_mm(p, b[g].t(), one, one, out_dtype=bf16, use_fast_accum=fast)
-            for g, p in enumerate(parts)
-        ])  # fmt: skip
-
-    def loop_wgrad():
-        return torch.stack([
-            torch._scaled_mm(
-                dy_cols[n * starts[g] : n * starts[g + 1]].view(n, width),
-                x_cols[k * starts[g] : k * starts[g + 1]].view(k, width).t(), one, one,
-                out_dtype=fp32,
-            )
-            for g, width in enumerate(widths)
-        ])  # fmt: skip
-
+    pointer_config = gg.ROWS_CONFIG_SMALL if x.shape[0] <= gg.SMALL_ROWS else gg.ROWS_CONFIG
     for gemm, a, b in (("fprop", x, w), ("dgrad", dy, w_t)):
-        fns = {"loop": lambda a=a, b=b: loop_rows(a, b)}
-        fns["pointer"] = lambda a=a, b=b: gg.grouped_rows_gemm(a, ones, b, ones, offs, bf16)
+        fns = {"loop": lambda a=a, b=b: loop_rows(a, b, bf16)}
+        fns["pointer"] = lambda a=a, b=b: gg._rows_gemm(
+            a, ones, b, ones, offs, bf16, pointer_config
+        )
         if gemm == "fprop":  # torch's grouped scaled GEMM (e4m3 only on sm90)
             row_scale = torch.ones(a.shape[0], device="cuda")
             col_scale = torch.ones(b.shape[0], b.shape[1], device="cuda")
@@ -97,14 +65,14 @@ def contenders(ops: dict, k: int, n: int):
                 a, ones, b, ones, offs, bf16, cfg, g_block
             )
         if gemm == "fprop":  # te.Linear's forward accumulates fast: so do both of these
-            fns["loop fast"] = lambda a=a, b=b: loop_rows(a, b, True)
+            fns["loop fast"] = lambda a=a, b=b: loop_rows(a, b, bf16, True)
             fns[f"{ROWS_CONFIGS[0]} fast"] = lambda a=a, b=b: tma.rows_gemm_tma(
                 a, ones, b, ones, offs, bf16, ROWS_CONFIGS[0], g_block, True
             )
         yield gemm, fns
     fns = {"loop": loop_wgrad}
-    fns["pointer"] = lambda: gg.grouped_reduction_gemm(
-        dy_cols, ones, x_cols, ones, col_offs, n, k, fp32
+    fns["pointer"] = lambda: gg._reduction_gemm(
+        dy_cols, ones, x_cols, ones, col_offs, n, k, fp32, gg.REDUCTION_CONFIG
     )
     for cfg in REDUCTION_CONFIGS:
         fns[str(cfg)] = lambda cfg=cfg: tma.reduction_gemm_tma(

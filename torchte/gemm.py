@@ -233,8 +233,7 @@ def grouped_fprop_takes_tma(x_fp8, w_fp8) -> bool:
     kernels/grouped_gemm_fp8.SMALL_ROWS tokens. Measured on an H200 at the MoE MLP's shapes
     (docs/benchmarks.md), with fast accumulation it takes 0.96x / 1.09x the time of the same
     GEMMs as per-expert cuBLAS calls and 0.82x that of torch._scaled_grouped_mm."""
-    weights = w_fp8.rowwise_data.view(w_fp8.num_groups, w_fp8.m_splits[0], -1)
-    return rows_gemm_takes_tma(x_fp8.rowwise_data, weights)
+    return rows_gemm_takes_tma(x_fp8.rowwise_data, w_fp8.rowwise_data)
 
 
 def device_grouped_wgrad(dy_fp8, x_fp8, out_dtype) -> torch.Tensor:

@@ -235,23 +235,24 @@ def grouped_reduction_gemm(
         return torch.zeros(groups, m, n, dtype=out_dtype, device=a_cols.device)
     a_cols, b_cols = a_cols.contiguous(), b_cols.contiguous()
     operands = (a_cols, a_scale_inv, b_cols, b_scale_inv, col_offsets, m, n, out_dtype)
-    if _tma_fits(16, a_cols, b_cols):  # row strides w_g: multiples of 16
+    if _tma_fits(a_cols, b_cols):  # row strides w_g: multiples of 16 always
         return reduction_gemm_tma(*operands, REDUCTION_TMA_CONFIG)
     return _reduction_gemm(*operands, REDUCTION_CONFIG)
 
 
 def rows_gemm_takes_tma(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether grouped_rows_gemm runs the TMA kernel on these operands (a (T, R), b (G, N, R)
-    FP8 on a GPU with TMA, more than SMALL_ROWS tokens, R a multiple of 16, aligned bases)."""
-    if not (a.is_cuda and triton_available()) or a.shape[0] <= SMALL_ROWS:
+    """Whether grouped_rows_gemm runs the TMA kernel on these operands (a (T, R) and b, the
+    (G, N, R) weights in any contiguous shape, FP8 on a GPU with TMA, more than SMALL_ROWS
+    tokens, R a multiple of 16, aligned bases)."""
+    if not (a.is_cuda and triton_available()) or a.shape[0] <= SMALL_ROWS or a.shape[1] % 16:
         return False
-    return a.is_contiguous() and b.is_contiguous() and _tma_fits(a.shape[1], a, b)
+    return a.is_contiguous() and b.is_contiguous() and _tma_fits(a, b)
 
 
-def _tma_fits(row_bytes: int, *operands: torch.Tensor) -> bool:
-    """Whether the TMA kernels take these FP8 operands: a GPU with TMA, 16-byte aligned
-    bases, rows of a multiple of 16 bytes."""
-    if row_bytes % 16 or not tma_available(operands[0].device.index):
+def _tma_fits(*operands: torch.Tensor) -> bool:
+    """Whether the TMA kernels can read these FP8 operands: a GPU with TMA, 16-byte aligned
+    bases (their row strides the callers check)."""
+    if not tma_available(operands[0].device.index):
         return False
     return all(t.data_ptr() % 16 == 0 for t in operands)
 
