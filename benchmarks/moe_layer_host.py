@@ -7,15 +7,17 @@ The layer is the medium training example's MoE MLP (torchte/train/config.py "med
 `--experts 8 --top-k 2`, as torchte/train/moe.py builds it): hidden 512, ffn 2048, 8 experts,
 top-2 softmax routing, GELU, biases, LayerNorm first. Per recipe (bf16, FP8 delayed, FP8
 current): MoELayer eager with host split sizes (the example's default), eager with device split
-sizes, and graphed (device splits; the layer's forward and backward captured with
-te.make_graphed_callables); te.Linear (512 -> 512, 128 tokens) eager and graphed. Host ms per
-step: wall time of steps queued back to back with one synchronization a round, medians of
-interleaved rounds, and the kernels of one step (torch profiler): benchmarks/host_overhead.py's
-`measure`. That wall time is the GPU's when the GPU is the slower side, as for a graphed MoE
-step (about 170 small kernels); "issue ms" is the host's own: the time one call takes to
-return, each call started on an idle GPU (synchronized before, not after), medians. "vs Linear
-graphed" divides issue times by te.Linear's graphed step's under the same recipe; the target
-(graphed MoELayer <= 1.5x graphed te.Linear) gets a PASS / MISS row per recipe, printed last.
+sizes, graphed (device splits; the layer's forward and backward captured with
+te.make_graphed_callables) and graphed with single_grouped_weight (one weight and one bias
+parameter per expert GEMM instead of one per expert); te.Linear (512 -> 512, 128 tokens) eager
+and graphed. Host ms per step: wall time of steps queued back to back with one synchronization a
+round, medians of interleaved rounds, and the kernels of one step (torch profiler):
+benchmarks/host_overhead.py's `measure`. That wall time is the GPU's when the GPU is the slower
+side, as for a graphed MoE step (about 170 small kernels); "issue ms" is the host's own: the
+time one call takes to return, each call started on an idle GPU (synchronized before, not
+after), medians. "vs Linear graphed" divides issue times by te.Linear's graphed step's under the
+same recipe; the target (graphed MoELayer <= 1.5x graphed te.Linear) gets a PASS / MISS row per
+recipe, printed last.
 Never asserts.
 """
 
@@ -39,13 +41,16 @@ from torchte.moe import MoELayer
 RECIPES = {"bf16": None, "delayed": recipe.DelayedScaling, "current": recipe.Float8CurrentScaling}
 TOKENS, HIDDEN, FFN, EXPERTS, TOP_K = 128, 512, 2048, 8, 2
 TARGET = 1.5
+SINGLE = "MoE graphed single-weight"  # device splits, single_grouped_weight=True
 
 
-def moe_layer(device_splits: bool) -> MoELayer:
-    """The medium training example's MoE MLP (see the module docstring)."""
+def moe_layer(device_splits: bool, single: bool = False) -> MoELayer:
+    """The medium training example's MoE MLP (see the module docstring); single: one weight
+    and one bias parameter per expert GEMM (single_grouped_weight)."""
     return MoELayer(
         HIDDEN, FFN, EXPERTS, TOP_K, activation="gelu", bias=True, normalization="LayerNorm",
         params_dtype=torch.bfloat16, device="cuda", device_splits=device_splits,
+        single_grouped_weight=single,
     )  # fmt: skip
 
 
@@ -83,6 +88,7 @@ def build_steps() -> tuple[dict, dict]:
     for rname, make_recipe in RECIPES.items():
         makers = {name: (eager_step, m) for name, m in eager.items()}
         makers["MoE graphed device-splits"] = (graphed_step, lambda: moe_layer(True))
+        makers[SINGLE] = (graphed_step, lambda: moe_layer(True, single=True))
         makers["Linear graphed"] = (graphed_step, linear_layer)
         for name, (make_step, module) in makers.items():
             try:
@@ -115,7 +121,8 @@ def print_table(host: dict, issue: dict, counts: dict, errors: dict) -> list:
     for rname in RECIPES:
         base = issue.get(f"Linear graphed {rname}")
         for name in ("MoE eager host-splits", "MoE eager device-splits",
-                     "MoE graphed device-splits", "Linear eager", "Linear graphed"):  # fmt: skip
+                     "MoE graphed device-splits", SINGLE, "Linear eager",
+                     "Linear graphed"):  # fmt: skip
             config = f"{name} {rname}"
             if config in errors:
                 print(f"{config:36s} {errors[config]}")
@@ -127,12 +134,13 @@ def print_table(host: dict, issue: dict, counts: dict, errors: dict) -> list:
     rows = []
     print(f"\ntarget (issue 32): MoELayer graphed step's issue time <= {TARGET}x te.Linear's")
     for rname in RECIPES:
-        moe = issue.get(f"MoE graphed device-splits {rname}")
-        lin = issue.get(f"Linear graphed {rname}")
-        met = moe is not None and lin is not None and moe / lin <= TARGET
-        ratio = f"{moe / lin:.2f}x" if moe and lin else "error"
-        rows.append((rname, ratio, met))
-        print(f"  {rname:8s} {ratio:>8s}  {'PASS' if met else 'MISS'}")
+        for layout, name in (("per-expert", "MoE graphed device-splits"), ("single", SINGLE)):
+            moe = issue.get(f"{name} {rname}")
+            lin = issue.get(f"Linear graphed {rname}")
+            met = moe is not None and lin is not None and moe / lin <= TARGET
+            ratio = f"{moe / lin:.2f}x" if moe and lin else "error"
+            rows.append((rname, layout, ratio, met))
+            print(f"  {rname:8s} {layout:10s} {ratio:>8s}  {'PASS' if met else 'MISS'}")
     return rows
 
 

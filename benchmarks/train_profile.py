@@ -1,10 +1,11 @@
-"""Per-step time of the training example with experts: step wall time, GPU busy time, launches
-and GPU kernel time by kind (kernel names matched in KINDS' order, so the grouped activation
-kernels, whose names contain "scale", count as "FP8 cast/amax/scale").
+"""Per-step time of the training example with experts: step wall time, GPU busy time, launches,
+GPU kernel time by kind (kernel names matched in KINDS' order, so the grouped activation kernels,
+whose names contain "scale", count as "FP8 cast/amax/scale") and the 15 longest kernels.
 
     PYTHONPATH=. python benchmarks/train_profile.py medium large   # on a CUDA GPU
     PYTHONPATH=. python benchmarks/train_profile.py --host-splits medium   # sizes read back
     PYTHONPATH=. python benchmarks/train_profile.py --eager medium   # no CUDA graphs
+    PYTHONPATH=. python benchmarks/train_profile.py --recipes bf16,current large
 
 The runs take the example's defaults, so their blocks are CUDA graphs (--cuda-graph auto on a
 GPU); --eager and --host-splits (which no graph can hold) run them eagerly.
@@ -63,15 +64,21 @@ def kind(name):
 
 sizes = sys.argv[1:]
 extra = []
+TOP = 15  # the kernels that take the most time a step, by name
 if "--host-splits" in sizes:  # the experts' sizes read back each step instead of kept on the GPU
     sizes.remove("--host-splits")
     moe.DEVICE_SPLITS = False
     extra = ["--cuda-graph", "off"]
+recipes = ("bf16", "current", "delayed")
+if "--recipes" in sizes:
+    at = sizes.index("--recipes")
+    recipes = tuple(sizes[at + 1].split(","))
+    del sizes[at : at + 2]
 if "--eager" in sizes:
     sizes.remove("--eager")
     extra = ["--cuda-graph", "off"]
 for size in sizes:
-    for recipe in ("bf16", "current", "delayed"):
+    for recipe in recipes:
         args = [
             "--device",
             "cuda",
@@ -102,11 +109,12 @@ for size in sizes:
             for _ in range(3):
                 trainer.train_step()
             torch.cuda.synchronize()
-        per = defaultdict(float)
+        per, by_name = defaultdict(float), defaultdict(float)
         count = 0
         for e in prof.events():
             if e.device_type == torch.autograd.DeviceType.CUDA:
                 per[kind(e.name)] += e.device_time / 1e3 / 3
+                by_name[e.name[:70]] += e.device_time / 1e3 / 3
                 count += 1
         gpu = sum(per.values())
         print(
@@ -116,5 +124,7 @@ for size in sizes:
         print(
             "   " + ", ".join(f"{k} {v:.1f}" for k, v in sorted(per.items(), key=lambda kv: -kv[1]))
         )
+        for name, ms in sorted(by_name.items(), key=lambda kv: -kv[1])[:TOP]:
+            print(f"      {ms:7.2f} ms  {name}")
         del trainer
         torch.cuda.empty_cache()

@@ -202,3 +202,54 @@ def test_a_failed_warm_up_leaves_the_modules_as_they_were():
     for key, value in extra_before.items():
         if isinstance(value, torch.Tensor):
             assert torch.equal(extra_after[key], value), key
+
+
+def test_parameters_of_two_dtypes_get_fresh_gradients_of_their_dtype():
+    """A module with fp32 and bf16 parameters (as te.moe.MoELayer's router and experts): the
+    graphed backward hands each parameter a fresh gradient (never the graph's buffer, which the
+    next replay overwrites) of its own dtype, equal to eager's, without a cast per parameter
+    outside the graph."""
+
+    class Mixed(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.router = torch.nn.Linear(256, 8, bias=False, device="cuda")
+            self.experts = torch.nn.ModuleList(
+                te.Linear(256, 256, params_dtype=torch.bfloat16, device="cuda") for _ in range(3)
+            )
+
+        def forward(self, x):
+            gate = self.router(x.float()).sum()
+            for layer in self.experts:
+                x = layer(x)
+            return x * gate.to(x.dtype)
+
+    eager, graphed = Mixed(), Mixed()
+    sample = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    graphed = te.make_graphed_callables(graphed, (sample,))
+    param_shapes = {tuple(p.shape) for p in graphed.parameters()}
+    first = None
+    for step in range(2):
+        x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)
+        eager.zero_grad(set_to_none=True)
+        graphed.zero_grad(set_to_none=True)
+        eager(x.clone().requires_grad_()).float().square().mean().backward()
+        loss = graphed(x.clone().requires_grad_()).float().square().mean()
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        with torch.profiler.profile(activities=activities, record_shapes=True) as prof:
+            loss.backward()
+        for pe, pg in zip(eager.parameters(), graphed.parameters(), strict=True):
+            assert pg.grad.dtype == pg.dtype
+            assert torch.equal(pe.grad, pg.grad), step
+        casts = [
+            (e.name, e.input_shapes)
+            for e in prof.events()
+            if e.name == "aten::_to_copy"  # a dtype conversion (.to)
+            and e.input_shapes and tuple(e.input_shapes[0]) in param_shapes
+        ]  # fmt: skip
+        assert not casts, casts
+        if first is None:
+            first = [(p.grad, p.grad.clone()) for p in graphed.parameters()]
+    for kept, value in first:  # the first step's gradients, untouched by the second replay
+        assert torch.equal(kept, value)

@@ -311,3 +311,43 @@ def test_normalization_comes_first(normalization):
     assert torch.equal(got, want)
     with pytest.raises(ValueError, match="normalization"):
         _layer(normalization="BatchNorm")
+
+
+@pytest.mark.parametrize("device_splits", [False, True])
+def test_single_grouped_weight_equals_per_expert_weights(device_splits):
+    """One (E, N, K) weight and one (E, N) bias per GEMM: the outputs and gradients of E
+    per-expert parameters holding the same values."""
+    per_expert = _layer(device_splits=device_splits, bias=True)
+    single = te.moe.MoELayer(H, F_, E, 2, device="cpu", device_splits=device_splits, bias=True,
+                             single_grouped_weight=True)  # fmt: skip
+    names = [name for name, _ in single.named_parameters()]
+    assert "experts.fc1.weight" in names and "experts.fc1.weight0" not in names
+    with torch.no_grad():
+        for name, p in single.named_parameters():
+            if name.startswith("experts."):
+                op, kind = name.split(".")[1:]
+                parts = [getattr(per_expert.experts, op).get_parameter(f"{kind}{g}")
+                         for g in range(E)]  # fmt: skip
+                p.copy_(torch.stack(parts))
+            else:
+                p.copy_(per_expert.get_parameter(name))
+    x = representable((T, H), torch.float32, generator=torch.Generator().manual_seed(9))
+    x_p, x_s = x.clone().requires_grad_(), x.clone().requires_grad_()
+    y_p, y_s = per_expert(x_p), single(x_s)
+    y_p.square().sum().backward()
+    y_s.square().sum().backward()
+    assert_close(y_s, y_p, torch.float32)
+    assert_close(x_s.grad, x_p.grad, torch.float32)
+    for name, p in single.named_parameters():
+        if name.startswith("experts."):
+            op, kind = name.split(".")[1:]
+            want = torch.stack([getattr(per_expert.experts, op).get_parameter(f"{kind}{g}").grad
+                                for g in range(E)])  # fmt: skip
+        else:
+            want = per_expert.get_parameter(name).grad
+        assert_close(p.grad, want, torch.float32, msg=name)
+
+
+def test_single_grouped_weight_must_be_a_bool():
+    with pytest.raises(TypeError, match="single_grouped_weight"):
+        te.moe.MoELayer(H, F_, E, 2, device="cpu", single_grouped_weight=1)

@@ -61,8 +61,8 @@ class PassGraphs:
         self.grad_outputs: tuple = ()
         self.input_grads: tuple = ()
         self.param_grads: tuple = ()
-        self.cloned: tuple = ()  # indices into params whose grads are cloned
-        self.numels: tuple = ()
+        # indices into params whose grads are cloned, one tuple per dtype (one copy kernel each)
+        self.cloned: tuple[tuple[int, ...], ...] = ()
         self.freed = False
 
     def call_args(self, inputs: tuple) -> tuple[tuple, dict]:
@@ -103,6 +103,12 @@ class PassGraphs:
         grads = torch.autograd.grad(
             outputs, inputs, grad_outputs, allow_unused=True, retain_graph=retain_graph
         )
+        # In the graph, each gradient in its tensor's dtype (autograd would otherwise cast
+        # each one on every replay, outside the graph)
+        grads = [
+            g if g is None or g.dtype == t.dtype else g.to(t.dtype)
+            for g, t in zip(grads, inputs, strict=True)
+        ]
         user_inputs = sum(t.requires_grad for t in self.inputs)  # first in `inputs`
         if not allow_unused and any(g is None for g in grads[:user_inputs]):
             raise RuntimeError(
@@ -141,12 +147,15 @@ class PassGraphs:
             next(grads, None) if t.requires_grad else None for t in self.inputs
         )
         self.param_grads = tuple(next(grads, None) for _ in self.params)
-        self.cloned = tuple(
+        cloned = [
             i for i, (p, g) in enumerate(zip(self.params, self.param_grads, strict=True))
             if g is not None and getattr(p, "main_grad", None) is None
             and self.clone_param_grads
-        )  # fmt: skip
-        self.numels = tuple(self.param_grads[i].numel() for i in self.cloned)
+        ]  # fmt: skip
+        by_dtype: dict[torch.dtype, list[int]] = {}
+        for i in cloned:
+            by_dtype.setdefault(self.param_grads[i].dtype, []).append(i)
+        self.cloned = tuple(tuple(group) for group in by_dtype.values())
         if not retain_graph:  # the forward graph is kept; autograd's graph goes
             self.outputs = tuple(o.detach() for o in self.outputs)
 
@@ -229,10 +238,17 @@ class PassGraphs:
             for g, leaf in zip(self.input_grads, leaves, strict=True)
         )
         params = [None if g is None else g.detach() for g in self.param_grads]
-        if self.cloned:  # fresh tensors: autograd may keep them as .grad
-            flat = torch.cat([params[i].reshape(-1) for i in self.cloned])
-            for i, part in zip(self.cloned, flat.split(self.numels), strict=True):
-                params[i] = part.view(params[i].shape)
+        # Fresh tensors (autograd may keep them as .grad): one copy per dtype, in C++ (a cat
+        # of mixed dtypes would promote, and autograd would launch a cast per gradient).
+        for group in self.cloned:
+            if len(group) == 1:  # (flatten_dense_tensors would return a view, not a copy)
+                params[group[0]] = self.param_grads[group[0]].clone()
+                continue
+            grads = [self.param_grads[i] for i in group]
+            flat = torch._C._nn.flatten_dense_tensors(grads)
+            for i, part in zip(group, torch._C._nn.unflatten_dense_tensors(flat, grads),
+                               strict=True):  # fmt: skip
+                params[i] = part
         return inputs + tuple(params)
 
     def reset(self) -> None:

@@ -40,13 +40,18 @@ from .scaled_activation import scaled_activation_backward, scaled_activation_for
 
 __all__ = [
     "SCALED_ACT_CONFIG",
+    "SCALED_ACT_GRAD_CONFIG",
     "scaled_activation_backward_grouped_fp8",
     "scaled_activation_grouped_fp8",
 ]
 
-# (BLOCK_M, BLOCK_N, num_warps): activation_fp8's forward tile; BLOCK_M a multiple of 16 so a
-# group's last row tile also covers its columnwise padding.
+# (BLOCK_M, BLOCK_N, num_warps) of the forward kernel and, per scaling, of the backward kernel,
+# read at each call (benchmarks/scaled_act_sweep.py sets them to compare tiles); BLOCK_M a
+# multiple of 16 so a group's last row tile also covers its columnwise padding. Measured on an
+# H200 at 32768 x 8192 SwiGLU (docs/benchmarks.md): every tile within 10% for the forward and
+# the current-scaling backward; the delayed backward 11% faster with 64-row tiles.
 SCALED_ACT_CONFIG = (32, 128, 4)
+SCALED_ACT_GRAD_CONFIG = {"delayed": (64, 128, 4), "current": (32, 128, 4)}
 
 if triton is not None:
     from ._fp8_codec import _encode_slice, _round_as, _scale_from_amax, _store_words
@@ -275,16 +280,17 @@ def scaled_activation_grouped_fp8(
     _check_groups(h[:, :n], m_splits, row_offsets, col_offsets, spec)
     h = h if h.is_contiguous() else h.contiguous()
     args = (h, s, n, act, gated, limit, alpha, m_splits, row_offsets, col_offsets, spec)
+    config = SCALED_ACT_CONFIG
     if spec.delayed:
-        return _launch(*args, amax=spec.amax, amax_only=False, current=False)
+        return _launch(*args, amax=spec.amax, amax_only=False, current=False, config=config)
     amax = _zeroed_amax(spec.amax, row_offsets.numel() - 1, h.device)
-    _launch(*args, amax=amax, amax_only=True, current=True)
-    return _launch(*args, amax=amax, amax_only=False, current=True)
+    _launch(*args, amax=amax, amax_only=True, current=True, config=config)
+    return _launch(*args, amax=amax, amax_only=False, current=True, config=config)
 
 
 def _launch(
     h, s, n, act, gated, limit, alpha, m_splits, row_offsets, col_offsets, spec, *, amax,
-    amax_only: bool, current: bool, config=SCALED_ACT_CONFIG,
+    amax_only: bool, current: bool, config: tuple[int, int, int],
 ):  # fmt: skip
     """One launch of _scaled_act_grouped_kernel; (rowwise, columnwise, scale_inv), the data
     None in the amax pass."""
@@ -358,7 +364,8 @@ def scaled_activation_backward_grouped_fp8(
         return (*quantize_grouped(dh, m_splits, row_offsets, col_offsets, spec), ds, dbias)
     _check_groups(h, m_splits, row_offsets, col_offsets, spec)
     h, dy = h.contiguous(), dy.contiguous()
-    block_m, block_n, _ = SCALED_ACT_CONFIG
+    config = SCALED_ACT_GRAD_CONFIG["delayed" if spec.delayed else "current"]
+    block_m, block_n, _ = config
     col_blocks = (n + block_n - 1) // block_n
     tokens, groups = h.shape[0], row_offsets.numel() - 1
     row_tiles = _row_tiles(m_splits, block_m, tokens, groups)
@@ -369,11 +376,13 @@ def scaled_activation_backward_grouped_fp8(
     )
     args = (dy, h, s, n, act, gated, limit, alpha, m_splits, row_offsets, col_offsets, spec)
     if spec.delayed:
-        out = _launch_grad(*args, sums, amax=spec.amax, amax_only=False, current=False)
+        out = _launch_grad(*args, sums, amax=spec.amax, amax_only=False, current=False,
+                           config=config)  # fmt: skip
     else:
         amax = _zeroed_amax(spec.amax, groups, h.device)
-        _launch_grad(*args, sums, amax=amax, amax_only=True, current=True)
-        out = _launch_grad(*args, (None, None), amax=amax, amax_only=False, current=True)
+        _launch_grad(*args, sums, amax=amax, amax_only=True, current=True, config=config)
+        out = _launch_grad(*args, (None, None), amax=amax, amax_only=False, current=True,
+                           config=config)  # fmt: skip
     ds = sums[0].sum(0).to(s.dtype) if need_ds else None
     dbias = None
     if need_dbias:
@@ -409,7 +418,7 @@ def _device_tile_one_hot(row_offsets: torch.Tensor, block_m: int, row_tiles: int
 
 def _launch_grad(
     dy, h, s, n, act, gated, limit, alpha, m_splits, row_offsets, col_offsets, spec, sums,
-    *, amax, amax_only: bool, current: bool, config=SCALED_ACT_CONFIG,
+    *, amax, amax_only: bool, current: bool, config: tuple[int, int, int],
 ):  # fmt: skip
     """One launch of _scaled_act_grad_grouped_kernel; (rowwise, columnwise, scale_inv), the
     data None in the amax pass; sums = (ds parts | None, dbias parts | None) written when

@@ -15,17 +15,23 @@ permutation_reference.py):
   unpermute_rows    each token's routes gathered and summed in fp32 (times merging probs)
   unpermute_rows_backward  the gradients of unpermute_rows with merging probs
 
-On CUDA with Triton one kernel runs per call; elsewhere the references. Both give the same
-permuted bytes; sums in fp32 add the routes in the map's order, and the kernels are compiled
-without fused multiply-add, so unpermute matches the reference bit for bit (the merging-probs
-gradient, a dot product, matches to rounding). fp64 rows are summed in fp64.
+On CUDA with Triton one kernel runs per call (a padded permute of unpermute's gradient adds
+one: the routes per expert read back from the map); elsewhere the references. Both give the
+same permuted bytes; sums in fp32 add the routes in the map's order, and the kernels are
+compiled without fused multiply-add, so unpermute matches the reference bit for bit (the
+merging-probs gradient, a dot product, matches to rounding). fp64 rows are summed in fp64.
+The rows no route writes are zeroed by the kernel's first programs, and only those rows
+(kernels/_permutation_tiles.py): no whole-buffer fill, also with padding.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ._compile import compiled_as_op
+from ._permutation_tiles import ZERO_NONE, zero_plan
 from ._triton import FastLaunch, tl, triton
 from .permutation_maps import (
     _key,
@@ -47,6 +53,8 @@ from .permutation_reference import (
 )
 
 __all__ = [
+    "TUNING",
+    "Tuning",
     "chunk_sort_map",
     "chunk_sort_map_reference",
     "index_row_id_map",
@@ -61,28 +69,57 @@ __all__ = [
     "unpermute_rows_reference",
 ]
 
-MAX_BLOCK_H = 1024  # hidden elements per program
-TAIL_PROGRAMS = 32  # programs that zero the rows past the scattered ones
+
+@dataclass(slots=True)
+class Tuning:
+    """Launch shapes of the permutation kernels, read at each launch (a benchmark may set
+    them: `TUNING.permute_block_h = 1024`). Why these defaults, kernel by kernel:
+
+    permute (rows scattered; also unpermute's backward without merging probs): one program per
+    token over the whole hidden width. It reads its map row once, as vectors of block_r routes
+    (rows, experts, probs and pad offsets gathered at once: no chain of dependent scalar loads
+    per route, as a loop over routes has), writes the permuted probs once, then loops over the
+    hidden width in chunks of block_h: one load of the token's chunk, one (block_r, block_h)
+    store to all its routes' rows (a zero-prob route's row gets zeros from the same store).
+    block_h 2048 with 4 warps: 16 bf16 (two 16-byte vectors) a thread a row, 4 KB of loads in
+    flight a program; the int64 row addresses are formed once per route tile. 72 registers
+    (sm_90, with probs): 7 programs an SM. permute_span_blocks splits a row over programs
+    (chunks of block_h a program; None: one program a row), a knob for the measurement.
+    unpermute (each token's routes summed): the sum adds the routes one by one in map order
+    (bit-exact with the reference), so routes stay a loop, unrolled block_r at a time so that
+    their row loads are in flight together; one program per (token, block_h chunk), the map row
+    re-read per chunk (a few cached words); the permuted probs gathered back by the first
+    chunk's programs only.
+    unpermute backward with merging probs: one program per token, routes in tiles of block_r,
+    the hidden width in chunks of block_h: the gradient chunk loaded once per tile, the block_r
+    forward-input rows loaded together, the probs' gradients (block_r, block_h) fp32 partial
+    sums reduced once per tile (not once per route and chunk). block_r 4, block_h 1024: 32
+    registers of partial sums a thread.
+    """
+
+    permute_block_h: int = 2048
+    permute_block_r: int = 8
+    permute_span_blocks: int | None = None
+    unpermute_block_h: int = 1024
+    unpermute_block_r: int = 4
+    bwd_block_h: int = 1024
+    bwd_block_r: int = 4
+    num_warps: int = 4
+    z_programs: int = 32  # programs zeroing the rows no route writes (_permutation_tiles.py)
+
+
+TUNING = Tuning()
+ZROWS = 4  # rows a zeroing program stores at once
 
 if triton is not None:
-
-    @triton.jit
-    def _route(map_ptr, t, r, n, routes, INDEX_MAP: tl.constexpr):
-        """(row, expert or k) of route r of token t (int64 t)."""
-        if INDEX_MAP:
-            row = tl.load(map_ptr + r * n + t)
-            expert = r
-        else:
-            base = map_ptr + t * (2 * routes + 1)
-            row = tl.load(base + r)
-            expert = tl.load(base + routes + r)
-        return row, expert
-
-    @triton.jit
-    def _route_count(map_ptr, t, routes, INDEX_MAP: tl.constexpr):
-        """How many routes token t has (int64 t): K, or column 2E of its mask-map row."""
-        count = routes if INDEX_MAP else tl.load(map_ptr + t * (2 * routes + 1) + 2 * routes)
-        return count
+    from ._permutation_tiles import (
+        from_bits,
+        int_bits,
+        route_count,
+        route_scalar,
+        route_tile,
+        zero_unwritten,
+    )
 
     @triton.jit
     def _permute_kernel(
@@ -90,7 +127,7 @@ if triton is not None:
         map_ptr,  # mask (N, 2E+1) / index (K*N,) int32
         probs_ptr,  # (N, E) mask / (N, K) index, strides (s_p0, s_p1); read when HAS_PROBS
         pad_ptr,  # (E,) integer row shift per expert; read when HAS_PAD
-        valid_ptr,  # (1,) int32: the tail programs zero rows [valid, num_out)
+        counts_ptr,  # int32 row counts the zeroing reads (kernels/_permutation_tiles.py)
         y_ptr,  # (num_out, H) contiguous, x's dtype
         yp_ptr,  # (num_out,) probs' dtype; written when HAS_PROBS
         n,
@@ -100,39 +137,54 @@ if triton is not None:
         s_x,
         s_p0,
         s_p1,
+        span,  # columns a program covers, a multiple of BLOCK_H
+        zero_lo,
+        c_blocks,
+        c_stride,
         INDEX_MAP: tl.constexpr,
         HAS_PROBS: tl.constexpr,
         HAS_PAD: tl.constexpr,
-        TAIL: tl.constexpr,  # programs n.. n+TAIL-1 zero the tail
+        ZERO: tl.constexpr,
+        Z_PROGRAMS: tl.constexpr,  # programs 0 .. Z_PROGRAMS-1 zero; the others: a token each
+        ZROWS: tl.constexpr,
         BLOCK_H: tl.constexpr,
+        BLOCK_R: tl.constexpr,
+        BLOCK_E1: tl.constexpr,  # power of two > E (the zeroing's gap table)
     ):
-        pid_t = tl.program_id(0)
-        pid_h = tl.program_id(1)
-        cols = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
-        cmask = cols < h
-        if pid_t < n:
-            t = pid_t.to(tl.int64)
-            x = tl.load(x_ptr + t * s_x + cols, mask=cmask)
-            for r in range(_route_count(map_ptr, t, routes, INDEX_MAP)):
-                dst, expert = _route(map_ptr, t, r, n, routes, INDEX_MAP)
+        pid = tl.program_id(0)
+        c_start = tl.program_id(1) * span
+        c_end = tl.minimum(h, c_start + span)
+        if pid < Z_PROGRAMS:
+            zero_unwritten(
+                pid, map_ptr, counts_ptr, pad_ptr, y_ptr, yp_ptr, n, routes, num_out, h, c_start,
+                c_end, zero_lo, c_blocks, c_stride, ZERO, Z_PROGRAMS, ZROWS, HAS_PROBS, BLOCK_H,
+                BLOCK_E1,
+            )  # fmt: skip
+        else:
+            t = (pid - Z_PROGRAMS).to(tl.int64)
+            count = route_count(map_ptr, t, routes, INDEX_MAP)
+            x_row = x_ptr + t * s_x
+            for r0 in range(0, count, BLOCK_R):
+                dst, expert, live = route_tile(map_ptr, t, r0, n, routes, count, BLOCK_R, INDEX_MAP)
                 if HAS_PAD:
-                    dst += tl.load(pad_ptr + expert).to(tl.int32)
-                keep = (dst >= 0) & (dst < num_out)
-                dst = dst.to(tl.int64)
-                val = x
+                    dst += tl.load(pad_ptr + expert, mask=live, other=0).to(tl.int32)
+                keep = live & (dst >= 0) & (dst < num_out)
+                copy = keep
                 if HAS_PROBS:
-                    p = tl.load(probs_ptr + t * s_p0 + expert * s_p1)
-                    if pid_h == 0:
-                        tl.store(yp_ptr + dst, p, mask=keep)
+                    p = tl.load(probs_ptr + t * s_p0 + expert * s_p1, mask=live, other=0)
+                    tl.store(yp_ptr + dst, p, mask=keep & (c_start == 0))
                     if not INDEX_MAP:  # a zero prob marks a padding route: its row is zero
-                        val = tl.where(p == 0, tl.zeros_like(x), x)
-                tl.store(y_ptr + dst * h + cols, val, mask=cmask & keep)
-        elif TAIL > 0:
-            start = tl.load(valid_ptr) + (pid_t - n)
-            for row in range(start, num_out, TAIL):
-                tl.store(y_ptr + tl.cast(row, tl.int64) * h + cols, 0, mask=cmask)
-                if HAS_PROBS and pid_h == 0:
-                    tl.store(yp_ptr + row, 0)
+                        copy = keep & (p != 0)
+                y_rows = y_ptr + dst.to(tl.int64) * h
+                for c0 in range(c_start, c_end, BLOCK_H):
+                    cols = c0 + tl.arange(0, BLOCK_H)
+                    cm = cols < h
+                    v = tl.load(x_row + cols, mask=cm)
+                    ptrs = y_rows[:, None] + cols[None, :]
+                    v_tile = tl.broadcast_to(v[None, :], (BLOCK_R, BLOCK_H))
+                    if HAS_PROBS and not INDEX_MAP:
+                        v_tile = tl.where(copy[:, None], v_tile, 0)
+                    tl.store(ptrs, v_tile, mask=keep[:, None] & cm[None, :])
 
     @triton.jit
     def _unpermute_kernel(
@@ -157,7 +209,8 @@ if triton is not None:
         SINGLE: tl.constexpr,  # index map with K = 1 and no merging: a plain gather, any dtype
         F64: tl.constexpr,  # sum in fp64 (fp64 rows), else fp32
         BLOCK_H: tl.constexpr,
-        BLOCK_R: tl.constexpr,
+        BLOCK_R: tl.constexpr,  # routes unrolled at once
+        BLOCK_RT: tl.constexpr,  # power of two >= routes
     ):
         acc_ty = tl.float64 if F64 else tl.float32
         t = tl.program_id(0).to(tl.int64)
@@ -173,22 +226,28 @@ if triton is not None:
                 tl.store(up_ptr + t, tl.load(pp_ptr + src, mask=keep, other=0))
         else:
             acc = tl.zeros((BLOCK_H,), acc_ty)
-            slots = tl.arange(0, BLOCK_R)
-            up = tl.zeros((BLOCK_R,), pp_ptr.dtype.element_ty)
-            for r in range(_route_count(map_ptr, t, routes, INDEX_MAP)):
-                src, expert = _route(map_ptr, t, r, n, routes, INDEX_MAP)
-                if HAS_PAD:
-                    src += tl.load(pad_ptr + expert).to(tl.int32)
-                keep = (src >= 0) & (src < r_rows)
-                src = src.to(tl.int64)
-                v = tl.load(x_ptr + src * s_x + cols, mask=cmask & keep, other=0).to(acc_ty)
-                if HAS_MERGE:
-                    p = tl.load(mp_ptr + t * s_m0 + expert * s_m1).to(acc_ty)
-                    v = tl.where(keep, v * p, 0.0)
-                acc += v
-                if HAS_PP:
-                    pv = tl.load(pp_ptr + src, mask=keep, other=0)
-                    up = tl.where(slots == expert, pv, up)
+            slots = tl.arange(0, BLOCK_RT)
+            up = tl.zeros((BLOCK_RT,), pp_ptr.dtype.element_ty)
+            count = route_count(map_ptr, t, routes, INDEX_MAP)
+            for r0 in range(0, count, BLOCK_R):
+                # A route past count adds +0.0, which changes no sum: a sum started at +0.0
+                # never is -0.0. So the order and the bits are those of a loop over count.
+                for j in tl.static_range(BLOCK_R):
+                    r = tl.minimum(r0 + j, routes - 1)
+                    live = r0 + j < count
+                    src, expert = route_scalar(map_ptr, t, r, n, routes, INDEX_MAP)
+                    if HAS_PAD:
+                        src += tl.load(pad_ptr + expert, mask=live, other=0).to(tl.int32)
+                    keep = live & (src >= 0) & (src < r_rows)
+                    src = src.to(tl.int64)
+                    v = tl.load(x_ptr + src * s_x + cols, mask=cmask & keep, other=0).to(acc_ty)
+                    if HAS_MERGE:
+                        p = tl.load(mp_ptr + t * s_m0 + expert * s_m1, mask=live, other=0)
+                        v = tl.where(keep, v * p.to(acc_ty), 0.0)
+                    acc += v
+                    if HAS_PP:
+                        pv = tl.load(pp_ptr + src, mask=keep & (pid_h == 0), other=0)
+                        up = tl.where((slots == expert) & live, pv, up)
             tl.store(y_ptr + t * h + cols, acc.to(y_ptr.dtype.element_ty), mask=cmask)
             if HAS_PP and pid_h == 0:
                 tl.store(up_ptr + t * routes + slots, up, mask=slots < routes)
@@ -200,7 +259,7 @@ if triton is not None:
         map_ptr,  # mask (N, 2E+1) / index (K*N,) int32
         mp_ptr,  # merging probs (N, E) / (N, K), strides (s_m0, s_m1)
         pad_ptr,  # (E,) integer row shift per expert; read when HAS_PAD
-        valid_ptr,  # (1,) int32: the tail programs zero rows [valid, R) of dx
+        counts_ptr,  # int32 row counts the zeroing reads (kernels/_permutation_tiles.py)
         dx_ptr,  # (R, H) contiguous, g's dtype
         dp_ptr,  # (N, routes) contiguous, merging probs' dtype
         n,
@@ -211,43 +270,59 @@ if triton is not None:
         s_x,
         s_m0,
         s_m1,
+        zero_lo,
+        c_blocks,
+        c_stride,
         INDEX_MAP: tl.constexpr,
         HAS_PAD: tl.constexpr,
-        TAIL: tl.constexpr,
+        ZERO: tl.constexpr,
+        Z_PROGRAMS: tl.constexpr,  # programs 0 .. Z_PROGRAMS-1 zero; the others: a token each
+        ZROWS: tl.constexpr,
         F64: tl.constexpr,  # compute in fp64 (fp64 gradients), else fp32
         BLOCK_H: tl.constexpr,
         BLOCK_R: tl.constexpr,
+        BLOCK_RT: tl.constexpr,  # power of two >= routes
+        BLOCK_E1: tl.constexpr,
     ):
         acc_ty = tl.float64 if F64 else tl.float32
         pid = tl.program_id(0)
-        if pid < n:
-            t = pid.to(tl.int64)
-            slots = tl.arange(0, BLOCK_R)
-            dp = tl.zeros((BLOCK_R,), acc_ty)
-            for r in range(_route_count(map_ptr, t, routes, INDEX_MAP)):
-                dst, expert = _route(map_ptr, t, r, n, routes, INDEX_MAP)
+        if pid < Z_PROGRAMS:
+            zero_unwritten(
+                pid, map_ptr, counts_ptr, pad_ptr, dx_ptr, dx_ptr, n, routes, r_rows, h, 0, h,
+                zero_lo, c_blocks, c_stride, ZERO, Z_PROGRAMS, ZROWS, False, BLOCK_H, BLOCK_E1,
+            )  # fmt: skip
+        else:
+            t = (pid - Z_PROGRAMS).to(tl.int64)
+            count = route_count(map_ptr, t, routes, INDEX_MAP)
+            g_row = g_ptr + t * s_g
+            slots = tl.arange(0, BLOCK_RT)
+            dp_bits = tl.zeros((BLOCK_RT,), tl.int64)
+            for r0 in range(0, count, BLOCK_R):
+                dst, expert, live = route_tile(map_ptr, t, r0, n, routes, count, BLOCK_R, INDEX_MAP)
                 if HAS_PAD:
-                    dst += tl.load(pad_ptr + expert).to(tl.int32)
-                keep = (dst >= 0) & (dst < r_rows)
+                    dst += tl.load(pad_ptr + expert, mask=live, other=0).to(tl.int32)
+                keep = live & (dst >= 0) & (dst < r_rows)
+                p = tl.load(mp_ptr + t * s_m0 + expert * s_m1, mask=live, other=0).to(acc_ty)
                 dst = dst.to(tl.int64)
-                p = tl.load(mp_ptr + t * s_m0 + expert * s_m1).to(acc_ty)
-                dot = tl.zeros((BLOCK_H,), acc_ty)
+                dx_rows = dx_ptr + dst * h
+                x_rows = x_ptr + dst * s_x
+                dot = tl.zeros((BLOCK_R, BLOCK_H), acc_ty)
                 for c0 in range(0, h, BLOCK_H):
                     cols = c0 + tl.arange(0, BLOCK_H)
                     cm = cols < h
-                    g = tl.load(g_ptr + t * s_g + cols, mask=cm, other=0).to(acc_ty)
-                    out = (g * p).to(dx_ptr.dtype.element_ty)
-                    tl.store(dx_ptr + dst * h + cols, out, mask=cm & keep)
-                    xv = tl.load(x_ptr + dst * s_x + cols, mask=cm & keep, other=0)
-                    dot += xv.to(acc_ty) * g
-                dp = tl.where(slots == expert, tl.where(keep, tl.sum(dot, axis=0), 0.0), dp)
-            out_p = dp.to(dp_ptr.dtype.element_ty)
-            tl.store(dp_ptr + t * routes + slots, out_p, mask=slots < routes)
-        elif TAIL > 0:
-            for row in range(tl.load(valid_ptr) + (pid - n), r_rows, TAIL):
-                for c0 in range(0, h, BLOCK_H):
-                    cols = c0 + tl.arange(0, BLOCK_H)
-                    tl.store(dx_ptr + tl.cast(row, tl.int64) * h + cols, 0, mask=cols < h)
+                    g = tl.load(g_row + cols, mask=cm, other=0).to(acc_ty)
+                    m2 = keep[:, None] & cm[None, :]
+                    out = (g[None, :] * p[:, None]).to(dx_ptr.dtype.element_ty)
+                    tl.store(dx_rows[:, None] + cols[None, :], out, mask=m2)
+                    xv = tl.load(x_rows[:, None] + cols[None, :], mask=m2, other=0)
+                    dot += xv.to(acc_ty) * g[None, :]
+                dots = tl.where(keep, tl.sum(dot, axis=1), 0.0).to(dp_ptr.dtype.element_ty)
+                # Each route's value to its expert's (or k's) column: summed as bit patterns,
+                # one value and zeros, so the value comes through exactly (-0.0 and NaN too).
+                hit = (expert[:, None] == slots[None, :]) & live[:, None]
+                dp_bits += tl.sum(tl.where(hit, int_bits(dots)[:, None], 0), axis=0)
+            dp = from_bits(dp_bits, dp_ptr.dtype.element_ty)
+            tl.store(dp_ptr + t * routes + slots, dp, mask=slots < routes)
 
     class _NoFpFusion:
         """Gives FastLaunch the kernel compiled without fused multiply-add (a * b + c rounded
@@ -273,7 +348,7 @@ if triton is not None:
 
 
 _PERMUTE_SCHEMA = (
-    "(Tensor inp, Tensor row_id_map, Tensor? probs, Tensor? pad_offsets, Tensor? valid_rows, "
+    "(Tensor inp, Tensor row_id_map, Tensor? probs, Tensor? pad_offsets, Tensor? row_counts, "
     "int num_out_tokens, int index_topk) -> (Tensor, Tensor)"
 )
 
@@ -284,21 +359,22 @@ def permute_rows(
     row_id_map: torch.Tensor,
     probs: torch.Tensor | None,
     pad_offsets: torch.Tensor | None,
-    valid_rows: torch.Tensor | None,
+    row_counts: torch.Tensor | None,
     num_out_tokens: int,
     index_topk: int,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Scatter inp (N, H) to its routes' rows -> (out (num_out_tokens, H), out_probs
     (num_out_tokens,) or None). probs (N, E) mask / (N, K) index go with the rows; under a mask
     map a route whose prob is 0 writes a zero row (a padding route). Rows no route writes are
-    zero; valid_rows (1,) int32, the rows a mask map writes without padding (None: counted
-    from the map), tells where they start."""
+    zero. row_counts (mask maps; None: read from the map) says which rows those are: the map's
+    counts (E+1,) int32 from mask_row_id_map (the rows of each expert, then their sum), or
+    without padding just their sum (1,)."""
     if _on_triton(inp):
         return _permute_triton(
-            inp, row_id_map, probs, pad_offsets, valid_rows, num_out_tokens, index_topk
+            inp, row_id_map, probs, pad_offsets, row_counts, num_out_tokens, index_topk
         )
     return permute_rows_reference(
-        inp, row_id_map, probs, pad_offsets, valid_rows, num_out_tokens, index_topk
+        inp, row_id_map, probs, pad_offsets, row_counts, num_out_tokens, index_topk
     )
 
 
@@ -306,71 +382,55 @@ def _block_h(h: int, max_block_h: int) -> int:
     return min(_pow2(h), max_block_h)
 
 
-def _valid_rows(row_id_map: torch.Tensor) -> torch.Tensor:
-    """(1,) int32: how many rows a mask map routes to (column 2E summed)."""
-    return row_id_map[:, -1].sum(dtype=torch.int32).reshape(1)
-
-
-def _tail(
-    row_id_map: torch.Tensor,
-    index_topk: int,
-    pad_offsets: torch.Tensor | None,
-    valid_rows: torch.Tensor | None,
-    outs: tuple[torch.Tensor, ...],
-    n: int,
-    tail_programs: int,
-) -> tuple[int, torch.Tensor | None]:
-    """(tail programs, valid_rows) of a launch writing outs (R, ...), one row per route: under
-    an index map the rows past its N K routes are zeroed here; under a mask map without
-    padding `tail_programs` extra programs zero the rows past valid_rows (counted from the map
-    when None); else none."""
-    rows = outs[0].shape[0]
-    if index_topk and rows > n * index_topk:
-        for t in outs:
-            t[n * index_topk :].zero_()
-    elif not index_topk and pad_offsets is None and rows:
-        valid_rows = _valid_rows(row_id_map) if valid_rows is None else valid_rows
-        return tail_programs, valid_rows
-    return 0, valid_rows
-
-
 def _permute_triton(
     inp: torch.Tensor,
     row_id_map: torch.Tensor,
     probs: torch.Tensor | None,
     pad_offsets: torch.Tensor | None,
-    valid_rows: torch.Tensor | None,
+    row_counts: torch.Tensor | None,
     num_out_tokens: int,
     index_topk: int,
-    max_block_h: int = MAX_BLOCK_H,
-    tail_programs: int = TAIL_PROGRAMS,
+    max_block_h: int | None = None,
+    z_programs: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One launch: z_programs zeroing programs, then one program per token (per span of
+    TUNING.permute_span_blocks chunks when set); None: TUNING's."""
+    tune = TUNING
+    max_block_h = tune.permute_block_h if max_block_h is None else max_block_h
+    z_programs = tune.z_programs if z_programs is None else z_programs
     n, h = inp.shape
     if inp.stride(1) != 1:
         inp = inp.contiguous()
-    alloc = torch.zeros if pad_offsets is not None else torch.empty
-    out = alloc((num_out_tokens, h), dtype=inp.dtype, device=inp.device)
+    out = torch.empty((num_out_tokens, h), dtype=inp.dtype, device=inp.device)
     out_probs = None
     if probs is not None:
-        out_probs = alloc((num_out_tokens,), dtype=probs.dtype, device=inp.device)
-    outs = (out,) if out_probs is None else (out, out_probs)
-    tail, valid_rows = _tail(
-        row_id_map, index_topk, pad_offsets, valid_rows, outs, n, tail_programs
+        out_probs = torch.empty((num_out_tokens,), dtype=probs.dtype, device=inp.device)
+    zero, zero_lo, counts, c_blocks, c_stride = zero_plan(
+        row_id_map, index_topk, pad_offsets, row_counts, num_out_tokens, n
     )
-    block_h = _block_h(h, max_block_h)
-    grid = (n + tail, max(1, -(-h // block_h)), 1)
-    if grid[0] == 0:
+    z = z_programs if zero != ZERO_NONE else 0
+    if num_out_tokens == 0 or n + z == 0:
         return out, out_probs
     routes = routes_of(row_id_map, index_topk)
+    block_h = _block_h(h, max_block_h)
+    span_blocks = tune.permute_span_blocks
+    span = max(h, 1) if span_blocks is None else span_blocks * block_h
+    span = -(-span // block_h) * block_h
+    grid = (n + z, max(1, -(-h // span)), 1)
     probs_arg = probs if probs is not None else row_id_map  # unread pointers when absent
     s_p0, s_p1 = probs.stride() if probs is not None else (0, 0)
     pad_arg = pad_offsets if pad_offsets is not None else row_id_map
-    valid_arg = valid_rows if valid_rows is not None else row_id_map
     out_probs_arg = out_probs if out_probs is not None else out
-    consts = (bool(index_topk), probs is not None, pad_offsets is not None, tail, block_h)
-    tensors = (inp, row_id_map, probs_arg, pad_arg, valid_arg, out, out_probs_arg)
-    ints = (n, h, num_out_tokens, routes, inp.stride(0), s_p0, s_p1)
-    _launch_permute(_key(consts, tensors, ints), grid, 4, *tensors, *ints, *consts)
+    block_r = min(tune.permute_block_r, _pow2(routes, 1))
+    consts = (
+        bool(index_topk), probs is not None, pad_offsets is not None, zero, z, ZROWS, block_h,
+        block_r, _pow2(routes + 1, 2),
+    )  # fmt: skip
+    tensors = (inp, row_id_map, probs_arg, pad_arg, counts, out, out_probs_arg)
+    ints = (n, h, num_out_tokens, routes, inp.stride(0), s_p0, s_p1, span, zero_lo)
+    ints += (c_blocks, c_stride)
+    key = _key((*consts, tune.num_warps), tensors, ints)
+    _launch_permute(key, grid, tune.num_warps, *tensors, *ints, *consts)
     return out, out_probs
 
 
@@ -409,8 +469,11 @@ def _unpermute_triton(
     permuted_probs: torch.Tensor | None,
     pad_offsets: torch.Tensor | None,
     index_topk: int,
-    max_block_h: int = MAX_BLOCK_H,
+    max_block_h: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One launch: a program per (token, chunk of max_block_h columns; None: TUNING's)."""
+    tune = TUNING
+    max_block_h = tune.unpermute_block_h if max_block_h is None else max_block_h
     r_rows, h = inp.shape
     if inp.stride(1) != 1:
         inp = inp.contiguous()
@@ -431,19 +494,22 @@ def _unpermute_triton(
     pp_arg = permuted_probs if permuted_probs is not None else row_id_map
     pad_arg = pad_offsets if pad_offsets is not None else row_id_map
     up_arg = up if up is not None else out
+    block_r = min(tune.unpermute_block_r, _pow2(routes, 1))
     consts = (
         bool(index_topk), merging_probs is not None, permuted_probs is not None,
-        pad_offsets is not None, single, inp.dtype == torch.float64, block_h, _pow2(routes, 2),
+        pad_offsets is not None, single, inp.dtype == torch.float64, block_h, block_r,
+        _pow2(routes, 2),
     )  # fmt: skip
     tensors = (inp, row_id_map, mp_arg, pp_arg, pad_arg, out, up_arg)
     ints = (n, h, r_rows, routes, inp.stride(0), s_m0, s_m1)
-    _launch_unpermute(_key(consts, tensors, ints), grid, 4, *tensors, *ints, *consts)
+    key = _key((*consts, tune.num_warps), tensors, ints)
+    _launch_unpermute(key, grid, tune.num_warps, *tensors, *ints, *consts)
     return out, up
 
 
 _UNPERMUTE_BWD_SCHEMA = (
     "(Tensor grad, Tensor row_id_map, Tensor fwd_input, Tensor merging_probs, "
-    "Tensor? pad_offsets, Tensor? valid_rows, int index_topk) -> (Tensor, Tensor)"
+    "Tensor? pad_offsets, Tensor? row_counts, int index_topk) -> (Tensor, Tensor)"
 )
 
 
@@ -454,18 +520,19 @@ def unpermute_rows_backward(
     fwd_input: torch.Tensor,
     merging_probs: torch.Tensor,
     pad_offsets: torch.Tensor | None,
-    valid_rows: torch.Tensor | None,
+    row_counts: torch.Tensor | None,
     index_topk: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Gradients of unpermute_rows with merging probs: grad (N, H), fwd_input (R, H) ->
     (d_input (R, H) in grad's dtype: grad times the prob at each route's row, zero elsewhere;
-    d_probs like merging_probs: the fp32 dot of grad and the route's row, zero where none)."""
+    d_probs like merging_probs: the fp32 dot of grad and the route's row, zero where none).
+    row_counts: as permute_rows'."""
     if _on_triton(grad):
         return _unpermute_bwd_triton(
-            grad, row_id_map, fwd_input, merging_probs, pad_offsets, valid_rows, index_topk
+            grad, row_id_map, fwd_input, merging_probs, pad_offsets, row_counts, index_topk
         )
     return unpermute_rows_backward_reference(
-        grad, row_id_map, fwd_input, merging_probs, pad_offsets, valid_rows, index_topk
+        grad, row_id_map, fwd_input, merging_probs, pad_offsets, row_counts, index_topk
     )
 
 
@@ -475,32 +542,41 @@ def _unpermute_bwd_triton(
     fwd_input: torch.Tensor,
     merging_probs: torch.Tensor,
     pad_offsets: torch.Tensor | None,
-    valid_rows: torch.Tensor | None,
+    row_counts: torch.Tensor | None,
     index_topk: int,
-    max_block_h: int = MAX_BLOCK_H,
-    tail_programs: int = TAIL_PROGRAMS,
+    max_block_h: int | None = None,
+    z_programs: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One launch: z_programs zeroing programs, then one program per token; None: TUNING's."""
+    tune = TUNING
+    max_block_h = tune.bwd_block_h if max_block_h is None else max_block_h
+    z_programs = tune.z_programs if z_programs is None else z_programs
     n, h = grad.shape
     r_rows = fwd_input.shape[0]
     grad = grad if grad.stride(1) == 1 else grad.contiguous()
     fwd_input = fwd_input if fwd_input.stride(1) == 1 else fwd_input.contiguous()
     routes = routes_of(row_id_map, index_topk)
-    alloc = torch.zeros if pad_offsets is not None else torch.empty
-    d_input = alloc((r_rows, h), dtype=grad.dtype, device=grad.device)
+    d_input = torch.empty((r_rows, h), dtype=grad.dtype, device=grad.device)
     d_probs = torch.empty((n, routes), dtype=merging_probs.dtype, device=grad.device)
-    tail, valid_rows = _tail(
-        row_id_map, index_topk, pad_offsets, valid_rows, (d_input,), n, tail_programs
+    zero, zero_lo, counts, c_blocks, c_stride = zero_plan(
+        row_id_map, index_topk, pad_offsets, row_counts, r_rows, n
     )
-    if n + tail == 0:
+    z = z_programs if zero != ZERO_NONE else 0
+    if n + z == 0:
         return d_input, d_probs
     block_h = _block_h(h, max_block_h)
     pad_arg = pad_offsets if pad_offsets is not None else row_id_map
-    valid_arg = valid_rows if valid_rows is not None else row_id_map
     f64 = grad.dtype == torch.float64
-    consts = (bool(index_topk), pad_offsets is not None, tail, f64, block_h, _pow2(routes, 2))
-    tensors = (grad, fwd_input, row_id_map, merging_probs, pad_arg, valid_arg, d_input, d_probs)
+    block_r = min(tune.bwd_block_r, _pow2(routes, 1))
+    consts = (
+        bool(index_topk), pad_offsets is not None, zero, z, ZROWS, f64, block_h, block_r,
+        _pow2(routes, 2), _pow2(routes + 1, 2),
+    )  # fmt: skip
+    tensors = (grad, fwd_input, row_id_map, merging_probs, pad_arg, counts, d_input, d_probs)
     s_m0, s_m1 = merging_probs.stride()
-    ints = (n, h, r_rows, routes, grad.stride(0), fwd_input.stride(0), s_m0, s_m1)
-    grid = (n + tail, 1, 1)
-    _launch_unpermute_bwd(_key(consts, tensors, ints), grid, 4, *tensors, *ints, *consts)
+    ints = (n, h, r_rows, routes, grad.stride(0), fwd_input.stride(0), s_m0, s_m1, zero_lo)
+    ints += (c_blocks, c_stride)
+    grid = (n + z, 1, 1)
+    key = _key((*consts, tune.num_warps), tensors, ints)
+    _launch_unpermute_bwd(key, grid, tune.num_warps, *tensors, *ints, *consts)
     return d_input, d_probs

@@ -16,9 +16,13 @@ Shape legend: N tokens, E experts, K routes per token (top-k), S chunks.
                     sum(split_sizes) keep their place.
 These are Transformer Engine's layouts (its unused mask-map slots hold leftovers; here -1).
 
-On CUDA with Triton: three launches for a mask map (block counts, a scan over blocks, the
-map), a torch stable sort and one launch for an index map, one launch for a chunk map;
-elsewhere the torch references below, which give the same maps.
+On CUDA with Triton: a mask map in one launch when it is small (N times E, rounded up to a power
+of two, at most ONE_LAUNCH_MAX: one program counts, scans and writes), else three (block
+counts, a scan over blocks, the map); a torch stable sort and one launch for an index map; one
+launch for a chunk map; elsewhere the torch references below, which give the same maps.
+`mask_map_block_counts` (one launch) reads a mask map's routes per expert back from the map,
+per block of tokens (the permute kernels' zeroing of pad rows uses it where the routing map's
+counts are gone: unpermute's backward).
 """
 
 from __future__ import annotations
@@ -33,11 +37,24 @@ __all__ = [
     "chunk_sort_map_reference",
     "index_row_id_map",
     "index_row_id_map_reference",
+    "mask_map_block_counts",
+    "mask_map_block_counts_reference",
     "mask_row_id_map",
     "mask_row_id_map_reference",
 ]
 
 TILE = 4096  # elements of a (tokens, experts) or (tokens, chunks) tile
+# One program builds the whole mask map when N * BLOCK_E is at most this. Why: below it the
+# three launches (their host cost and the gaps between dependent kernels) weigh more than one
+# program's two passes over the map (its tile loads all in flight in the first, unrolled, pass);
+# above it one SM's bandwidth for the map's writes would. The value is the brief's (64K) until
+# a GPU measurement moves it.
+ONE_LAUNCH_MAX = 65536
+ONE_LAUNCH_TILE = 8192  # elements of the one-launch kernel's tile (8 warps: 32 a thread)
+ONE_LAUNCH_WARPS = 8
+# mask_map_block_counts: blocks of 16K map slots (8 warps), so that the zeroing programs that
+# add up its rows (kernels/_permutation_tiles.py) loop over few of them (128 at 32K tokens x 64).
+BLOCK_COUNTS_TILE = 16384
 
 if triton is not None:
 
@@ -88,6 +105,20 @@ if triton is not None:
         tl.store(counts_ptr + x, carry, mask=x < e)
 
     @triton.jit
+    def _write_map_rows(map_ptr, t, x, mask, m, row, n, e):
+        """Write rows t (BLOCK_T,) of the map (N, 2E+1) int32 from m (BLOCK_T, BLOCK_E) 0 / 1 and
+        row (BLOCK_T, BLOCK_E) int32, the permuted row of each routed (token, expert)."""
+        n_routed = tl.sum(m, axis=1)
+        above = n_routed[:, None] - tl.cumsum(m, axis=1)  # routed experts past e
+        routed = m != 0
+        # Routed experts take slots [0, n) by descending id, the others [n, E): one store each.
+        slot = tl.where(routed, above, n_routed[:, None] + (e - 1 - x[None, :]) - above)
+        base = map_ptr + t.to(tl.int64)[:, None] * (2 * e + 1) + slot
+        tl.store(base, tl.where(routed, row, -1), mask=mask)
+        tl.store(base + e, tl.where(routed, x[None, :], -1), mask=mask)
+        tl.store(map_ptr + t.to(tl.int64) * (2 * e + 1) + 2 * e, n_routed, mask=t < n)
+
+    @triton.jit
     def _map_write_kernel(
         rm_ptr,  # (N, E) routing map, strides (s_t, s_e)
         ws_ptr,  # (n_blocks, E) int32: rows of expert e taken by earlier blocks
@@ -108,15 +139,56 @@ if triton is not None:
         before = tl.cumsum(totals, axis=0) - totals
         before += tl.load(ws_ptr + b * e + x, mask=x < e, other=0)
         row = before[None, :] + tl.cumsum(m, axis=0) - 1
-        n_routed = tl.sum(m, axis=1)
-        above = n_routed[:, None] - tl.cumsum(m, axis=1)  # routed experts past e
-        routed = m != 0
-        # Routed experts take slots [0, n) by descending id, the others [n, E): one store each.
-        slot = tl.where(routed, above, n_routed[:, None] + (e - 1 - x[None, :]) - above)
-        base = map_ptr + t.to(tl.int64)[:, None] * (2 * e + 1) + slot
-        tl.store(base, tl.where(routed, row, -1), mask=mask)
-        tl.store(base + e, tl.where(routed, x[None, :], -1), mask=mask)
-        tl.store(map_ptr + t.to(tl.int64) * (2 * e + 1) + 2 * e, n_routed, mask=t < n)
+        _write_map_rows(map_ptr, t, x, mask, m, row, n, e)
+
+    @triton.jit
+    def _map_one_kernel(
+        rm_ptr,  # (N, E) routing map, any integer or bool dtype, strides (s_t, s_e)
+        counts_ptr,  # (E + 1,) int32: tokens per expert, then their sum
+        map_ptr,  # (N, 2E + 1) int32, contiguous
+        n,
+        e,
+        s_t,
+        s_e,
+        N_BLOCKS: tl.constexpr,  # token blocks covering N
+        BLOCK_T: tl.constexpr,
+        BLOCK_E: tl.constexpr,
+    ):
+        """The whole mask map in one program: counts (a pass over the blocks, unrolled so that
+        their loads are in flight together), then the map (a second pass, carrying each
+        expert's rows taken by earlier blocks)."""
+        x = tl.arange(0, BLOCK_E)
+        totals = tl.zeros((BLOCK_E,), tl.int32)
+        for b in tl.static_range(N_BLOCKS):
+            m = _map_tile(rm_ptr, b, n, e, s_t, s_e, BLOCK_T, BLOCK_E)[3]
+            totals += tl.sum(m, axis=0)
+        tl.store(counts_ptr + x, totals, mask=x < e)
+        tl.store(counts_ptr + e, tl.sum(totals, axis=0))
+        before = tl.cumsum(totals, axis=0) - totals
+        for b in range(N_BLOCKS):
+            t, x, mask, m = _map_tile(rm_ptr, b, n, e, s_t, s_e, BLOCK_T, BLOCK_E)
+            row = before[None, :] + tl.cumsum(m, axis=0) - 1
+            _write_map_rows(map_ptr, t, x, mask, m, row, n, e)
+            before += tl.sum(m, axis=0)
+
+    @triton.jit
+    def _map_block_counts_kernel(
+        map_ptr,  # (N, 2E + 1) int32 mask map (unused slots -1)
+        ws_ptr,  # (n_blocks, E) int32: routes of block b's tokens to each expert
+        n,
+        e,
+        BLOCK_T: tl.constexpr,
+        BLOCK_E: tl.constexpr,
+    ):
+        b = tl.program_id(0)
+        i = tl.arange(0, BLOCK_T * BLOCK_E)
+        t = b * BLOCK_T + i // BLOCK_E
+        s = i % BLOCK_E
+        ok = (t < n) & (s < e)
+        expert = tl.load(map_ptr + t.to(tl.int64) * (2 * e + 1) + e + s, mask=ok, other=-1)
+        counts = tl.histogram(expert, BLOCK_E, mask=expert >= 0)
+        x = tl.arange(0, BLOCK_E)
+        tl.store(ws_ptr + b * e + x, counts, mask=x < e)
 
     @triton.jit
     def _index_map_kernel(
@@ -163,6 +235,8 @@ if triton is not None:
     _launch_count = FastLaunch(_map_count_kernel)
     _launch_scan = FastLaunch(_map_scan_kernel)
     _launch_write = FastLaunch(_map_write_kernel)
+    _launch_one = FastLaunch(_map_one_kernel)
+    _launch_block_counts = FastLaunch(_map_block_counts_kernel)
     _launch_index = FastLaunch(_index_map_kernel)
     _launch_chunk = FastLaunch(_chunk_map_kernel)
 
@@ -201,10 +275,15 @@ def mask_row_id_map(routing_map: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 
 
 def _mask_map_triton(
-    routing_map: torch.Tensor, tile: int = TILE
+    routing_map: torch.Tensor,
+    tile: int = TILE,
+    one_launch_max: int | None = None,
+    one_launch_tile: int = ONE_LAUNCH_TILE,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Three launches: block counts, their scan over blocks, the map (tile: elements of a
-    (tokens, experts) block)."""
+    """One launch when N * BLOCK_E <= one_launch_max (None: ONE_LAUNCH_MAX, read per call;
+    tiles of one_launch_tile elements), else three: block counts, their scan over blocks, the
+    map (tile: elements of a (tokens, experts) block)."""
+    one_launch_max = ONE_LAUNCH_MAX if one_launch_max is None else one_launch_max
     n, e = routing_map.shape
     if routing_map.dtype == torch.bool:
         routing_map = routing_map.view(torch.uint8)
@@ -214,10 +293,21 @@ def _mask_map_triton(
     if n == 0:
         return row_id_map, counts.zero_()
     block_e = _pow2(e)
+    s_t, s_e = routing_map.stride()
+    if n * block_e <= one_launch_max:
+        block_t = max(1, one_launch_tile // block_e)
+        n_blocks = -(-n // block_t)
+        key = _key(
+            (n_blocks, block_t, block_e), (routing_map, counts, row_id_map), (n, e, s_t, s_e)
+        )
+        _launch_one(
+            key, (1, 1, 1), ONE_LAUNCH_WARPS, routing_map, counts, row_id_map, n, e, s_t, s_e,
+            n_blocks, block_t, block_e,
+        )  # fmt: skip
+        return row_id_map, counts
     block_t = max(1, tile // block_e)
     n_blocks = -(-n // block_t)
     ws = torch.empty((n_blocks, e), dtype=torch.int32, device=dev)
-    s_t, s_e = routing_map.stride()
     key = _key((block_t, block_e), (routing_map, ws), (n, e, s_t, s_e))
     _launch_count(key, (n_blocks, 1, 1), 4, routing_map, ws, n, e, s_t, s_e, block_t, block_e)
     scan_e = min(block_e, 64)
@@ -232,6 +322,22 @@ def _mask_map_triton(
         block_t, block_e,
     )  # fmt: skip
     return row_id_map, counts
+
+
+def mask_map_block_counts(row_id_map: torch.Tensor, tile: int = BLOCK_COUNTS_TILE) -> torch.Tensor:
+    """A mask map (N, 2E+1) int32 -> (n_blocks, E) int32: the routes of each block of tokens
+    to each expert (their column sums are mask_row_id_map's counts), one launch (CUDA only:
+    the permute kernels' zeroing reads it)."""
+    n = row_id_map.shape[0]
+    e = (row_id_map.shape[1] - 1) // 2
+    block_e = _pow2(e)
+    block_t = max(1, tile // block_e)
+    n_blocks = -(-n // block_t)
+    ws = torch.empty((n_blocks, e), dtype=torch.int32, device=row_id_map.device)
+    if n_blocks and e:
+        key = _key((block_t, block_e), (row_id_map, ws), (n, e))
+        _launch_block_counts(key, (n_blocks, 1, 1), 8, row_id_map, ws, n, e, block_t, block_e)
+    return ws
 
 
 @compiled_as_op("(Tensor indices, int num_out_tokens) -> Tensor")
@@ -315,6 +421,22 @@ def mask_row_id_map_reference(routing_map: torch.Tensor) -> tuple[torch.Tensor, 
     row_id_map[:, e : 2 * e].scatter_(1, slot, torch.where(routed, experts, -1))
     row_id_map[:, 2 * e] = n_routed
     return row_id_map, torch.cat([counts, counts.sum(dtype=torch.int32).reshape(1)])
+
+
+def mask_map_block_counts_reference(
+    row_id_map: torch.Tensor, tile: int = BLOCK_COUNTS_TILE
+) -> torch.Tensor:
+    """Torch reference of mask_map_block_counts: (N, 2E+1) -> (n_blocks, E) int32."""
+    n = row_id_map.shape[0]
+    e = (row_id_map.shape[1] - 1) // 2
+    block_t = max(1, tile // _pow2(e))
+    n_blocks = -(-n // block_t)
+    experts = row_id_map[:, e : 2 * e].long()
+    one_hot = torch.zeros((n_blocks * block_t, e + 1), dtype=torch.int32, device=experts.device)
+    one_hot[:n].scatter_add_(
+        1, torch.where(experts >= 0, experts, e), torch.ones_like(experts, dtype=torch.int32)
+    )
+    return one_hot[:, :e].reshape(n_blocks, block_t, e).sum(1, dtype=torch.int32)
 
 
 def index_row_id_map_reference(indices: torch.Tensor, num_out_tokens: int) -> torch.Tensor:

@@ -77,11 +77,11 @@ def permute_rows_reference(
     row_id_map: torch.Tensor,
     probs: torch.Tensor | None,
     pad_offsets: torch.Tensor | None,
-    valid_rows: torch.Tensor | None,
+    row_counts: torch.Tensor | None,
     num_out_tokens: int,
     index_topk: int,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Torch reference of permute_rows (valid_rows is not needed: every row starts at zero).
+    """Torch reference of permute_rows (row_counts is not needed: every row starts at zero).
     Shapes never depend on values (it is also the fake of the op under torch.compile): a
     dropped route writes an extra row at the end, cut off."""
     n, h = inp.shape
@@ -152,10 +152,10 @@ def unpermute_rows_backward_reference(
     fwd_input: torch.Tensor,
     merging_probs: torch.Tensor,
     pad_offsets: torch.Tensor | None,
-    valid_rows: torch.Tensor | None,
+    row_counts: torch.Tensor | None,
     index_topk: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Torch reference of unpermute_rows_backward (valid_rows is not needed)."""
+    """Torch reference of unpermute_rows_backward (row_counts is not needed)."""
     n, h = grad.shape
     r_rows = fwd_input.shape[0]
     rows, experts, routed = _routes_reference(row_id_map, n, index_topk, pad_offsets)

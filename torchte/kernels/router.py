@@ -30,7 +30,10 @@ sigmoid, the raw logits (sqrtsoftplus), or the softmax output (-inf off the chos
 after post-softmax).
 
 On CUDA with Triton one kernel runs per call (the bit map is packed with torch ops after it);
-elsewhere the torch reference (router_reference.py), the same function in torch ops.
+elsewhere the torch reference (router_reference.py), the same function in torch ops. The
+kernels select on packed int64 keys, one max reduction a pick (router_topk.py); there a NaN
+score is never chosen (a row short of non-NaN scores gets index 2**31 - 1 cast to the index
+dtype), where the reference sorts NaN first.
 """
 
 from __future__ import annotations
@@ -68,6 +71,16 @@ TILE = 4096
 
 
 if triton is not None:
+    from .router_topk import (
+        _KEY_NONE,
+        _KEY_TOP,
+        _chosen,
+        _group_mask,
+        _key_index,
+        _key_value,
+        _next_key,
+        _pack_key,
+    )
 
     @triton.jit
     def _score(x, SCORE: tl.constexpr):
@@ -90,45 +103,6 @@ if triton is not None:
         total = tl.sum(tl.sum(e, axis=2), axis=1)
         total = tl.where(total > 0.0, total, 1.0)  # rows past T: no 0 * inf
         return e * (1.0 / total)[:, None, None]
-
-    @triton.jit
-    def _pick(score, avail, eidx):
-        """One step of top-k over axes 1 and 2: (value, index, chosen mask) of each row's largest
-        available score, the lowest index among equal ones."""
-        c = tl.where(avail, score, float("-inf"))
-        m = tl.max(tl.max(c, axis=2), axis=1)
-        hit = avail & (c == m[:, None, None])
-        first = tl.min(tl.min(tl.where(hit, eidx, 2147483647), axis=2), axis=1)
-        # avail: a padded lane's eidx may equal a real expert's
-        return m, first, avail & (eidx == first[:, None, None])
-
-    @triton.jit
-    def _group_mask(
-        score, valid, eidx, row_ok, G, GK, PER, BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr
-    ):
-        """(BT, BG, 1) mask of the experts in each row's group_topk best groups: a group scores
-        the sum of its PER largest scores, added largest first."""
-        avail = valid
-        group_sum = tl.zeros((BLOCK_T, BLOCK_G), dtype=tl.float32)
-        for _ in range(PER):
-            c = tl.where(avail, score, float("-inf"))
-            m = tl.max(c, axis=2)
-            hit = avail & (c == m[:, :, None])
-            first = tl.min(tl.where(hit, eidx, 2147483647), axis=2)
-            avail = avail & (eidx != first[:, :, None])
-            group_sum += m
-        gidx = tl.arange(0, BLOCK_G)[None, :]
-        gavail = row_ok[:, None] & (gidx < G)
-        kept = gavail & (gidx < 0)
-        for _ in range(GK):
-            c = tl.where(gavail, group_sum, float("-inf"))
-            m = tl.max(c, axis=1)
-            hit = gavail & (c == m[:, None])
-            first = tl.min(tl.where(hit, gidx, 2147483647), axis=1)
-            chosen = gidx == first[:, None]
-            kept = kept | chosen
-            gavail = gavail & ~chosen
-        return kept[:, :, None]
 
     @triton.jit
     def _topk_forward_kernel(
@@ -168,23 +142,29 @@ if triton is not None:
             if HAS_BIAS:
                 bias = tl.load(bias_ptr + eidx, mask=eidx < E, other=0.0)
                 score = y + bias
+        key = _pack_key(score, valid, eidx)
         if GROUPED:
-            kept = _group_mask(score, valid, eidx, row_ok, G, GK, PER, BLOCK_T, BLOCK_G)
-            pick_from = tl.where(kept, score, float("-inf"))
-        else:
-            pick_from = score
-        avail = valid
-        chosen = valid & (eidx < 0)
+            kept = _group_mask(key, row_ok, G, GS, GK, PER, BLOCK_T, BLOCK_G, BLOCK_S)
+            # the other groups' experts score -inf: still picked, after every kept one
+            key = _pack_key(tl.where(kept, score, float("-inf")), valid, eidx)
+        # one reduction a pick (router_topk.py); `last` is the key of the latest pick
+        keys = tl.reshape(key, (BLOCK_T, BLOCK_G * BLOCK_S))
+        last = tl.full((BLOCK_T,), _KEY_TOP, tl.int64)
+        any_pick = row_ok & (t < 0)
         for k in range(K):
-            _, first, hit = _pick(pick_from, avail, eidx)
-            chosen = chosen | hit
-            avail = avail & ~hit
+            last = _next_key(keys, last, 1)
+            if QB:
+                any_pick = any_pick | (last != _KEY_NONE)
             if WRITE_INDEX:
-                index = first.to(index_ptr.dtype.element_ty)
+                index = _key_index(last).to(index_ptr.dtype.element_ty)
                 tl.store(index_ptr + t.to(tl.int64) * K + k, index, mask=row_ok)
+        chosen = _chosen(key, last[:, None], 2)
         if QB:
-            cutoff, _, _ = _pick(pick_from, avail, eidx)
-            tl.store(cutoff_ptr + t, cutoff, mask=row_ok)
+            # the top-(k+1)-th score; NaN where the row has NaN only and no padded lane (QB has
+            # no groups), as the float max gave (router_topk.py)
+            cutoff = _key_value(_next_key(keys, last, 1))
+            all_nan = ~any_pick & (E == BLOCK_S)
+            tl.store(cutoff_ptr + t, tl.where(all_nan, float("nan"), cutoff), mask=row_ok)
         if SCORE == 1:
             if PRE_SOFTMAX:
                 p = y
@@ -224,13 +204,14 @@ if triton is not None:
             inter = y if SCORE == 0 else x
             total = tl.sum(tl.sum(y, axis=2), axis=1)
             score = y / (total + 1e-20)[:, None, None]
-        avail = valid
+        key = _pack_key(score, valid, eidx)
+        keys = tl.reshape(key, (BLOCK_T, BLOCK_E))
+        last = tl.full((BLOCK_T,), _KEY_TOP, tl.int64)
         for _ in range(K):
-            _, _, hit = _pick(score, avail, eidx)
-            avail = avail & ~hit
+            last = _next_key(keys, last, 1)
         tl.store(scores_ptr + offs, score, mask=valid)
         tl.store(inter_ptr + offs, inter, mask=valid)
-        tl.store(map_ptr + offs, (valid & ~avail).to(tl.uint8), mask=valid)
+        tl.store(map_ptr + offs, _chosen(key, last[:, None], 2).to(tl.uint8), mask=valid)
 
     @triton.jit
     def _backward_kernel(

@@ -83,19 +83,31 @@ class MaskPermute(torch.autograd.Function):
         num_out = plan.num_out_tokens
         if num_out < 0:
             num_out = int(counts[-1])  # the one host sync: the output's size
-        valid = counts[-1:] if pad_offsets is None else None
+        # counts tell the kernel which rows no route writes (padding, spare rows): it zeroes
+        # just those
         out, out_probs = kernels.permute_rows(
-            rows, row_id_map, probs, pad_offsets, valid, num_out, 0
+            rows, row_id_map, probs, pad_offsets, counts, num_out, 0
         )
         ctx.save_for_backward(row_id_map, pad_offsets)
         ctx.mark_non_differentiable(row_id_map)
+        # Autograd would fill a zero gradient for the map (and for unused probs) each backward:
+        # a launch and N (2E+1) words for nothing. Missing gradients come as None instead.
+        ctx.set_materialize_grads(False)
+        ctx.grad_like = (out.shape, inp.dtype, None if probs is None else probs.dtype)
         return wrap(out), row_id_map, out_probs
 
     @staticmethod
     def backward(ctx, grad_out, _grad_map, grad_probs):
-        refuse_quantized(grad_out, "the backward of moe_permute")
         row_id_map, pad_offsets = ctx.saved_tensors
-        grad_probs = grad_probs if ctx.needs_input_grad[2] else None
+        shape, dtype, probs_dtype = ctx.grad_like
+        dev = row_id_map.device
+        if grad_out is None:  # out unused: the zeros autograd would have given
+            grad_out = torch.zeros(shape, dtype=dtype, device=dev)
+        refuse_quantized(grad_out, "the backward of moe_permute")
+        if not ctx.needs_input_grad[2]:
+            grad_probs = None
+        elif grad_probs is None:
+            grad_probs = torch.zeros(shape[:1], dtype=probs_dtype, device=dev)
         d_inp, d_probs = kernels.unpermute_rows(
             grad_out, row_id_map, None, grad_probs, pad_offsets, 0
         )
@@ -144,11 +156,16 @@ class IndexPermute(torch.autograd.Function):
         ctx.save_for_backward(row_id_map)
         ctx.topk = plan.topk
         ctx.mark_non_differentiable(row_id_map)
+        ctx.set_materialize_grads(False)  # no zero fill for the map's gradient (MaskPermute)
+        ctx.grad_like = (out.shape, out.dtype)
         return out, row_id_map
 
     @staticmethod
     def backward(ctx, grad_out, _grad_map):
         (row_id_map,) = ctx.saved_tensors
+        if grad_out is None:  # out unused: the zeros autograd would have given
+            shape, dtype = ctx.grad_like
+            grad_out = torch.zeros(shape, dtype=dtype, device=row_id_map.device)
         d_inp, _ = kernels.unpermute_rows(grad_out, row_id_map, None, None, None, ctx.topk)
         return d_inp, None, None
 

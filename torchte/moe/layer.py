@@ -94,7 +94,10 @@ class MoELayer(nn.Module):
     te norm (`norm`) applied to x before everything else (the router, the experts and the
     shared expert all see its output); bias: FC1 / FC2 biases for every expert (FC2's
     scaled by the probability) and the shared expert (default False, as Megatron-Core's
-    experts).
+    experts); single_grouped_weight: each expert GEMM's weights as one (E, N, K) parameter
+    `weight` (and biases as one (E, N) `bias`) instead of E parameters weight0..weight{E-1}
+    (te.ops.GroupedLinear's layouts): the same values and outputs, one gradient per GEMM
+    instead of one per expert (less host time a step where the host is the slower side).
 
     Router logits with NaN raise a ValueError naming the layer wherever the split sizes are
     read on the host (every CPU call, GPU calls with host splits). With device splits on a GPU
@@ -130,6 +133,7 @@ class MoELayer(nn.Module):
         device_splits: bool | None = None,
         bias: bool = False,
         normalization: str | None = None,
+        single_grouped_weight: bool = False,
     ) -> None:
         super().__init__()
         _check_args(
@@ -166,9 +170,13 @@ class MoELayer(nn.Module):
             self.register_buffer("local_tokens_per_expert", torch.zeros(num_experts, device=device))
         else:
             self.expert_bias = None
+        if not isinstance(single_grouped_weight, bool):
+            raise TypeError(
+                f"MoELayer: single_grouped_weight must be a bool, got {single_grouped_weight!r}"
+            )
         self.experts = _expert_mlp(
             num_experts, hidden_size, ffn_hidden_size, activation, dtype, device,
-            init_method, output_layer_init_method, self.bias,
+            init_method, output_layer_init_method, self.bias, single_grouped_weight,
         )  # fmt: skip
         self.shared_experts = None
         if shared_expert_ffn_hidden_size is not None:
@@ -298,12 +306,14 @@ class MoELayer(nn.Module):
 
 
 def _expert_mlp(
-    experts, hidden, ffn, activation, dtype, device, init, out_init, bias
+    experts, hidden, ffn, activation, dtype, device, init, out_init, bias, single
 ) -> Sequential:
     """te.ops' grouped MLP: fc1 (E groups, H -> F or 2F), Scaled<act>, fc2 (F -> H); with
-    bias, fc2's bias scaled by the row's probability like the activation (scale_bias)."""
+    bias, fc2's bias scaled by the row's probability like the activation (scale_bias);
+    single: one (E, N, K) weight (and (E, N) bias) parameter per GEMM."""
     fc1_width = 2 * ffn if is_gated(activation) else ffn
-    kw = {"bias": bias, "dtype": dtype, "device": device}
+    kw = {"bias": bias, "dtype": dtype, "device": device, "single_grouped_weight": single,
+          "single_grouped_bias": single}  # fmt: skip
     return Sequential(
         OrderedDict(
             fc1=ops_basic.GroupedLinear(experts, hidden, fc1_width, init_method=init, **kw),
