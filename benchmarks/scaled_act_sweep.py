@@ -2,7 +2,7 @@
 forward and backward, at the large training example's MoE shape, with the bytes each moves as
 a fraction of a device copy's bandwidth.
 
-    PYTHONPATH=. python benchmarks/scaled_act_sweep.py   # on a CUDA GPU
+    PYTHONPATH=. python benchmarks/scaled_act_sweep.py [--quick]   # on a CUDA GPU
 
 Shape: 16 x 1024 tokens routed top-2 to 8 experts (32768 rows, uneven split sizes on the
 device, as the example's graphed blocks give them), SwiGLU, h (rows, 2 x 8192) bf16, s fp32,
@@ -54,9 +54,13 @@ def spec(scaling: str) -> CastSpec:
     return CastSpec(torch.float8_e4m3fn, True, True, None, amax)
 
 
+QUICK = [(32, 128, 4), (64, 128, 4), (32, 128, 8), (64, 128, 8), (16, 256, 4)]
+
+
 def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("scaled_act_sweep.py needs a CUDA GPU")
+    configs = QUICK if "--quick" in sys.argv else CONFIGS
     gen = torch.Generator(device="cuda").manual_seed(0)
     weights = torch.tensor([9, 7, 6, 5, 3, 2, 0, 0.5])
     sizes = (weights / weights.sum() * ROWS).long()
@@ -72,7 +76,7 @@ def main() -> None:
         reads = 2 if scaling == "current" else 1
         ideal = {"forward": reads * h.nbytes + fp8_out, "backward": reads * (h.nbytes + dy.nbytes)
                  + 2 * fp8_out}  # fmt: skip
-        for config in CONFIGS:
+        for config in configs:
             gaf.SCALED_ACT_CONFIG = config
             gaf.SCALED_ACT_GRAD_CONFIG = {"delayed": config, "current": config}
             calls = {
@@ -99,7 +103,7 @@ def main() -> None:
             rows = [r for r in results if r[:2] == (scaling, name)]
             if rows:
                 best = min(rows, key=lambda r: r[3])
-                base = next((r for r in rows if r[2] == CONFIGS[0]), best)
+                base = next((r for r in rows if r[2] == configs[0]), best)
                 print(f"  {scaling:8s} {name:8s} best {best[2]} {best[3]:.3f} ms ({best[4]:.2f} "
                       f"of copy), default {base[3]:.3f} ms ({base[4]:.2f})")  # fmt: skip
 

@@ -48,8 +48,8 @@ __all__ = [
 # (BLOCK_M, BLOCK_N, num_warps) of the forward kernel and, per scaling, of the backward kernel,
 # read at each call (benchmarks/scaled_act_sweep.py sets them to compare tiles); BLOCK_M a
 # multiple of 16 so a group's last row tile also covers its columnwise padding. Measured on an
-# H200 at 32768 x 8192 SwiGLU (docs/benchmarks.md): every tile within 10% for the forward and
-# the current-scaling backward; the delayed backward 11% faster with 64-row tiles.
+# H200 at 32768 x 8192 SwiGLU (docs/benchmarks.md): tiles from 16 x 256 to 128 x 128 within 10%
+# of each other but for the delayed backward, whose 64-row tiles are 4-11% faster.
 SCALED_ACT_CONFIG = (32, 128, 4)
 SCALED_ACT_GRAD_CONFIG = {"delayed": (64, 128, 4), "current": (32, 128, 4)}
 
@@ -57,6 +57,27 @@ if triton is not None:
     from ._fp8_codec import _encode_slice, _round_as, _scale_from_amax, _store_words
     from .activation_fp8 import _act_values, grads_of
     from .grouped_cast import _tile_group_or_last, store_scale_invs
+
+    @triton.jit
+    def _load_grad_rows(h_g, s_g, dy_g, rows, rows_g, cols, col_in, N, GATED: tl.constexpr):
+        """The backward's inputs of one slice of rows as stored: (x, the gate g (x when not
+        GATED), the scale p, dy), 0 in masked lanes. Every slice of a tile is loaded before
+        any is stored: the stores may alias the inputs for all the compiler knows, so a load
+        after a store waits for it. Measured on an H200 (docs/benchmarks.md): 12-16% faster
+        than loading each slice after the last one's stores under current scaling, the same
+        under delayed; the forward, slower that way under delayed scaling, loads slice by
+        slice."""
+        row_in = rows < rows_g
+        mask = row_in[:, None] & col_in[None, :]
+        r64 = rows.to(tl.int64)[:, None]
+        offs = r64 * (N * 2 if GATED else N) + cols[None, :]
+        x = tl.load(h_g + offs, mask=mask, other=0.0)
+        g = x
+        if GATED:
+            g = tl.load(h_g + offs + N, mask=mask, other=0.0)
+        p = tl.load(s_g + rows, mask=row_in, other=0.0)
+        dy = tl.load(dy_g + r64 * N + cols[None, :], mask=mask, other=0.0)
+        return x, g, p, dy
 
     @triton.jit
     def _scaled_act_grouped_kernel(
@@ -135,6 +156,42 @@ if triton is not None:
     _launch_scaled_act_grouped = FastLaunch(_scaled_act_grouped_kernel)
 
     @triton.jit
+    def _grad_slice(
+        dy, x, g, p, k, quads, rows_g, cols, col_in, N, T, row_start, pid_n, h_ptr, partial_ptr,
+        out_g, scale, bits, words1, words2, sum1, sum2, limit, alpha, ACT: tl.constexpr,
+        GATED: tl.constexpr, DS: tl.constexpr, DBIAS: tl.constexpr, ROWWISE: tl.constexpr,
+        COLUMNWISE: tl.constexpr, FP8_MAX: tl.constexpr,
+    ):  # fmt: skip
+        """Slice k (rows 4i + k) of the backward tile from its loaded inputs: dh encoded (and
+        its amax), ds's part and the bias sums; (bits, words1, words2, sum1, sum2)."""
+        rows = quads + k
+        row_in = rows < rows_g
+        mask = row_in[:, None] & col_in[None, :]
+        offs = rows.to(tl.int64)[:, None] * (N * 2 if GATED else N) + cols[None, :]
+        dy = dy.to(tl.float32)
+        p = _round_as(p.to(tl.float32), h_ptr)
+        x = x.to(tl.float32)
+        dx1, dx2, a = grads_of(_round_as(dy * p[:, None], h_ptr), x, g.to(tl.float32), limit,
+                               alpha, ACT, GATED)  # fmt: skip
+        if DS:
+            part = tl.sum(dy * _round_as(a, h_ptr), 1)
+            tl.store(partial_ptr + pid_n.to(tl.int64) * T + row_start + rows, part, mask=row_in)
+        dx1, dx2 = _round_as(dx1, h_ptr), _round_as(dx2, h_ptr)  # 0 in masked rows
+        if DBIAS:
+            sum1 += tl.sum(dx1, 0)
+            sum2 += tl.sum(dx2, 0)
+        bits, words1 = _encode_slice(
+            dx1, k, row_in, offs, mask, scale, bits, words1, out_g, FP8_MAX, True, ROWWISE,
+            COLUMNWISE,
+        )  # fmt: skip
+        if GATED:
+            bits, words2 = _encode_slice(
+                dx2, k, row_in, offs + N, mask, scale, bits, words2, out_g, FP8_MAX, True,
+                ROWWISE, COLUMNWISE,
+            )  # fmt: skip
+        return bits, words1, words2, sum1, sum2
+
+    @triton.jit
     def _scaled_act_grad_grouped_kernel(
         dy_ptr,  # (T, N) the gradient of a = act(h) * s, contiguous
         h_ptr,  # (T, K) fp32 / bf16 / fp16, contiguous; K = 2N when GATED else N
@@ -201,37 +258,35 @@ if triton is not None:
         words2 = tl.zeros((BLOCK_M // 4, BLOCK_N), tl.int32)
         sum1 = tl.zeros((BLOCK_N,), tl.float32)
         sum2 = tl.zeros((BLOCK_N,), tl.float32)
-        for k in tl.static_range(4):
-            rows = quads + k
-            row_in = rows < rows_g
-            mask = row_in[:, None] & col_in[None, :]
-            r64 = rows.to(tl.int64)[:, None]
-            dy = tl.load(dy_g + r64 * N + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            p = tl.load(s_ptr + row_start + rows, mask=row_in, other=0.0).to(tl.float32)
-            p = _round_as(p, h_ptr)
-            offs = r64 * k_cols + cols[None, :]
-            x = tl.load(h_g + offs, mask=mask, other=0.0).to(tl.float32)
-            g = x
-            if GATED:
-                g = tl.load(h_g + offs + N, mask=mask, other=0.0).to(tl.float32)
-            dx1, dx2, a = grads_of(_round_as(dy * p[:, None], h_ptr), x, g, limit, alpha, ACT,
-                                   GATED)  # fmt: skip
-            if DS:
-                part = tl.sum(dy * _round_as(a, h_ptr), 1)
-                tl.store(partial_ptr + pid_n.to(tl.int64) * T + row_start + rows, part, mask=row_in)
-            dx1, dx2 = _round_as(dx1, h_ptr), _round_as(dx2, h_ptr)  # 0 in masked rows
-            if DBIAS:
-                sum1 += tl.sum(dx1, 0)
-                sum2 += tl.sum(dx2, 0)
-            bits, words1 = _encode_slice(
-                dx1, k, row_in, offs, mask, scale, bits, words1, out_g, FP8_MAX, True, ROWWISE,
-                COLUMNWISE,
-            )  # fmt: skip
-            if GATED:
-                bits, words2 = _encode_slice(
-                    dx2, k, row_in, offs + N, mask, scale, bits, words2, out_g, FP8_MAX, True,
-                    ROWWISE, COLUMNWISE,
-                )  # fmt: skip
+        # All four slices loaded first, then each computed and encoded (_load_grad_rows says why)
+        s_g = s_ptr + row_start
+        x0, g0, p0, dy0 = _load_grad_rows(h_g, s_g, dy_g, quads, rows_g, cols, col_in, N, GATED)
+        x1, g1, p1, dy1 = _load_grad_rows(h_g, s_g, dy_g, quads + 1, rows_g, cols,
+                                          col_in, N, GATED)  # fmt: skip
+        x2, g2, p2, dy2 = _load_grad_rows(h_g, s_g, dy_g, quads + 2, rows_g, cols,
+                                          col_in, N, GATED)  # fmt: skip
+        x3, g3, p3, dy3 = _load_grad_rows(h_g, s_g, dy_g, quads + 3, rows_g, cols,
+                                          col_in, N, GATED)  # fmt: skip
+        bits, words1, words2, sum1, sum2 = _grad_slice(
+            dy0, x0, g0, p0, 0, quads, rows_g, cols, col_in, N, T, row_start, pid_n, h_ptr,
+            partial_ptr, out_g, scale, bits, words1, words2, sum1, sum2, limit, alpha, ACT, GATED,
+            DS, DBIAS, ROWWISE, COLUMNWISE, FP8_MAX,
+        )  # fmt: skip
+        bits, words1, words2, sum1, sum2 = _grad_slice(
+            dy1, x1, g1, p1, 1, quads, rows_g, cols, col_in, N, T, row_start, pid_n, h_ptr,
+            partial_ptr, out_g, scale, bits, words1, words2, sum1, sum2, limit, alpha, ACT, GATED,
+            DS, DBIAS, ROWWISE, COLUMNWISE, FP8_MAX,
+        )  # fmt: skip
+        bits, words1, words2, sum1, sum2 = _grad_slice(
+            dy2, x2, g2, p2, 2, quads, rows_g, cols, col_in, N, T, row_start, pid_n, h_ptr,
+            partial_ptr, out_g, scale, bits, words1, words2, sum1, sum2, limit, alpha, ACT, GATED,
+            DS, DBIAS, ROWWISE, COLUMNWISE, FP8_MAX,
+        )  # fmt: skip
+        bits, words1, words2, sum1, sum2 = _grad_slice(
+            dy3, x3, g3, p3, 3, quads, rows_g, cols, col_in, N, T, row_start, pid_n, h_ptr,
+            partial_ptr, out_g, scale, bits, words1, words2, sum1, sum2, limit, alpha, ACT, GATED,
+            DS, DBIAS, ROWWISE, COLUMNWISE, FP8_MAX,
+        )  # fmt: skip
         if DBIAS:
             db = dbias_ptr + pid_m.to(tl.int64) * k_cols
             tl.store(db + cols, sum1, mask=col_in)
@@ -265,7 +320,7 @@ def scaled_activation_grouped_fp8(
     """a = name(h) * s[:, None] quantized group by group as spec says (see the module
     docstring): h (T, K) contiguous, s (T,) -> (rowwise (T, N), columnwise (N * C,) or None,
     scale_inv (G,)). spec.rowwise must be set (the GEMM reads the rowwise bytes)."""
-    act, gated = act_mod._spec(name)
+    _, gated = act_mod._spec(name)
     n = act_mod._out_cols(h, gated, name)
     if h.dim() != 2 or s.shape != (h.shape[0],):
         raise ValueError(
@@ -278,6 +333,14 @@ def scaled_activation_grouped_fp8(
         a = scaled_activation_forward(h, s, name, limit, alpha)
         return quantize_grouped(a, m_splits, row_offsets, col_offsets, spec)
     _check_groups(h[:, :n], m_splits, row_offsets, col_offsets, spec)
+    return _forward_triton(h, s, name, limit, alpha, m_splits, row_offsets, col_offsets, spec)
+
+
+def _forward_triton(h, s, name, limit, alpha, m_splits, row_offsets, col_offsets, spec):
+    """scaled_activation_grouped_fp8's kernels on checked arguments (one launch, or three
+    under current scaling)."""
+    act, gated = act_mod._spec(name)
+    n = act_mod._out_cols(h, gated, name)
     h = h if h.is_contiguous() else h.contiguous()
     args = (h, s, n, act, gated, limit, alpha, m_splits, row_offsets, col_offsets, spec)
     config = SCALED_ACT_CONFIG
@@ -343,7 +406,7 @@ def scaled_activation_backward_grouped_fp8(
     current (zeroing, the amax pass, which also sums ds and dbias, the cast). dh and ds as
     scaled_activation_backward computes them, dbias as torch.sum over each group's rows of
     dh (both summed in another order on a GPU); the bytes those of quantize_grouped(dh)."""
-    act, gated = act_mod._spec(name)
+    _, gated = act_mod._spec(name)
     n = act_mod._out_cols(h, gated, name)
     if h.dim() != 2 or s.shape != (h.shape[0],) or dy.shape != (h.shape[0], n):
         raise ValueError(
@@ -363,6 +426,17 @@ def scaled_activation_backward_grouped_fp8(
                     torch.sum(part, 0, out=dbias[g])
         return (*quantize_grouped(dh, m_splits, row_offsets, col_offsets, spec), ds, dbias)
     _check_groups(h, m_splits, row_offsets, col_offsets, spec)
+    return _backward_triton(
+        dy, h, s, name, limit, alpha, m_splits, row_offsets, col_offsets, spec, need
+    )
+
+
+def _backward_triton(dy, h, s, name, limit, alpha, m_splits, row_offsets, col_offsets, spec, need):
+    """scaled_activation_backward_grouped_fp8's kernels on checked arguments, and the sums of
+    their ds and dbias parts."""
+    act, gated = act_mod._spec(name)
+    n = act_mod._out_cols(h, gated, name)
+    need_ds, need_dbias = need
     h, dy = h.contiguous(), dy.contiguous()
     config = SCALED_ACT_GRAD_CONFIG["delayed" if spec.delayed else "current"]
     block_m, block_n, _ = config
