@@ -186,9 +186,13 @@ if triton is not None:
         COLUMNWISE: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
+        src_ptr=None,  # (M,) int32 when GATHER: the row of x each row comes from, -1: zeros
+        GATHER: tl.constexpr = False,
     ):
         """Cast + transpose tile (pid_m, pid_n) of x; returns the int32 bits of the tile's max |x|
-        when AMAX (0 otherwise). The padding columns M..Mp of out_t get zero bytes."""
+        when AMAX (0 otherwise). The padding columns M..Mp of out_t get zero bytes. GATHER:
+        row r of the tile's matrix is row src[r] of x (zeros where src[r] < 0); the outputs
+        are laid out by r."""
         group = pid_m * BLOCK_M + 4 * tl.arange(0, BLOCK_M // 4)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         col_in = cols < N
@@ -199,7 +203,13 @@ if triton is not None:
             row_in = rows < M
             mask = row_in[:, None] & col_in[None, :]
             offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
-            x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            if GATHER:
+                src = tl.load(src_ptr + rows, mask=row_in, other=-1)
+                src_offs = src.to(tl.int64)[:, None] * N + cols[None, :]
+                x = tl.load(x_ptr + src_offs, mask=mask & (src >= 0)[:, None], other=0.0)
+                x = x.to(tl.float32)
+            else:
+                x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
             bits, words = _encode_slice(
                 x, k, row_in, offs, mask, scale, bits, words, out_ptr, FP8_MAX, AMAX, ROWWISE,
                 COLUMNWISE,

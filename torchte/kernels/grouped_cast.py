@@ -63,6 +63,7 @@ from .host_values import to_device_async
 __all__ = [
     "GROUPED_AMAX_CONFIG",
     "device_grouped_offsets",
+    "gather_rows_reference",
     "grouped_columns",
     "grouped_offsets",
     "quantize_grouped",
@@ -134,7 +135,8 @@ if triton is not None:
 
     @triton.jit
     def _grouped_cast_transpose_kernel(
-        x_ptr,  # (T, K) fp32 / bf16 / fp16, contiguous
+        x_ptr,  # (T, K) fp32 / bf16 / fp16, contiguous; (T_src, K) when GATHER
+        src_ptr,  # (T,) int32 when GATHER: the row of x each row comes from (-1: zeros)
         row_offsets_ptr,  # (G + 1,) int32: o_g
         col_offsets_ptr,  # (G + 1,) int32: c_g, multiples of 16
         scale_ptr,  # (G,) fp32: the scales (delayed); unused when CURRENT
@@ -153,6 +155,7 @@ if triton is not None:
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         G_BLOCK: tl.constexpr,
+        GATHER: tl.constexpr,
     ):
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
@@ -171,16 +174,19 @@ if triton is not None:
             scale = tl.load(scale_ptr + group)
         x_offset = row_start.to(tl.int64) * K
         out_t_group_ptr = out_t_ptr + col_start.to(tl.int64) * K
+        x_group_ptr = x_ptr if GATHER else x_ptr + x_offset
         bits = _cast_transpose_tile(
-            x_ptr + x_offset, out_ptr + x_offset, out_t_group_ptr, rows, K, tile, pid_n, scale,
-            FP8_MAX, not CURRENT, ROWWISE, COLUMNWISE, BLOCK_M, BLOCK_N,
+            x_group_ptr, out_ptr + x_offset, out_t_group_ptr, rows, K, tile, pid_n, scale,
+            FP8_MAX, not CURRENT, ROWWISE, COLUMNWISE, BLOCK_M, BLOCK_N, src_ptr + row_start,
+            GATHER,
         )  # fmt: skip
         if not CURRENT:
             tl.atomic_max(amax_ptr.to(tl.pointer_type(tl.int32)) + group, bits, sem="relaxed")
 
     @triton.jit
     def _grouped_amax_kernel(
-        x_ptr,  # (T, K) fp32 / bf16 / fp16, contiguous
+        x_ptr,  # (T, K) fp32 / bf16 / fp16, contiguous; (T_src, K) when GATHER
+        src_ptr,  # (T,) int32 when GATHER: the row of x each row comes from (-1: zeros)
         row_offsets_ptr,  # (G + 1,) int32: o_g
         amax_ptr,  # (G,) fp32, max-accumulated
         K,
@@ -188,16 +194,18 @@ if triton is not None:
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         G_BLOCK: tl.constexpr,
+        GATHER: tl.constexpr,
     ):
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         group, tile = _tile_group_or_last(row_offsets_ptr, G, pid_m, BLOCK_M, G_BLOCK)
         row_start = tl.load(row_offsets_ptr + group)
         rows = tl.load(row_offsets_ptr + group + 1) - row_start
+        x_group_ptr = x_ptr if GATHER else x_ptr + row_start.to(tl.int64) * K
         # The tile code with no output: only the int32 bits of the tile's max |x|.
         bits = _cast_transpose_tile(
-            x_ptr + row_start.to(tl.int64) * K, x_ptr, x_ptr, rows, K, tile, pid_n, 1.0,
-            448.0, True, False, False, BLOCK_M, BLOCK_N,
+            x_group_ptr, x_ptr, x_ptr, rows, K, tile, pid_n, 1.0, 448.0, True, False, False,
+            BLOCK_M, BLOCK_N, src_ptr + row_start, GATHER,
         )  # fmt: skip
         tl.atomic_max(amax_ptr.to(tl.pointer_type(tl.int32)) + group, bits, sem="relaxed")
 
@@ -259,6 +267,7 @@ def quantize_grouped(
     col_offsets: torch.Tensor,
     spec: CastSpec,
     reduce_max: Callable[[torch.Tensor], None] | None = None,
+    src_rows: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
     """Quantize the G groups of x (T, K) as spec says (see the module docstring): delayed with
     spec.scale (G,), max |x| of each group max-accumulated into spec.amax (G,); current with
@@ -267,23 +276,52 @@ def quantize_grouped(
     when given. One launch on CUDA under delayed scaling, three under current. Returns (rowwise
     (T, K) | None, columnwise (K * C,) | None, scale_inv (G,) fp32), laid out as the module
     says; m_splits None: the sizes come from the offsets on the device, C =
-    grouped_columns(None, T, G)."""
-    _check_groups(x, m_splits, row_offsets, col_offsets, spec)
-    if not (x.is_cuda and triton_available() and x.numel() > 0):
+    grouped_columns(None, T, G).
+
+    src_rows: an int32 (T,) tensor on x's device; the matrix quantized is then x[src_rows]
+    (zeros where src_rows < 0), gathered as the kernels read it, never written in high
+    precision: a permutation of tokens to experts and their quantization in one pass. x is
+    any (T_src, K); the indices are trusted (checking would cost a sync)."""
+    rows = _check_gather(x, src_rows)
+    _check_groups(x, m_splits, row_offsets, col_offsets, spec, rows)
+    if not (x.is_cuda and triton_available() and x.numel() > 0 and rows > 0):
+        if src_rows is not None:
+            x = gather_rows_reference(x, src_rows)
         return _reference(x, m_splits, row_offsets, spec, reduce_max)
     if spec.delayed:
-        return _grouped_cast_transpose(x, m_splits, row_offsets, col_offsets, spec)
+        return _grouped_cast_transpose(x, m_splits, row_offsets, col_offsets, spec, src=src_rows)
     amax = _zeroed_amax(spec.amax, row_offsets.numel() - 1, x.device)
-    _grouped_amax(x, m_splits, row_offsets, amax)
+    _grouped_amax(x, m_splits, row_offsets, amax, src=src_rows)
     if reduce_max is not None:
         reduce_max(amax)
-    return _grouped_cast_transpose(x, m_splits, row_offsets, col_offsets, spec, amax)
+    return _grouped_cast_transpose(x, m_splits, row_offsets, col_offsets, spec, amax, src=src_rows)
 
 
-def _check_groups(x, m_splits, row_offsets, col_offsets, spec: CastSpec) -> None:
+def gather_rows_reference(x: torch.Tensor, src_rows: torch.Tensor) -> torch.Tensor:
+    """x[src_rows] with zero rows where src_rows < 0: (T, K) from x (T_src, K)."""
+    padded = torch.cat([x, x.new_zeros(1, x.shape[1])])
+    index = torch.where(src_rows >= 0, src_rows, x.shape[0]).long()
+    return padded.index_select(0, index)
+
+
+def _check_gather(x: torch.Tensor, src_rows: torch.Tensor | None) -> int:
+    """The rows of the matrix quantized: x's, or src_rows' count (ValueError unless src_rows is
+    an int32 vector on x's device)."""
+    if src_rows is None:
+        return x.shape[0] if x.dim() == 2 else 0
+    if src_rows.dtype != torch.int32 or src_rows.dim() != 1 or src_rows.device != x.device:
+        raise ValueError(
+            f"src_rows must be a 1-D int32 tensor on {x.device}, got {src_rows.dtype} "
+            f"{tuple(src_rows.shape)} on {src_rows.device}"
+        )
+    return src_rows.numel()
+
+
+def _check_groups(x, m_splits, row_offsets, col_offsets, spec: CastSpec, rows=None) -> None:
     """ValueError unless x is 2-D, m_splits (G ints >= 0, or None: sizes on the device) sums to
-    x's rows, the offsets are int32 (G + 1,), spec's scale and amax (where given) have G
-    elements, all on x's device; TypeError unless spec.fp8_dtype is an FP8 dtype."""
+    x's rows (or `rows`, when given: a gathered matrix's), the offsets are int32 (G + 1,),
+    spec's scale and amax (where given) have G elements, all on x's device; TypeError unless
+    spec.fp8_dtype is an FP8 dtype."""
     if x.dim() != 2:
         raise ValueError(f"x must be 2-D (tokens, features), got shape {tuple(x.shape)}")
     groups = row_offsets.numel() - 1 if m_splits is None else len(m_splits)
@@ -295,7 +333,7 @@ def _check_groups(x, m_splits, row_offsets, col_offsets, spec: CastSpec) -> None
                 "they must match (one per group)"
             )
     if m_splits is not None:
-        check_splits(m_splits, x.shape[0])
+        check_splits(m_splits, x.shape[0] if rows is None else rows)
     offsets = {"row_offsets": row_offsets, "col_offsets": col_offsets}
     for name, tensor in offsets.items():
         if tensor.dtype != torch.int32 or tensor.numel() != groups + 1:
@@ -330,15 +368,17 @@ def _group_block(groups: int) -> int:
 
 
 def _grouped_cast_transpose(
-    x, m_splits, row_offsets, col_offsets, spec: CastSpec, current_amax=None, config=CAST_CONFIG
-) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
-    """Launch _grouped_cast_transpose_kernel on x (T, K), T, K > 0. Delayed (current_amax None):
-    spec.scale (G,) is the scale and spec.amax (G,) max-accumulated; current: the scales are
-    made from current_amax (G,). Returns (rowwise (T, K) | None, columnwise (K * C,) | None,
-    scale_inv (G,))."""
+    x, m_splits, row_offsets, col_offsets, spec: CastSpec, current_amax=None, config=CAST_CONFIG,
+    src=None,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:  # fmt: skip
+    """Launch _grouped_cast_transpose_kernel on x (T, K), T, K > 0 (x[src], src (T,) int32,
+    when src is given). Delayed (current_amax None): spec.scale (G,) is the scale and
+    spec.amax (G,) max-accumulated; current: the scales are made from current_amax (G,).
+    Returns (rowwise (T, K) | None, columnwise (K * C,) | None, scale_inv (G,))."""
     if not x.is_contiguous():
         x = x.contiguous()
-    tokens, features = x.shape
+    features = x.shape[1]
+    tokens = x.shape[0] if src is None else src.numel()
     groups = row_offsets.numel() - 1
     block_m, block_n, num_warps = config
     assert block_m % COLUMNWISE_ALIGN == 0, "row tiles must cover each group's padding"
@@ -358,31 +398,39 @@ def _grouped_cast_transpose(
     grid = (_row_tiles(m_splits, block_m, tokens, groups), (features + block_n - 1) // block_n, 1)
     g_block = _group_block(groups)
     power_2 = spec.power_2_scale
-    pointers = (x, row_offsets, col_offsets, scale, amax, scale_inv, out, out_t)
-    key = (x.dtype, fp8_dtype, rowwise, columnwise, current, power_2, config, g_block)
+    gather = src is not None
+    pointers = (x, src if gather else x, row_offsets, col_offsets, scale, amax, scale_inv, out)
+    pointers += (out_t,)
+    key = (x.dtype, fp8_dtype, rowwise, columnwise, current, power_2, config, g_block, gather)
     key += (*int_key(features), *int_key(groups), *ptr_key(*pointers))
     _launch_grouped_cast_transpose(
         key, grid, num_warps, *pointers, features, groups, float(spec.amax_epsilon),
         FP8_MAX[fp8_dtype], current, power_2, rowwise, columnwise, block_m, block_n, g_block,
+        gather,
     )  # fmt: skip
     return data, data_t, scale_inv
 
 
-def _grouped_amax(x, m_splits, row_offsets, amax, config=GROUPED_AMAX_CONFIG) -> None:
+def _grouped_amax(x, m_splits, row_offsets, amax, config=GROUPED_AMAX_CONFIG, src=None) -> None:
     """Launch _grouped_amax_kernel: amax[g] (G,) = max(amax[g], max |x| over group g's rows),
-    for x (T, K), T, K > 0."""
+    for x (T, K), T, K > 0 (x[src], src (T,) int32, when src is given)."""
     if not x.is_contiguous():
         x = x.contiguous()
-    tokens, features = x.shape
+    features = x.shape[1]
+    tokens = x.shape[0] if src is None else src.numel()
     groups = row_offsets.numel() - 1
     block_m, block_n, num_warps = config
     grid = (_row_tiles(m_splits, block_m, tokens, groups), (features + block_n - 1) // block_n, 1)
     g_block = _group_block(groups)
-    key = (x.dtype, config, g_block, *int_key(features), *int_key(groups))
-    key += (x.data_ptr() & 15, row_offsets.data_ptr() & 15, amax.data_ptr() & 15)
+    gather = src is not None
+    src = src if gather else x
+    key = (x.dtype, config, g_block, gather, *int_key(features), *int_key(groups))
+    key += (x.data_ptr() & 15, src.data_ptr() & 15, row_offsets.data_ptr() & 15)
+    key += (amax.data_ptr() & 15,)
     _launch_grouped_amax_kernel(
-        key, grid, num_warps, x, row_offsets, amax, features, groups, block_m, block_n, g_block
-    )
+        key, grid, num_warps, x, src, row_offsets, amax, features, groups, block_m, block_n,
+        g_block, gather,
+    )  # fmt: skip
 
 
 def _padded_rows(m_splits: list[int]) -> int:
@@ -402,6 +450,7 @@ def quantize_grouped_reference(
     col_offsets: torch.Tensor,
     spec: CastSpec,
     reduce_max: Callable[[torch.Tensor], None] | None = None,
+    src_rows: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
     """Torch reference of quantize_grouped (row_offsets and col_offsets are checked, not read:
     the groups come from m_splits)."""

@@ -30,10 +30,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from .._device import default_device
+from .._group_splits import group_splits
 from ..kernels.activation import is_gated
+from ..kernels.permutation import mask_row_id_map
 from ..module.norm import LayerNorm, RMSNorm
 from ..ops import basic as ops_basic
 from ..ops.sequential import Sequential
+from ._fused_permute import GatherQuantize, fp8_input_quantizer, permuted_sources
 from ._permutation_functions import MaskPermute, Plan
 from .permutation import moe_permute_and_pad_with_probs, moe_unpermute
 from .router import (
@@ -97,7 +100,11 @@ class MoELayer(nn.Module):
     experts); single_grouped_weight: each expert GEMM's weights as one (E, N, K) parameter
     `weight` (and biases as one (E, N) `bias`) instead of E parameters weight0..weight{E-1}
     (te.ops.GroupedLinear's layouts): the same values and outputs, one gradient per GEMM
-    instead of one per expert (less host time a step where the host is the slower side).
+    instead of one per expert (less host time a step where the host is the slower side);
+    fuse_permute_cast: with device splits under FP8 delayed or current scaling (and x in the
+    experts' compute dtype), the experts' FP8 input is cast straight from the tokens by the
+    permutation's gather (_fused_permute.py), the permuted rows never written in high
+    precision; the same bits as without (default False).
 
     Router logits with NaN raise a ValueError naming the layer wherever the split sizes are
     read on the host (every CPU call, GPU calls with host splits). With device splits on a GPU
@@ -134,6 +141,7 @@ class MoELayer(nn.Module):
         bias: bool = False,
         normalization: str | None = None,
         single_grouped_weight: bool = False,
+        fuse_permute_cast: bool = False,
     ) -> None:
         super().__init__()
         _check_args(
@@ -150,6 +158,7 @@ class MoELayer(nn.Module):
         self.scaling_factor = scaling_factor
         self.aux_loss_coeff, self.router_dtype = float(aux_loss_coeff), router_dtype
         self.device_splits, self.bias = device_splits, bool(bias)
+        self.fuse_permute_cast = bool(fuse_permute_cast)
         self.norm = None
         if normalization is not None:
             if normalization not in ("LayerNorm", "RMSNorm"):
@@ -276,8 +285,39 @@ class MoELayer(nn.Module):
         pad_offsets = torch.cumsum(pads_E, 0) - pads_E
         m_splits = target_E.clone()
         m_splits[-1] += rows - target_E.sum()  # the spare rows (zero, prob 0) to the last expert
+        fused = self._fused_cast(x_TH, probs_TE) if tokens else None
+        if fused is not None:  # the FP8 cast of the permuted rows reads the tokens themselves
+            return self._permute_and_cast(x_TH, probs_TE, map_TE, pad_offsets, m_splits, *fused)
         x_PH, row_id_map, probs_P = MaskPermute.apply(
             x_TH, map_TE, probs_TE, pad_offsets, Plan(num_out_tokens=rows)
+        )
+        return x_PH, probs_P, row_id_map, pad_offsets, m_splits
+
+    def _fused_cast(self, x_TH: torch.Tensor, probs_TE: torch.Tensor):
+        """(quantizer, columnwise) of the experts' first GEMM's input where the permutation and
+        its FP8 cast run as one (_fused_permute.py), else None."""
+        if not self.fuse_permute_cast:
+            return None
+        requires_grad = torch.is_grad_enabled() and (
+            x_TH.requires_grad
+            or probs_TE.requires_grad
+            or any(p.requires_grad for p in self.experts.parameters())
+        )
+        return fp8_input_quantizer(self.experts, x_TH, requires_grad)
+
+    def _permute_and_cast(self, x_TH, probs_TE, map_TE, pad_offsets, m_splits, quantizer,
+                          columnwise):  # fmt: skip
+        """_permute_on_device's outputs with the permuted rows as the FP8 GroupedTensor the
+        first GEMM reads (never written in high precision)."""
+        rows = int(x_TH.shape[0]) * self.top_k + self.num_experts * (EXPERT_ALIGN - 1)
+        row_id_map, _ = mask_row_id_map(map_TE)
+        src_P, expert_P = permuted_sources(row_id_map, pad_offsets, rows)
+        tokens, experts = probs_TE.shape
+        flat = torch.cat([probs_TE.reshape(-1), probs_TE.new_zeros(1)])
+        probs_P = flat[torch.where(src_P >= 0, src_P.long() * experts + expert_P, tokens * experts)]
+        splits = group_splits(m_splits, self.num_experts, rows, x_TH.device)
+        x_PH = GatherQuantize.apply(
+            x_TH, src_P, row_id_map, pad_offsets, quantizer, splits, columnwise
         )
         return x_PH, probs_P, row_id_map, pad_offsets, m_splits
 

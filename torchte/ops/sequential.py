@@ -88,6 +88,19 @@ class Sequential(nn.Module):
             stages.append(OperationFuser(run))
         return stages
 
+    def first_run_settings(self, x: torch.Tensor, requires_grad: bool):
+        """The RunSettings the first fused run of ops would call its ops with, for an input like
+        x under the current autocast state (what the ops' plans are keyed by), or None when
+        the first stage is not a run of ops."""
+        stages = self._stages
+        if stages is None:
+            stages = self._build_stages()
+            self.__dict__["_stages"] = stages
+        first = stages[0] if stages else None
+        if not isinstance(first, OperationFuser):
+            return None
+        return first._pipeline(x, requires_grad).settings
+
     def forward(
         self,
         x: torch.Tensor,

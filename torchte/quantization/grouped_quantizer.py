@@ -82,15 +82,22 @@ class GroupedQuantizer:
         return spec
 
     def quantize(
-        self, x: torch.Tensor, m_splits, rowwise: bool = True, columnwise: bool = True
+        self,
+        x: torch.Tensor,
+        m_splits,
+        rowwise: bool = True,
+        columnwise: bool = True,
+        src_rows: torch.Tensor | None = None,
     ) -> GroupedStorage:
         """x (T, K) contiguous with groups of m_splits rows (host ints or a GroupSplits) ->
         GroupedStorage, in one launch (delayed) or three (current: zero amax, amax, cast) on a
-        GPU (current scaling with amax_reduction: one all-reduce more)."""
+        GPU (current scaling with amax_reduction: one all-reduce more). src_rows (T,) int32:
+        the rows quantized are x[src_rows] (zeros where < 0), read from x (T_src, K) by the
+        cast itself (grouped_cast.quantize_grouped)."""
         sizes, rows, cols = split_offsets(m_splits, x.device)
         spec = self.cast_spec(rowwise, columnwise)
         data, data_t, scale_inv = grouped_cast.quantize_grouped(
-            x, sizes, rows, cols, spec, self.amax_reduction
+            x, sizes, rows, cols, spec, self.amax_reduction, src_rows
         )
-        shape = tuple(x.shape)
+        shape = tuple(x.shape) if src_rows is None else (src_rows.numel(), x.shape[1])
         return GroupedStorage(data, data_t, scale_inv, self.fp8_dtype, sizes, shape, (rows, cols))

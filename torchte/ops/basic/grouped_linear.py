@@ -38,6 +38,7 @@ from torchte.module.grouped_linear import (
     grouped_plan,
     grouped_weights_fp8,
 )
+from torchte.quantization.grouped import GroupedTensor
 from torchte.quantization.model_init import model_init_settings
 
 from ..op import BasicOperation, OperationContext, RunSettings
@@ -246,9 +247,12 @@ class GroupedLinear(BasicOperation):
         return call, params
 
     def gemm_forward(self, ctx: OperationContext, x, split_sizes, settings, scales=None):
-        """y (T, N) from x (T, K) (a tensor, or a GroupedStorage a fused producer wrote under
-        FP8); ctx filled for gemm_backward. scales: the (T,) bias scales (scale_bias only)."""
+        """y (T, N) from x (T, K) (a tensor, or a GroupedStorage / GroupedTensor a fused producer
+        wrote under FP8 with this op's input quantizer); ctx filled for gemm_backward. scales:
+        the (T,) bias scales (scale_bias only)."""
         need_dgrad = settings.requires_grad and ctx.input_requires_grad
+        if isinstance(x, GroupedTensor):  # quantized by its producer (te.moe's permutation)
+            x = x._storage
         if ctx.kwargs:
             self._check_buffers(ctx.kwargs, x, settings.dtype)
         call, params = self.grouped_call(x, split_sizes, settings, need_dgrad)
@@ -334,7 +338,7 @@ class GroupedLinear(BasicOperation):
 
     def op_forward(self, ctx, x, extra_inputs, settings):
         self._check_input(x, self.in_features)
-        x2d = x.reshape(-1, self.in_features)
+        x2d = x if x.dim() == 2 else x.reshape(-1, self.in_features)  # a GroupedTensor: as is
         y = self.gemm_forward(ctx, x2d, extra_inputs[0], settings, *extra_inputs[1:])
         return y.view(*x.shape[:-1], self.out_features), ()
 

@@ -47,7 +47,7 @@ class GroupedMLP(FusedOperation):
         ctx1, ctx_act, ctx2 = ctxs
         fc1, act, fc2 = self.fc1, self.act, self.fc2
         fc1._check_input(x, fc1.in_features)
-        x2d = x.reshape(-1, fc1.in_features)
+        x2d = x if x.dim() == 2 else x.reshape(-1, fc1.in_features)  # a GroupedTensor: as is
         tokens = x2d.shape[0]
         h = fc1.gemm_forward(ctx1, x2d, extra_inputs[0][0], settings)
         splits = group_splits(extra_inputs[2][0], fc2.num_groups, tokens, fc2.device)
