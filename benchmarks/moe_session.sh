@@ -18,7 +18,7 @@ GROUPS_OF_TESTS=(
   "tests/test_moe_layer_gpu.py tests/test_host_splits_gpu.py tests/test_train_cuda_graph_gpu.py tests/test_graphs_gpu.py"
   "tests/test_grouped_device_splits.py tests/test_grouped_linear_gpu.py tests/test_kernels_grouped_gemm.py tests/test_kernels_grouped_activation.py"
   "tests/test_moe_router.py tests/test_moe_router_packed.py"
-  "tests/test_moe_permutation.py tests/test_moe_permutation_speed.py tests/test_ops_grouped.py"
+  "tests/test_moe_permutation.py tests/test_moe_permutation_speed.py tests/test_ops_grouped.py tests/test_grouped_cast_gather.py tests/test_moe_fused_permute.py"
 )
 if [[ $PHASES == *tests* ]]; then
   run_test_groups moe_tests "$TEST_LIMIT" "${GROUPS_OF_TESTS[@]}"
