@@ -10,8 +10,8 @@ from interpreter import requires_interpreter, run_under_interpreter
 
 SCRIPT = """
 import torch
-from tolerances import assert_close
-from torchte.kernels import grouped_activation_fp8 as gaf
+from tolerances import assert_close, assert_same_tensors as same
+from torchte.kernels import activation as act_mod, grouped_activation_fp8 as gaf
 from torchte.kernels.cast_spec import CastSpec
 from torchte.kernels.grouped_cast import device_grouped_offsets, grouped_offsets, quantize_grouped
 from torchte.kernels.scaled_activation import scaled_activation_backward, scaled_activation_forward
@@ -27,18 +27,10 @@ def spec(delayed):
     return CastSpec(torch.float8_e4m3fn, True, True, None, amax)
 
 
-def same(got, want, where):
-    for a, b in zip(got, want, strict=True):
-        assert (a is None) == (b is None), where
-        if a is not None:
-            a = a.view(torch.uint8) if a.dtype.itemsize == 1 else a
-            b = b.view(torch.uint8) if b.dtype.itemsize == 1 else b
-            assert a.shape == b.shape and torch.equal(a, b), where
-
-
 gen = torch.Generator().manual_seed(0)
 for name in ("swiglu", "gelu"):
     k = 2 * N if name == "swiglu" else N
+    act, gated = act_mod._spec(name)
     h = (torch.randn(T, k, generator=gen) * 2).bfloat16()
     dy = torch.randn(T, N, generator=gen).bfloat16()
     s = torch.rand(T, generator=gen)
@@ -58,7 +50,8 @@ for name in ("swiglu", "gelu"):
                 gaf.SCALED_ACT_GRAD_CONFIG = {"delayed": config, "current": config}
                 want_spec, got_spec = spec(delayed), spec(delayed)
                 want = quantize_grouped(a, m_splits, rows, cols, want_spec)
-                got = gaf._forward_triton(h, s, name, 0.0, 0.0, m_splits, rows, cols, got_spec)
+                got = gaf._forward_triton(h, s, act, gated, N, 0.0, 0.0, m_splits, rows, cols,
+                                         got_spec)
                 # the columnwise blocks end at element N * c_G (device splits: room past it
                 # for the worst case, never written)
                 end = N * int(cols[-1])
@@ -67,7 +60,8 @@ for name in ("swiglu", "gelu"):
                 want_spec, got_spec = spec(delayed), spec(delayed)
                 want_b = quantize_grouped(dh, m_splits, rows, cols, want_spec)
                 *got_b, ds, dbias = gaf._backward_triton(
-                    dy, h, s, name, 0.0, 0.0, m_splits, rows, cols, got_spec, (True, True)
+                    dy, h, s, act, gated, N, 0.0, 0.0, m_splits, rows, cols, got_spec,
+                    (True, True)
                 )
                 end = k * int(cols[-1])
                 same((got_b[0], got_b[1][:end], got_b[2], got_spec.amax),

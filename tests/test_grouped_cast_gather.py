@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from interpreter import requires_interpreter, run_under_interpreter
+from tolerances import assert_same_tensors
 
 from torchte.kernels.cast_spec import CastSpec
 from torchte.kernels.grouped_cast import gather_rows_reference, grouped_offsets, quantize_grouped
@@ -28,15 +29,6 @@ def _spec(delayed: bool) -> CastSpec:
     return CastSpec(torch.float8_e4m3fn, True, True, scale, torch.zeros(4))
 
 
-def _same(got, want) -> None:
-    for a, b in zip(got, want, strict=True):
-        assert (a is None) == (b is None)
-        if a is not None:
-            a = a.view(torch.uint8) if a.dtype.itemsize == 1 else a
-            b = b.view(torch.uint8) if b.dtype.itemsize == 1 else b
-            assert torch.equal(a, b)
-
-
 def test_gather_rows_reference_takes_rows_and_zeros():
     x = torch.arange(12.0).reshape(4, 3)
     src = torch.tensor([2, -1, 0, 2], dtype=torch.int32)
@@ -52,7 +44,7 @@ def test_reference_equals_gather_then_quantize(delayed):
     got_spec, want_spec = _spec(delayed), _spec(delayed)
     got = quantize_grouped(x, SPLITS, *offsets, got_spec, src_rows=src)
     want = quantize_grouped(gather_rows_reference(x, src), SPLITS, *offsets, want_spec)
-    _same((*got, got_spec.amax), (*want, want_spec.amax))
+    assert_same_tensors((*got, got_spec.amax), (*want, want_spec.amax))
 
 
 @pytest.mark.parametrize(
@@ -71,16 +63,9 @@ def test_bad_src_rows(src, match):
 
 INTERPRETER_SCRIPT = """
 import torch
+from tolerances import assert_same_tensors as same
 from torchte.kernels import grouped_cast as gc
 from torchte.kernels.cast_spec import CastSpec
-
-def same(got, want, what):
-    for a, b in zip(got, want):
-        assert (a is None) == (b is None), what
-        if a is not None:
-            a = a.view(torch.uint8) if a.dtype.itemsize == 1 else a
-            b = b.view(torch.uint8) if b.dtype.itemsize == 1 else b
-            assert a.shape == b.shape and torch.equal(a, b), what
 
 gen = torch.Generator().manual_seed(0)
 for m_splits, tokens, features, config in (([7, 0, 21, 4], 19, 24, (16, 32, 4)),
@@ -138,4 +123,4 @@ def test_cuda_gather_quantize_equals_gather_then_quantize(delayed):
             for _ in range(2)]  # fmt: skip
     got = quantize_grouped(x.cuda(), splits, *offsets, spec[0], src_rows=src.cuda())
     want = quantize_grouped(gather_rows_reference(x, src).cuda(), splits, *offsets, spec[1])
-    _same((*got, spec[0].amax), (*want, spec[1].amax))
+    assert_same_tensors((*got, spec[0].amax), (*want, spec[1].amax))

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tolerances import assert_close
+from tolerances import assert_close, assert_same_tensors
 
 from torchte.kernels.activation import activation_forward
 from torchte.kernels.cast_spec import CastSpec
@@ -51,7 +51,7 @@ def test_scaled_activation_grouped_fp8_equals_activation_then_grouped_cast(
             a = scaled_activation_forward(h, s, name)
             out = quantize_grouped(a, splits, rows, cols, spec)
         outputs.append((*out, spec.amax))
-    _assert_same_bytes(*outputs)
+    assert_same_tensors(*outputs)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -87,7 +87,7 @@ def test_scaled_activation_backward_grouped_fp8_equals_backward_then_grouped_cas
     got, want = outputs
     assert_close(got[-1], want[-1], torch.bfloat16)  # dbias: sums of dh in bf16
     got, want = got[:-1], want[:-1]
-    _assert_same_bytes(got[:-1], want[:-1])
+    assert_same_tensors(got[:-1], want[:-1])
     if device == "cpu":
         assert torch.equal(got[-1], want[-1])
     else:  # fp32 sums in another order: off by a few ulps of the sum of |terms|
@@ -102,15 +102,6 @@ def _grouped_spec(scaling: str, device, fp8_dtype, usage) -> CastSpec:
         scale = torch.tensor([0.5, 1.0, 2.0, 4.0], device=device)
         return _DelayedVectors(scale, torch.zeros(4, device=device), fp8_dtype).cast_spec(*usage)
     return GroupedQuantizer(fp8_dtype).cast_spec(*usage)
-
-
-def _assert_same_bytes(got, want) -> None:
-    """Each pair the same tensor (FP8 ones compared as bytes) or both None."""
-    for a, b in zip(got, want, strict=True):
-        assert (a is None) == (b is None)
-        if a is not None:
-            assert torch.equal(a.view(torch.uint8) if a.dtype.itemsize == 1 else a,
-                               b.view(torch.uint8) if b.dtype.itemsize == 1 else b)  # fmt: skip
 
 
 class _DelayedVectors:

@@ -497,16 +497,9 @@ def test_bad_aux_arguments_raise(call_, error, match):
 # rounding, so low-precision outputs are compared within their dtype's tolerance.
 INTERPRETER_SCRIPT = """
 import torch
-from tolerances import assert_close
+from tolerances import assert_close, assert_equal_or_close as same
 from torchte.kernels import router as R, moe_aux_loss as A
 from torchte.kernels.router_maps import routing_to_mask
-
-def same(a, b, where):
-    assert a.shape == b.shape and a.dtype == b.dtype, (where, a.shape, b.shape, a.dtype, b.dtype)
-    if a.is_floating_point():
-        assert_close(a, b, a.dtype, msg=str(where))
-    else:
-        assert torch.equal(a, b), where
 
 def topk(x, bias, spec, index_dtype=None):
     t, k = x.shape[0], spec.topk

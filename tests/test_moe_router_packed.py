@@ -206,7 +206,7 @@ from router_gpu_model import select_like_gpu
 from test_moe_router_packed import (
     CASES, ORDERED, NAN_BITS, coarse_bias, floats, selection_scores, special_rows, specs,
 )
-from tolerances import assert_close
+from tolerances import assert_close, assert_equal_or_close as same
 from torchte.kernels import router as R, router_topk as K
 from torchte.kernels.router_maps import routing_to_mask
 
@@ -218,13 +218,6 @@ def bits(a):
 def same_bits(a, b, where):
     assert a.shape == b.shape and a.dtype == b.dtype, (where, a.shape, b.shape, a.dtype, b.dtype)
     assert torch.equal(bits(a), bits(b)), where
-
-def same(a, b, where):
-    assert a.shape == b.shape and a.dtype == b.dtype, (where, a.shape, b.shape, a.dtype, b.dtype)
-    if a.is_floating_point():
-        assert_close(a, b, a.dtype, msg=str(where))
-    else:
-        assert torch.equal(a, b), where
 
 def same_nan_aware(a, b, where):
     assert a.shape == b.shape and torch.equal(a.isnan(), b.isnan()), where

@@ -11,7 +11,15 @@ import math
 
 import torch
 
-__all__ = ["TOLERANCES", "assert_close", "representable", "same_bits", "tolerance"]
+__all__ = [
+    "TOLERANCES",
+    "assert_close",
+    "assert_equal_or_close",
+    "assert_same_tensors",
+    "representable",
+    "same_bits",
+    "tolerance",
+]
 
 TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
     torch.float32: (1.3e-6, 1e-5),
@@ -99,3 +107,24 @@ def assert_close_to_scale(
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether two tensors of one 4-byte dtype hold the same bit patterns (NaN equal to NaN)."""
     return a.shape == b.shape and torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
+def assert_same_tensors(got, want, msg=None) -> None:
+    """Each pair of the two sequences both None or equal tensors, one-byte (FP8) ones compared
+    as bytes (so NaN codes compare equal)."""
+    for a, b in zip(got, want, strict=True):
+        assert (a is None) == (b is None), msg
+        if a is not None:
+            a = a.view(torch.uint8) if a.dtype.itemsize == 1 else a
+            b = b.view(torch.uint8) if b.dtype.itemsize == 1 else b
+            assert torch.equal(a, b), msg
+
+
+def assert_equal_or_close(a: torch.Tensor, b: torch.Tensor, msg=None) -> None:
+    """Same shape and dtype; floating values within the table's tolerance of their dtype,
+    others equal."""
+    assert a.shape == b.shape and a.dtype == b.dtype, (msg, a.shape, b.shape, a.dtype, b.dtype)
+    if a.is_floating_point():
+        assert_close(a, b, a.dtype, msg=str(msg))
+    else:
+        assert torch.equal(a, b), msg

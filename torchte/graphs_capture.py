@@ -61,8 +61,9 @@ class PassGraphs:
         self.grad_outputs: tuple = ()
         self.input_grads: tuple = ()
         self.param_grads: tuple = ()
-        # indices into params whose grads are cloned, one tuple per dtype (one copy kernel each)
-        self.cloned: tuple[tuple[int, ...], ...] = ()
+        # (indices into params, their static grads) of the grads handed out as fresh copies,
+        # one pair per dtype (one copy kernel each)
+        self.cloned: tuple[tuple[tuple[int, ...], list[torch.Tensor]], ...] = ()
         self.freed = False
 
     def call_args(self, inputs: tuple) -> tuple[tuple, dict]:
@@ -155,7 +156,9 @@ class PassGraphs:
         by_dtype: dict[torch.dtype, list[int]] = {}
         for i in cloned:
             by_dtype.setdefault(self.param_grads[i].dtype, []).append(i)
-        self.cloned = tuple(tuple(group) for group in by_dtype.values())
+        self.cloned = tuple(
+            (tuple(group), [self.param_grads[i] for i in group]) for group in by_dtype.values()
+        )
         if not retain_graph:  # the forward graph is kept; autograd's graph goes
             self.outputs = tuple(o.detach() for o in self.outputs)
 
@@ -240,11 +243,10 @@ class PassGraphs:
         params = [None if g is None else g.detach() for g in self.param_grads]
         # Fresh tensors (autograd may keep them as .grad): one copy per dtype, in C++ (a cat
         # of mixed dtypes would promote, and autograd would launch a cast per gradient).
-        for group in self.cloned:
+        for group, grads in self.cloned:
             if len(group) == 1:  # (flatten_dense_tensors would return a view, not a copy)
-                params[group[0]] = self.param_grads[group[0]].clone()
+                params[group[0]] = grads[0].clone()
                 continue
-            grads = [self.param_grads[i] for i in group]
             flat = torch._C._nn.flatten_dense_tensors(grads)
             for i, part in zip(group, torch._C._nn.unflatten_dense_tensors(flat, grads),
                                strict=True):  # fmt: skip

@@ -320,7 +320,7 @@ def scaled_activation_grouped_fp8(
     """a = name(h) * s[:, None] quantized group by group as spec says (see the module
     docstring): h (T, K) contiguous, s (T,) -> (rowwise (T, N), columnwise (N * C,) or None,
     scale_inv (G,)). spec.rowwise must be set (the GEMM reads the rowwise bytes)."""
-    _, gated = act_mod._spec(name)
+    act, gated = act_mod._spec(name)
     n = act_mod._out_cols(h, gated, name)
     if h.dim() != 2 or s.shape != (h.shape[0],):
         raise ValueError(
@@ -333,14 +333,13 @@ def scaled_activation_grouped_fp8(
         a = scaled_activation_forward(h, s, name, limit, alpha)
         return quantize_grouped(a, m_splits, row_offsets, col_offsets, spec)
     _check_groups(h[:, :n], m_splits, row_offsets, col_offsets, spec)
-    return _forward_triton(h, s, name, limit, alpha, m_splits, row_offsets, col_offsets, spec)
+    return _forward_triton(h, s, act, gated, n, limit, alpha, m_splits, row_offsets,
+                           col_offsets, spec)  # fmt: skip
 
 
-def _forward_triton(h, s, name, limit, alpha, m_splits, row_offsets, col_offsets, spec):
-    """scaled_activation_grouped_fp8's kernels on checked arguments (one launch, or three
-    under current scaling)."""
-    act, gated = act_mod._spec(name)
-    n = act_mod._out_cols(h, gated, name)
+def _forward_triton(h, s, act, gated, n, limit, alpha, m_splits, row_offsets, col_offsets, spec):
+    """scaled_activation_grouped_fp8's kernels on checked arguments, (act, gated) the
+    activation's spec and n its output width (one launch, or three under current scaling)."""
     h = h if h.is_contiguous() else h.contiguous()
     args = (h, s, n, act, gated, limit, alpha, m_splits, row_offsets, col_offsets, spec)
     config = SCALED_ACT_CONFIG
@@ -406,7 +405,7 @@ def scaled_activation_backward_grouped_fp8(
     current (zeroing, the amax pass, which also sums ds and dbias, the cast). dh and ds as
     scaled_activation_backward computes them, dbias as torch.sum over each group's rows of
     dh (both summed in another order on a GPU); the bytes those of quantize_grouped(dh)."""
-    _, gated = act_mod._spec(name)
+    act, gated = act_mod._spec(name)
     n = act_mod._out_cols(h, gated, name)
     if h.dim() != 2 or s.shape != (h.shape[0],) or dy.shape != (h.shape[0], n):
         raise ValueError(
@@ -427,15 +426,15 @@ def scaled_activation_backward_grouped_fp8(
         return (*quantize_grouped(dh, m_splits, row_offsets, col_offsets, spec), ds, dbias)
     _check_groups(h, m_splits, row_offsets, col_offsets, spec)
     return _backward_triton(
-        dy, h, s, name, limit, alpha, m_splits, row_offsets, col_offsets, spec, need
+        dy, h, s, act, gated, n, limit, alpha, m_splits, row_offsets, col_offsets, spec, need
     )
 
 
-def _backward_triton(dy, h, s, name, limit, alpha, m_splits, row_offsets, col_offsets, spec, need):
-    """scaled_activation_backward_grouped_fp8's kernels on checked arguments, and the sums of
-    their ds and dbias parts."""
-    act, gated = act_mod._spec(name)
-    n = act_mod._out_cols(h, gated, name)
+def _backward_triton(
+    dy, h, s, act, gated, n, limit, alpha, m_splits, row_offsets, col_offsets, spec, need
+):
+    """scaled_activation_backward_grouped_fp8's kernels on checked arguments ((act, gated) the
+    activation's spec, n its output width), and the sums of their ds and dbias parts."""
     need_ds, need_dbias = need
     h, dy = h.contiguous(), dy.contiguous()
     config = SCALED_ACT_GRAD_CONFIG["delayed" if spec.delayed else "current"]

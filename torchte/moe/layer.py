@@ -287,7 +287,9 @@ class MoELayer(nn.Module):
         m_splits[-1] += rows - target_E.sum()  # the spare rows (zero, prob 0) to the last expert
         fused = self._fused_cast(x_TH, probs_TE) if tokens else None
         if fused is not None:  # the FP8 cast of the permuted rows reads the tokens themselves
-            return self._permute_and_cast(x_TH, probs_TE, map_TE, pad_offsets, m_splits, *fused)
+            return self._permute_and_cast(
+                x_TH, probs_TE, map_TE, pad_offsets, m_splits, rows, *fused
+            )
         x_PH, row_id_map, probs_P = MaskPermute.apply(
             x_TH, map_TE, probs_TE, pad_offsets, Plan(num_out_tokens=rows)
         )
@@ -305,11 +307,10 @@ class MoELayer(nn.Module):
         )
         return fp8_input_quantizer(self.experts, x_TH, requires_grad)
 
-    def _permute_and_cast(self, x_TH, probs_TE, map_TE, pad_offsets, m_splits, quantizer,
+    def _permute_and_cast(self, x_TH, probs_TE, map_TE, pad_offsets, m_splits, rows, quantizer,
                           columnwise):  # fmt: skip
-        """_permute_on_device's outputs with the permuted rows as the FP8 GroupedTensor the
-        first GEMM reads (never written in high precision)."""
-        rows = int(x_TH.shape[0]) * self.top_k + self.num_experts * (EXPERT_ALIGN - 1)
+        """_permute_on_device's outputs (a buffer of `rows` rows) with the permuted rows as the
+        FP8 GroupedTensor the first GEMM reads (never written in high precision)."""
         row_id_map, _ = mask_row_id_map(map_TE)
         src_P, expert_P = permuted_sources(row_id_map, pad_offsets, rows)
         tokens, experts = probs_TE.shape
