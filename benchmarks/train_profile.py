@@ -1,11 +1,13 @@
 """Per-step time of the training example with experts: step wall time, GPU busy time, launches,
 GPU kernel time by kind (kernel names matched in KINDS' order, so the grouped activation kernels,
-whose names contain "scale", count as "FP8 cast/amax/scale") and the 15 longest kernels.
+whose names contain "scale", count as "FP8 cast/amax/scale") and the longest kernels (15 unless
+--top N) with their launches a step.
 
     PYTHONPATH=. python benchmarks/train_profile.py medium large   # on a CUDA GPU
     PYTHONPATH=. python benchmarks/train_profile.py --host-splits medium   # sizes read back
     PYTHONPATH=. python benchmarks/train_profile.py --eager medium   # no CUDA graphs
     PYTHONPATH=. python benchmarks/train_profile.py --recipes bf16,current large
+    PYTHONPATH=. python benchmarks/train_profile.py --top 30 medium   # the 30 longest kernels
 
 The runs take the example's defaults, so their blocks are CUDA graphs (--cuda-graph auto on a
 GPU); --eager and --host-splits (which no graph can hold) run them eagerly.
@@ -74,6 +76,10 @@ if "--recipes" in sizes:
     at = sizes.index("--recipes")
     recipes = tuple(sizes[at + 1].split(","))
     del sizes[at : at + 2]
+if "--top" in sizes:
+    at = sizes.index("--top")
+    TOP = int(sizes[at + 1])
+    del sizes[at : at + 2]
 if "--eager" in sizes:
     sizes.remove("--eager")
     extra = ["--cuda-graph", "off"]
@@ -109,12 +115,13 @@ for size in sizes:
             for _ in range(3):
                 trainer.train_step()
             torch.cuda.synchronize()
-        per, by_name = defaultdict(float), defaultdict(float)
+        per, by_name, calls = defaultdict(float), defaultdict(float), defaultdict(int)
         count = 0
         for e in prof.events():
             if e.device_type == torch.autograd.DeviceType.CUDA:
                 per[kind(e.name)] += e.device_time / 1e3 / 3
                 by_name[e.name[:70]] += e.device_time / 1e3 / 3
+                calls[e.name[:70]] += 1
                 count += 1
         gpu = sum(per.values())
         print(
@@ -125,6 +132,6 @@ for size in sizes:
             "   " + ", ".join(f"{k} {v:.1f}" for k, v in sorted(per.items(), key=lambda kv: -kv[1]))
         )
         for name, ms in sorted(by_name.items(), key=lambda kv: -kv[1])[:TOP]:
-            print(f"      {ms:7.2f} ms  {name}")
+            print(f"      {ms:7.2f} ms {calls[name] // 3:5d}x  {name}")
         del trainer
         torch.cuda.empty_cache()

@@ -72,6 +72,7 @@ def history_case(rows: int, cols: int, seed: int) -> tuple[torch.Tensor, torch.T
 
 
 CASES = [(1, 1), (1, 6), (2, 3), (16, 1), (17, 6), (1024, 1), (1024, 8), (1500, 3), (4099, 2)]
+CASES += [(1024, 37), (33, 19)]  # several programs (8 columns each)
 
 
 @pytest.mark.parametrize("rows,cols", CASES)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from interpreter import requires_interpreter, run_under_interpreter
 from tolerances import representable
 
 import torchte as te
@@ -66,9 +67,10 @@ def test_fused_equals_unfused_bit_for_bit(name, bias, monkeypatch):
 
 def test_not_taken_in_bf16_with_host_splits_or_unless_asked(monkeypatch):
     calls = []
+    original = _fused_permute.GatherQuantize.apply
     monkeypatch.setattr(_fused_permute.GatherQuantize, "apply",
-                        lambda *a: calls.append(1))  # fmt: skip
-    fused, _ = _pair()
+                        lambda *a: calls.append(1) or original(*a))  # fmt: skip
+    fused, off = _pair()
     x = torch.randn(T, H).bfloat16()
     fused(x)  # bf16: no FP8 cast to fuse
     host = te.moe.MoELayer(H, F_, E, 2, params_dtype=torch.bfloat16, device="cpu",
@@ -79,12 +81,14 @@ def test_not_taken_in_bf16_with_host_splits_or_unless_asked(monkeypatch):
         host(x)  # host splits: moe_permute_and_pad_with_probs, unfused
         fused(torch.zeros(0, H).bfloat16())  # zero tokens
         fused(x.float())  # x not in the experts' compute dtype
-        default(x)  # not asked for
+        off(x)  # fuse_permute_cast=False
+        default(x)  # off by default
     assert not calls
 
 
 def test_permuted_sources_match_the_permutation():
-    """src / expert of every permuted row against moe_permute's rows (pad rows: -1, 0)."""
+    """src / probs of every permuted row against moe_permute's rows (pad rows and a route of
+    probability 0, which moe_permute writes as zeros: -1 and 0)."""
     from torchte.kernels.permutation import mask_row_id_map
 
     gen = torch.Generator().manual_seed(2)
@@ -92,20 +96,55 @@ def test_permuted_sources_match_the_permutation():
     for t in range(T):
         routing[t, torch.randperm(E, generator=gen)[:2]] = True
     routing[:, 3] = False  # an expert without tokens
+    probs = torch.rand(T, E, generator=gen) * routing
+    zero_route = routing[0].nonzero()[0, 0]
+    probs[0, zero_route] = 0.0
     row_id_map, counts = mask_row_id_map(routing)
     pads = (-counts[:E]) % 16
     pad_offsets = torch.cumsum(pads, 0) - pads
     rows = T * 2 + E * 15
-    src, expert = _fused_permute.permuted_sources(row_id_map, pad_offsets.int(), rows)
+    src, probs_P = _fused_permute.permuted_sources(row_id_map, counts, pad_offsets, probs, rows)
     want_src = torch.full((rows,), -1, dtype=torch.int32)
-    want_expert = torch.zeros(rows, dtype=torch.int64)
+    want_probs = torch.zeros(rows)
     start = 0
     for e in range(E):
         tokens = routing[:, e].nonzero().flatten()
-        want_src[start : start + len(tokens)] = tokens.int()
-        want_expert[start : start + len(tokens)] = e
+        want_src[start : start + len(tokens)] = torch.where(probs[tokens, e] > 0, tokens, -1)
+        want_probs[start : start + len(tokens)] = probs[tokens, e]
         start += len(tokens) + int(pads[e])
-    assert torch.equal(src, want_src) and torch.equal(expert, want_expert)
+    assert (want_src == -1).sum() > rows - 2 * T  # the zero-probability route is among them
+    assert torch.equal(src, want_src) and torch.equal(probs_P, want_probs)
+
+
+INTERPRETER_SCRIPT = """
+import torch
+from torchte.kernels import permutation as kp
+
+gen = torch.Generator().manual_seed(3)
+tokens, experts = 37, 6
+routing = torch.zeros(tokens, experts, dtype=torch.bool)
+for t in range(tokens):
+    routing[t, torch.randperm(experts, generator=gen)[:2]] = True
+routing[:, 2] = False
+probs = torch.rand(tokens, experts, generator=gen) * routing
+probs[5, routing[5].nonzero()[0, 0]] = 0.0
+row_id_map, counts = kp.mask_row_id_map_reference(routing)
+pads = (-counts[:experts].long()) % 16
+pad_offsets = torch.cumsum(pads, 0) - pads
+rows = tokens * 2 + experts * 15
+ids = torch.arange(1, tokens + 1, dtype=torch.int32).unsqueeze(1)
+got = kp._permute_triton(ids, row_id_map, probs, pad_offsets, counts, rows, 0)
+want = kp.permute_rows_reference(ids, row_id_map, probs, pad_offsets, counts, rows, 0)
+assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+assert int((got[0] == 0).sum()) > rows - 2 * tokens  # pad rows and the zero-probability route
+print("ok")
+"""
+
+
+@requires_interpreter
+def test_permute_kernel_moves_token_numbers_in_interpreter():
+    """permuted_sources' use of the permute kernel: one int32 column, rows no route writes 0."""
+    run_under_interpreter(INTERPRETER_SCRIPT)
 
 
 @pytest.mark.gpu

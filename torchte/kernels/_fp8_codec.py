@@ -43,6 +43,12 @@ if triton is not None:
     # FP8 bytes from the GPU's conversion instruction; under Triton's CPU interpreter, which
     # mis-rounds that conversion, from the integer encoder (both give torch's bytes).
     _HARDWARE_FP8 = tl.constexpr(not triton.knobs.runtime.interpret)
+    # bf16 rounding (_round_as) by the GPU's conversion, one instruction where the integer
+    # steps take seven.
+    _HARDWARE_ROUND = tl.constexpr(not triton.knobs.runtime.interpret)
+    # The GPU's FP8 conversion saturates (cvt.rn.satfinite): finite values and infinities past
+    # the FP8 range come out as +-FP8_MAX, what the clamp before it gives.
+    _SATURATING_CONVERT = tl.constexpr(not triton.knobs.runtime.interpret)
 
     @triton.jit
     def _abs_bits(x):
@@ -80,11 +86,13 @@ if triton is not None:
     @triton.jit
     def _encode(v, row_in, scale, FP8_MAX: tl.constexpr):
         """FP8 bytes (int32, 0..255) of fp32 v * scale, clamped to the FP8 range (NaN passes,
-        as in torch.clamp), rounded to nearest even; zero in the rows past M (row_in False: the
-        columnwise padding), whatever the scale."""
+        as in torch.clamp; on a GPU by the saturating conversion itself), rounded to nearest
+        even; zero in the rows past M (row_in False: the columnwise padding), whatever the
+        scale."""
         y = v * scale
-        y = tl.where(y > FP8_MAX, FP8_MAX, y)
-        y = tl.where(y < -FP8_MAX, -FP8_MAX, y)
+        if not _SATURATING_CONVERT:
+            y = tl.where(y > FP8_MAX, FP8_MAX, y)
+            y = tl.where(y < -FP8_MAX, -FP8_MAX, y)
         return _fp8_code(tl.where(row_in[:, None], y, 0.0), FP8_MAX)
 
     @triton.jit
@@ -133,10 +141,12 @@ if triton is not None:
     @triton.jit
     def _round_as(v, ptr):
         """fp32 v rounded to ptr's element type (fp32 / bf16 / fp16), back in fp32: the value a
-        store to ptr and a load back would give. bf16 is rounded in integer arithmetic, to
-        nearest even with NaN made the canonical 0x7FFF, as the GPU's conversion does, because
-        Triton's CPU interpreter truncates instead."""
-        if ptr.dtype.element_ty == tl.bfloat16:
+        store to ptr and a load back would give. bf16: the GPU's conversion (to nearest even,
+        NaN made the canonical 0x7FFF); under Triton's CPU interpreter, which truncates, the
+        same rounding in integer arithmetic."""
+        if ptr.dtype.element_ty == tl.bfloat16 and _HARDWARE_ROUND:
+            v = v.to(tl.bfloat16).to(tl.float32)
+        elif ptr.dtype.element_ty == tl.bfloat16:
             bits = v.to(tl.int32, bitcast=True)
             rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
             rounded = tl.where((bits & 0x7FFFFFFF) > 0x7F800000, 0x7FFF0000, rounded)

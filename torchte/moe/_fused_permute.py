@@ -42,37 +42,46 @@ def fp8_input_quantizer(experts, x: torch.Tensor, requires_grad: bool):
     return quantizer, columnwise
 
 
-def permuted_sources(row_id_map: torch.Tensor, pad_offsets: torch.Tensor, rows: int):
-    """(src (P,) int32: the token of each permuted row, -1 for pad and spare rows; expert
-    (P,) int64: its expert, 0 for those rows) from the mask map, without a host sync."""
-    tokens, width = row_id_map.shape
-    experts = (width - 1) // 2
-    row = row_id_map[:, :experts].long()
-    expert = row_id_map[:, experts : 2 * experts].long()
-    routed = row >= 0
-    padded = row + pad_offsets.long()[expert.clamp(min=0)]
-    index = torch.where(routed, padded, rows).reshape(-1)  # unused slots: the spare slot P
-    token = torch.arange(tokens, device=row.device).unsqueeze(1).expand(tokens, experts)
-    src = torch.full((rows + 1,), -1, dtype=torch.int64, device=row.device)
-    src.scatter_(0, index, torch.where(routed, token, -1).reshape(-1))
-    expert_of = torch.zeros(rows + 1, dtype=torch.int64, device=row.device)
-    expert_of.scatter_(0, index, torch.where(routed, expert, 0).reshape(-1))
-    return src[:rows].int(), expert_of[:rows]
+def permuted_sources(row_id_map, counts, pad_offsets, probs, rows: int):
+    """(src (P,) int32: the token of each permuted row, -1 for pad and spare rows (and for a
+    route of probability 0, whose permuted row moe_permute writes as zeros); probs_P (P,) in
+    probs' dtype, 0 on those rows), without a host sync: the permute kernel moves each token's
+    number + 1 as a one-column row, rows no route writes coming out 0."""
+    tokens = row_id_map.shape[0]
+    ids = torch.arange(1, tokens + 1, dtype=torch.int32, device=row_id_map.device)
+    moved, probs_P = kernels.permute_rows(
+        ids.unsqueeze(1), row_id_map, probs, pad_offsets, counts, rows, 0
+    )
+    return moved.view(-1) - 1, probs_P
 
 
 class GatherQuantize(torch.autograd.Function):
-    """x (T, H) -> the permuted rows x[src] quantized for the experts' first GEMM, as a
-    GroupedTensor (P, H) of x's dtype; backward: each token's gradient is the sum of its rows'
-    (the unpermutation)."""
+    """(x (T, H), probs (T, E)) -> (the permuted rows x[src] quantized for the experts' first
+    GEMM, as a GroupedTensor (P, H) of x's dtype; the permuted probs (P,)); backward: each
+    token's gradient the sum of its rows' and the probs' gradients sent back to their routes,
+    one unpermute launch (moe_permute's backward)."""
 
     @staticmethod
-    def forward(ctx, x, src, row_id_map, pad_offsets, quantizer, splits, columnwise):
+    def forward(ctx, x, probs, row_id_map, counts, pad_offsets, quantizer, splits, columnwise):
+        rows = splits.total
+        src, probs_P = permuted_sources(row_id_map, counts, pad_offsets, probs, rows)
         storage = quantizer.quantize(x.contiguous(), splits, True, columnwise, src_rows=src)
         ctx.save_for_backward(row_id_map, pad_offsets)
-        return GroupedTensor(storage, x.dtype)
+        ctx.set_materialize_grads(False)  # an unused output's gradient comes as None
+        ctx.grad_like = ((rows, x.shape[1]), x.dtype, probs.dtype)
+        return GroupedTensor(storage, x.dtype), probs_P
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx, grad, grad_probs):
         row_id_map, pad_offsets = ctx.saved_tensors
-        dx, _ = kernels.unpermute_rows(grad.contiguous(), row_id_map, None, None, pad_offsets, 0)
-        return dx, None, None, None, None, None, None
+        shape, dtype, probs_dtype = ctx.grad_like
+        dev = row_id_map.device
+        grad = torch.zeros(shape, dtype=dtype, device=dev) if grad is None else grad
+        if not ctx.needs_input_grad[1]:
+            grad_probs = None
+        elif grad_probs is None:
+            grad_probs = torch.zeros(shape[:1], dtype=probs_dtype, device=dev)
+        dx, d_probs = kernels.unpermute_rows(
+            grad.contiguous(), row_id_map, None, grad_probs, pad_offsets, 0
+        )
+        return dx, d_probs, None, None, None, None, None, None

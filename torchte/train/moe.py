@@ -5,7 +5,9 @@ MLP with the router's probabilities as row scales, the weighted sum back).
 Each token goes to the k experts with the largest router logits, weighted by the softmax over
 those k logits (the router's softmax score function without pre-softmax). The experts have
 biases, FC2's scaled by the probability like the activation (MoELayer's bias=True), so FC2's
-output row is already p * expert(x) and a token's rows are only summed.
+output row is already p * expert(x) and a token's rows are only summed. Each expert GEMM keeps
+its weights as one (E, N, K) parameter and its biases as one (E, N) (MoELayer's
+single_grouped_weight): no per-step stacking of E parameters, one gradient per GEMM.
 
 Where the experts' row counts live: on the host (a list, one synchronization a step), or on the
 device (no step waits for the router: what CUDA graphs need). The model passes that choice
@@ -55,4 +57,5 @@ class MoEMLP(MoELayer):
             hidden, ffn, num_experts, top_k, activation=activation, params_dtype=dtype,
             device=device, init_method=init, output_layer_init_method=out_init, bias=True,
             device_splits=device_splits, normalization=normalization,
+            single_grouped_weight=True,
         )  # fmt: skip
