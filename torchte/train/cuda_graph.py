@@ -27,6 +27,11 @@ and scales, the CUDA generator); each replay then records amaxes and moves the s
 as an eager step does, so evaluation's snapshot and restore of the scaling state and the
 checkpoints see the same tensors.
 
+The blocks' parameter gradients are the backward graphs' static buffers themselves
+(clone_param_grads_on_return=False): a step sets every .grad to None, runs one backward and
+steps the optimizer before the next replay overwrites them, so no copy of 2000M gradients a
+step (4.8 ms of a large step on an H200) is needed.
+
 Evaluation: a graphed block whose training flag differs from the capture's runs eagerly under
 the same autocast, so the model in eval mode (validation, under no_grad) runs every block
 eagerly; the captured forward, which keeps activations for a backward, is never replayed
@@ -179,6 +184,7 @@ def capture_blocks(
             sample_kwargs=kwargs,
             fp8_enabled=recipe is not None,
             fp8_recipe=recipe,
+            clone_param_grads_on_return=False,
         )
     return modules
 
