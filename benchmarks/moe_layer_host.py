@@ -9,15 +9,19 @@ top-2 softmax routing, GELU, biases, LayerNorm first. Per recipe (bf16, FP8 dela
 current): MoELayer eager with host split sizes (the example's default), eager with device split
 sizes, graphed (device splits; the layer's forward and backward captured with
 te.make_graphed_callables) and graphed with single_grouped_weight (one weight and one bias
-parameter per expert GEMM instead of one per expert); te.Linear (512 -> 512, 128 tokens) eager
-and graphed. Host ms per step: wall time of steps queued back to back with one synchronization a
-round, medians of interleaved rounds, and the kernels of one step (torch profiler):
+parameter per expert GEMM instead of one per expert), that again with its parameter gradients
+handed out as the graph's static buffers (clone_param_grads_on_return=False, as the training
+example captures its blocks); te.Linear (512 -> 512, 128 tokens) eager, graphed, and graphed
+with static gradients. Host ms per step: wall time of steps queued back to back with one
+synchronization a round, medians of interleaved rounds, and the kernels of one step (torch
+profiler):
 benchmarks/host_overhead.py's `measure`. That wall time is the GPU's when the GPU is the slower
 side, as for a graphed MoE step (about 170 small kernels); "issue ms" is the host's own: the
 time one call takes to return, each call started on an idle GPU (synchronized before, not
 after), medians. "vs Linear graphed" divides issue times by te.Linear's graphed step's under the
-same recipe; the target (graphed MoELayer <= 1.5x graphed te.Linear) gets a PASS / MISS row per
-recipe, printed last.
+same recipe (the static-gradient MoE rows by te.Linear's static-gradient one); the target
+(graphed MoELayer <= 1.5x graphed te.Linear) gets a PASS / MISS row per recipe and layout,
+printed last.
 Never asserts.
 """
 
@@ -42,6 +46,8 @@ RECIPES = {"bf16": None, "delayed": recipe.DelayedScaling, "current": recipe.Flo
 TOKENS, HIDDEN, FFN, EXPERTS, TOP_K = 128, 512, 2048, 8, 2
 TARGET = 1.5
 SINGLE = "MoE graphed single-weight"  # device splits, single_grouped_weight=True
+STATIC = "MoE graphed single, static grads"  # and clone_param_grads_on_return=False
+LINEAR_STATIC = "Linear graphed, static grads"
 
 
 def moe_layer(device_splits: bool, single: bool = False) -> MoELayer:
@@ -64,13 +70,22 @@ def io() -> tuple[torch.Tensor, torch.Tensor]:
     return x, torch.randn_like(x)
 
 
-def graphed_step(module: torch.nn.Module, make_recipe):
+def graphed_step(module: torch.nn.Module, make_recipe, clone: bool = True):
     """fwd+bwd of module graphed by te.make_graphed_callables under the recipe (FP8 baked
-    into the graphs; replays run outside te.autocast, as in benchmarks/host_overhead.py)."""
+    into the graphs; replays run outside te.autocast, as in benchmarks/host_overhead.py);
+    clone: clone_param_grads_on_return."""
     x, dy = io()
     fp8 = make_recipe() if make_recipe else None
-    graphed = te.make_graphed_callables(module, (x,), fp8_enabled=fp8 is not None, fp8_recipe=fp8)
+    graphed = te.make_graphed_callables(
+        module, (x,), fp8_enabled=fp8 is not None, fp8_recipe=fp8,
+        clone_param_grads_on_return=clone,
+    )  # fmt: skip
     return fwd_bwd_step(graphed, x, dy, None)
+
+
+def static_step(module: torch.nn.Module, make_recipe):
+    """graphed_step with the parameter gradients handed out as the graph's static buffers."""
+    return graphed_step(module, make_recipe, clone=False)
 
 
 def eager_step(module: torch.nn.Module, make_recipe):
@@ -89,10 +104,12 @@ def build_steps() -> tuple[dict, dict]:
         makers = {name: (eager_step, m) for name, m in eager.items()}
         makers["MoE graphed device-splits"] = (graphed_step, lambda: moe_layer(True))
         makers[SINGLE] = (graphed_step, lambda: moe_layer(True, single=True))
+        makers[STATIC] = (static_step, lambda: moe_layer(True, single=True))
         makers["Linear graphed"] = (graphed_step, linear_layer)
+        makers[LINEAR_STATIC] = (static_step, linear_layer)
         for name, (make_step, module) in makers.items():
             try:
-                module = module() if make_step is graphed_step else module
+                module = module() if make_step is not eager_step else module
                 step = make_step(module, make_recipe)
                 step()  # a step that fails fails here, recorded, not inside the timing
                 steps[f"{name} {rname}"] = step
@@ -121,22 +138,28 @@ def print_table(host: dict, issue: dict, counts: dict, errors: dict) -> list:
     for rname in RECIPES:
         base = issue.get(f"Linear graphed {rname}")
         for name in ("MoE eager host-splits", "MoE eager device-splits",
-                     "MoE graphed device-splits", SINGLE, "Linear eager",
-                     "Linear graphed"):  # fmt: skip
+                     "MoE graphed device-splits", SINGLE, STATIC, "Linear eager",
+                     "Linear graphed", LINEAR_STATIC):  # fmt: skip
             config = f"{name} {rname}"
             if config in errors:
                 print(f"{config:36s} {errors[config]}")
                 continue
-            ratio = f"{issue[config] / base:.2f}x" if base else "-"
+            static_base = issue.get(f"{LINEAR_STATIC} {rname}")
+            by = static_base if name in (STATIC, LINEAR_STATIC) else base
+            ratio = f"{issue[config] / by:.2f}x" if by else "-"
             count = "-" if counts.get(config) is None else str(counts[config])
             print(f"{config:36s} {host[config] / 1e3:9.3f} {issue[config]:9.3f} {ratio:>18s} "
                   f"{count:>9s}")  # fmt: skip
     rows = []
     print(f"\ntarget (issue 32): MoELayer graphed step's issue time <= {TARGET}x te.Linear's")
     for rname in RECIPES:
-        for layout, name in (("per-expert", "MoE graphed device-splits"), ("single", SINGLE)):
+        for layout, name, linear in (
+            ("per-expert", "MoE graphed device-splits", "Linear graphed"),
+            ("single", SINGLE, "Linear graphed"),
+            ("static", STATIC, LINEAR_STATIC),
+        ):
             moe = issue.get(f"{name} {rname}")
-            lin = issue.get(f"Linear graphed {rname}")
+            lin = issue.get(f"{linear} {rname}")
             met = moe is not None and lin is not None and moe / lin <= TARGET
             ratio = f"{moe / lin:.2f}x" if moe and lin else "error"
             rows.append((rname, layout, ratio, met))
