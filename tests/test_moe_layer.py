@@ -348,6 +348,23 @@ def test_single_grouped_weight_equals_per_expert_weights(device_splits):
         assert_close(p.grad, want, torch.float32, msg=name)
 
 
+def test_checkpoints_load_across_the_expert_weight_layouts():
+    """A per-expert checkpoint loads into single_grouped_weight=True and back (te.ops'
+    GroupedLinear stacks or splits the entries): the same outputs, nothing missing."""
+    per_expert = _layer(bias=True)
+    with torch.no_grad():
+        for p in per_expert.parameters():
+            p.uniform_(-0.5, 0.5)
+    single = te.moe.MoELayer(H, F_, E, 2, device="cpu", bias=True, single_grouped_weight=True)
+    assert not single.load_state_dict(per_expert.state_dict()).missing_keys
+    back = _layer(bias=True)
+    assert not back.load_state_dict(single.state_dict()).missing_keys
+    x = torch.randn(T, H, generator=torch.Generator().manual_seed(4))
+    want = per_expert(x)
+    assert torch.equal(single(x), want) and torch.equal(back(x), want)
+    assert torch.equal(single.experts.fc2.bias[3], per_expert.experts.fc2.bias3)
+
+
 def test_single_grouped_weight_must_be_a_bool():
     with pytest.raises(TypeError, match="single_grouped_weight"):
         te.moe.MoELayer(H, F_, E, 2, device="cpu", single_grouped_weight=1)

@@ -24,7 +24,12 @@ from torch import nn
 from torchte._device import default_device
 from torchte._group_splits import GroupSplits, group_splits
 from torchte.gemm import hp_mm
-from torchte.module._grouped_params import add_deferred_group_grads, packed_grads, per_group_init
+from torchte.module._grouped_params import (
+    add_deferred_group_grads,
+    packed_grads,
+    per_group_init,
+    remap_checkpoint,
+)
 from torchte.module._lifecycle import ParameterInit, fill
 from torchte.module._linear_core import default_init_method
 from torchte.module.base import PlanKey
@@ -138,6 +143,13 @@ class GroupedLinear(BasicOperation):
         self.bias_names = (
             [] if not self.use_bias else ["bias"] if single_b else [f"bias{g}" for g in groups]
         )
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs) -> None:
+        # A checkpoint of the other parameter layout (per group / single) loads too.
+        remap_checkpoint(state_dict, prefix, "weight", self.num_groups, self.single_grouped_weight)
+        if self.use_bias:
+            remap_checkpoint(state_dict, prefix, "bias", self.num_groups, self.single_grouped_bias)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def _init_weight(self, weight: torch.Tensor) -> None:
         """init_method on one group's (N, K), inside the RNG tracker's fork when one was given."""
