@@ -16,7 +16,8 @@ its columns' history in chunks of rows, so any L and n work. The history of a de
 training example on an H200 (grouped layers have a column per expert, so n reaches dozens), a
 program per 8 columns 15 us. In a sweep of calls queued back to back (bound by the host's
 launches at about 12 us), 4 columns and 8 warps a program took 12-13 us at L = 1024 for 2 to 24
-columns, 8 columns up to 19 us and 16 columns up to 34 us with 4 warps.
+columns, 8 columns up to 19 us and 16 columns up to 34 us with 4 warps; inside the graphed
+example that shape takes 7 us a launch.
 """
 
 from __future__ import annotations
