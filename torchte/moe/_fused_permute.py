@@ -18,6 +18,7 @@ import torch
 from ..kernels import permutation as kernels
 from ..quantization.grouped import GroupedTensor
 from ..quantization.grouped_quantizer import GroupedQuantizer
+from ._permutation_functions import mask_permute_grads
 
 __all__ = ["GatherQuantize", "fp8_input_quantizer", "permuted_sources"]
 
@@ -73,15 +74,6 @@ class GatherQuantize(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad, grad_probs):
-        row_id_map, pad_offsets = ctx.saved_tensors
-        shape, dtype, probs_dtype = ctx.grad_like
-        dev = row_id_map.device
-        grad = torch.zeros(shape, dtype=dtype, device=dev) if grad is None else grad
-        if not ctx.needs_input_grad[1]:
-            grad_probs = None
-        elif grad_probs is None:
-            grad_probs = torch.zeros(shape[:1], dtype=probs_dtype, device=dev)
-        dx, d_probs = kernels.unpermute_rows(
-            grad.contiguous(), row_id_map, None, grad_probs, pad_offsets, 0
-        )
+        grad = None if grad is None else grad.contiguous()
+        dx, d_probs = mask_permute_grads(ctx, grad, grad_probs, ctx.needs_input_grad[1])
         return dx, d_probs, None, None, None, None, None, None

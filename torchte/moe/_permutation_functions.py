@@ -98,20 +98,28 @@ class MaskPermute(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out, _grad_map, grad_probs):
-        row_id_map, pad_offsets = ctx.saved_tensors
-        shape, dtype, probs_dtype = ctx.grad_like
-        dev = row_id_map.device
-        if grad_out is None:  # out unused: the zeros autograd would have given
-            grad_out = torch.zeros(shape, dtype=dtype, device=dev)
-        refuse_quantized(grad_out, "the backward of moe_permute")
-        if not ctx.needs_input_grad[2]:
-            grad_probs = None
-        elif grad_probs is None:
-            grad_probs = torch.zeros(shape[:1], dtype=probs_dtype, device=dev)
-        d_inp, d_probs = kernels.unpermute_rows(
-            grad_out, row_id_map, None, grad_probs, pad_offsets, 0
-        )
+        if grad_out is not None:
+            refuse_quantized(grad_out, "the backward of moe_permute")
+        d_inp, d_probs = mask_permute_grads(ctx, grad_out, grad_probs, ctx.needs_input_grad[2])
         return d_inp, None, d_probs, None, None
+
+
+def mask_permute_grads(ctx, grad_out, grad_probs, probs_need_grad: bool):
+    """(d_inp, d_probs): one unpermute of the gradients of a mask-map permutation's rows and
+    permuted probs, for a Function that saved (row_id_map, pad_offsets), set
+    ctx.grad_like = (rows' shape, inp dtype, probs dtype) and does not materialize missing
+    gradients: a None gradient stands for the zeros autograd would have given; d_probs None
+    unless probs_need_grad."""
+    row_id_map, pad_offsets = ctx.saved_tensors
+    shape, dtype, probs_dtype = ctx.grad_like
+    dev = row_id_map.device
+    if grad_out is None:  # out unused: the zeros autograd would have given
+        grad_out = torch.zeros(shape, dtype=dtype, device=dev)
+    if not probs_need_grad:
+        grad_probs = None
+    elif grad_probs is None:
+        grad_probs = torch.zeros(shape[:1], dtype=probs_dtype, device=dev)
+    return kernels.unpermute_rows(grad_out, row_id_map, None, grad_probs, pad_offsets, 0)
 
 
 class MaskUnpermute(torch.autograd.Function):

@@ -88,14 +88,20 @@ class Sequential(nn.Module):
             stages.append(OperationFuser(run))
         return stages
 
-    def first_run_settings(self, x: torch.Tensor, requires_grad: bool):
-        """The RunSettings the first fused run of ops would call its ops with, for an input like
-        x under the current autocast state (what the ops' plans are keyed by), or None when
-        the first stage is not a run of ops."""
+    def _current_stages(self) -> list:
+        """The stages, built at the first call after a change (kept in __dict__: no
+        nn.Module.__setattr__ per call)."""
         stages = self._stages
         if stages is None:
             stages = self._build_stages()
             self.__dict__["_stages"] = stages
+        return stages
+
+    def first_run_settings(self, x: torch.Tensor, requires_grad: bool):
+        """The RunSettings the first fused run of ops would call its ops with, for an input like
+        x under the current autocast state (what the ops' plans are keyed by), or None when
+        the first stage is not a run of ops."""
+        stages = self._current_stages()
         first = stages[0] if stages else None
         if not isinstance(first, OperationFuser):
             return None
@@ -109,10 +115,7 @@ class Sequential(nn.Module):
     ):
         """x (..., features) and the extra inputs in op order -> y [, extra outputs].
         op_kwargs: keyword arguments per basic op, keyed by the op or its index here."""
-        stages = self._stages
-        if stages is None:
-            stages = self._build_stages()
-            self.__dict__["_stages"] = stages
+        stages = self._current_stages()
         stage_kwargs = self._resolve_op_kwargs(op_kwargs, stages) if op_kwargs else {}
         for composite in self.__dict__["_composites"]:
             composite.sync_op_parameters()
