@@ -16,7 +16,7 @@ from __future__ import annotations
 import sys
 
 import torch
-from timing import gpu_ms
+from timing import copy_gbps, gpu_ms
 
 from torchte.kernels import grouped_cast as gc
 from torchte.kernels.cast_spec import CastSpec
@@ -27,12 +27,6 @@ AMAX_TILES = [(64, 256, 8), (128, 256, 8), (256, 256, 8), (64, 512, 8), (128, 51
 AMAX_TILES += [(32, 1024, 8)]
 QUICK = 3  # tiles of each list with --quick
 CAST = gc._grouped_cast_transpose
-
-
-def copy_gbps() -> float:
-    src = torch.empty(1 << 29, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    return 2 * src.numel() / gpu_ms(lambda: dst.copy_(src)) / 1e6
 
 
 def main() -> None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import sys
 
 import torch
-from timing import gpu_ms
+from timing import copy_gbps, gpu_ms
 
 from torchte.kernels import grouped_activation_fp8 as gaf
 from torchte.kernels.cast_spec import CastSpec
@@ -37,13 +37,6 @@ CONFIGS = [
     (16, 256, 4),
     (16, 512, 8),
 ]
-
-
-def copy_gbps() -> float:
-    src = torch.empty(1 << 29, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    ms = gpu_ms(lambda: dst.copy_(src))
-    return 2 * src.numel() / ms / 1e6
 
 
 def spec(scaling: str) -> CastSpec:

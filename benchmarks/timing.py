@@ -30,6 +30,14 @@ def gpu_ms(fn, reps: int = 20, inner: int = 1, warmup: int = 3) -> float:
     return statistics.median(times)
 
 
+def copy_gbps() -> float:
+    """GB/s of a device copy of 512 MiB (read + write counted): what a kernel's bytes are
+    measured against."""
+    src = torch.empty(1 << 29, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    return 2 * src.numel() / gpu_ms(lambda: dst.copy_(src)) / 1e6
+
+
 def host_us(fn, calls: int = 2000, warmup: int = 50) -> float:
     """Wall microseconds per call of fn, calls queued back to back with one synchronize at the
     end (the GPU waits on the host); best of 3 rounds."""
