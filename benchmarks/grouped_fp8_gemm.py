@@ -131,7 +131,12 @@ def shape_args(doc: str) -> argparse.Namespace | None:
     parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=32768)
     parser.add_argument("--experts", type=int, default=8)
+    parser.add_argument(
+        "--shapes", default="4096x28672,14336x4096",
+        help="the GEMMs' K x N, comma-separated (default: the te.ops grouped MLP's two)",
+    )  # fmt: skip
     args = parser.parse_args()
+    args.shapes = [tuple(int(v) for v in kn.split("x")) for kn in args.shapes.split(",")]
     if not torch.cuda.is_available():
         print("needs a CUDA GPU")
         return None
@@ -146,7 +151,7 @@ def main() -> int:
           f"{args.tokens} tokens")  # fmt: skip
     print(f"  {'gemm':20s} {'grouped ms':>10s} {'loop ms':>8s} {'grouped/loop':>12s} "
           f"{'grouped TFLOP/s':>15s} {'rel diff':>9s}")  # fmt: skip
-    for k, n in ((4096, 2 * 14336), (14336, 4096)):
+    for k, n in args.shapes:
         for name, t_grouped, t_loop, flop, diff in case(args.tokens, args.experts, k, n):
             print(f"  {name:20s} {t_grouped:10.3f} {t_loop:8.3f} {t_grouped / t_loop:12.2f} "
                   f"{flop / t_grouped / 1e9:15.0f} {diff:9.1e}")  # fmt: skip

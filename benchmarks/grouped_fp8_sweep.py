@@ -4,6 +4,7 @@ grouped MLP's shapes (grouped_fp8_gemm.py's cases): ms of each, the relative dif
 configuration's result to the pointer kernel's, and the fastest configuration per GEMM.
 
     PYTHONPATH=. python benchmarks/grouped_fp8_sweep.py [--tokens 32768] [--experts 8]
+    PYTHONPATH=. python benchmarks/grouped_fp8_sweep.py --tokens 16384 --shapes 512x2048,2048x512
 
 Never asserts; a configuration that fails to compile is reported and skipped.
 """
@@ -27,12 +28,18 @@ ROWS_CONFIGS = (
     (256, 128, 128, 8, 3, 4, True),
     (256, 128, 128, 8, 3, 16, True),
     (128, 256, 128, 8, 3, 8, False),
+    (128, 128, 128, 8, 4, 8, True),
+    (128, 128, 128, 4, 4, 8, True),
+    (128, 256, 128, 8, 3, 8, True),
 )
 REDUCTION_CONFIGS = (
     (128, 256, 128, 8, 3, 8, False),
     (128, 256, 128, 8, 3, 8, True),
     (256, 128, 128, 8, 3, 8, True),
     (256, 128, 128, 8, 3, 8, False),
+    (128, 128, 128, 8, 4, 8, False),
+    (128, 128, 128, 4, 4, 8, False),
+    (128, 128, 64, 4, 6, 8, False),
 )
 
 
@@ -87,7 +94,7 @@ def main() -> int:
         return 1
     print(f"{torch.cuda.get_device_name()}; {args.experts} experts, {args.tokens} tokens")
     best_rows = []
-    for k, n in ((4096, 2 * 14336), (14336, 4096)):
+    for k, n in args.shapes:
         ops = operands(args.tokens, args.experts, k, n)
         flop = 2 * args.tokens * k * n
         for gemm, fns in contenders(ops, k, n):

@@ -3,14 +3,16 @@ forward and backward, at the large training example's MoE shape, with the bytes 
 a fraction of a device copy's bandwidth.
 
     PYTHONPATH=. python benchmarks/scaled_act_sweep.py [--quick]   # on a CUDA GPU
+    PYTHONPATH=. python benchmarks/scaled_act_sweep.py --gelu   # the example's experts
 
 Shape: 16 x 1024 tokens routed top-2 to 8 experts (32768 rows, uneven split sizes on the
 device, as the example's graphed blocks give them), SwiGLU, h (rows, 2 x 8192) bf16, s fp32,
-E4M3 rowwise and columnwise outputs; FP8 current scaling (an amax pass, then the cast) and
-delayed. Ideal bytes: forward reads h (twice under current) and writes the rowwise and
-columnwise FP8; backward reads dy and h (twice under current) and writes dh's two FP8 copies.
-Each (BLOCK_M, BLOCK_N, num_warps) is timed with CUDA events (medians); the fastest per pass
-and scaling is printed last. Never asserts.
+E4M3 rowwise and columnwise outputs (--gelu: GELU, h (rows, 8192), and the backward also
+sums the bias gradients, as the training example's experts have biases); FP8 current scaling
+(an amax pass, then the cast) and delayed. Ideal bytes: forward reads h (twice under current)
+and writes the rowwise and columnwise FP8; backward reads dy and h (twice under current) and
+writes dh's two FP8 copies. Each (BLOCK_M, BLOCK_N, num_warps) is timed with CUDA events
+(medians); the fastest per pass and scaling is printed last. Never asserts.
 """
 
 from __future__ import annotations
@@ -54,12 +56,16 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("scaled_act_sweep.py needs a CUDA GPU")
     configs = QUICK if "--quick" in sys.argv else CONFIGS
+    if "--gelu" in sys.argv:
+        act, width, need = "gelu", N, (True, True)
+    else:
+        act, width, need = "swiglu", 2 * N, (True, False)
     gen = torch.Generator(device="cuda").manual_seed(0)
     weights = torch.tensor([9, 7, 6, 5, 3, 2, 0, 0.5])
     sizes = (weights / weights.sum() * ROWS).long()
     sizes[-1] += ROWS - sizes.sum()
     rows_off, cols_off = device_grouped_offsets(sizes.cuda())
-    h = torch.randn(ROWS, 2 * N, device="cuda", dtype=torch.bfloat16, generator=gen)
+    h = torch.randn(ROWS, width, device="cuda", dtype=torch.bfloat16, generator=gen)
     dy = torch.randn(ROWS, N, device="cuda", dtype=torch.bfloat16, generator=gen)
     s = torch.rand(ROWS, device="cuda", generator=gen)
     copy = copy_gbps()
@@ -74,11 +80,10 @@ def main() -> None:
             gaf.SCALED_ACT_GRAD_CONFIG = {"delayed": config, "current": config}
             calls = {
                 "forward": lambda sc=scaling: gaf.scaled_activation_grouped_fp8(
-                    h, s, "swiglu", 0.0, 0.0, None, rows_off, cols_off, spec(sc)
+                    h, s, act, 0.0, 0.0, None, rows_off, cols_off, spec(sc)
                 ),
                 "backward": lambda sc=scaling: gaf.scaled_activation_backward_grouped_fp8(
-                    dy, h, s, "swiglu", 0.0, 0.0, None, rows_off, cols_off, spec(sc),
-                    (True, False),
+                    dy, h, s, act, 0.0, 0.0, None, rows_off, cols_off, spec(sc), need,
                 ),
             }  # fmt: skip
             for name, fn in calls.items():
@@ -90,7 +95,7 @@ def main() -> None:
                 frac = ideal[name] / ms / 1e6 / copy
                 results.append((scaling, name, config, ms, frac))
                 print(f"{scaling:8s} {name:8s} {config!s:16s} {ms:8.3f} ms {frac:6.2f} of copy")
-    print(f"\ncopy {copy:.0f} GB/s; best per pass (default: the first config):")
+    print(f"\n{act}; copy {copy:.0f} GB/s; best per pass (default: the first config):")
     for scaling in ("current", "delayed"):
         for name in ("forward", "backward"):
             rows = [r for r in results if r[:2] == (scaling, name)]

@@ -126,7 +126,8 @@ for size in sizes:
         gpu = sum(per.values())
         print(
             f"{size} {recipe}: step {wall:.1f} ms, GPU busy {gpu:.1f} ms, launches {count // 3}, "
-            f"tokens/s {config.batch_size * model_config.seq_len / wall * 1e3:,.0f}"
+            f"tokens/s {config.batch_size * model_config.seq_len / wall * 1e3:,.0f}, "
+            f"fused optimizer steps {trainer.optimizer.fused_steps} of {trainer.step}"
         )
         print(
             "   " + ", ".join(f"{k} {v:.1f}" for k, v in sorted(per.items(), key=lambda kv: -kv[1]))

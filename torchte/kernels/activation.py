@@ -69,6 +69,31 @@ except ImportError:  # CPU-only installs: the torch reference runs
     triton = None
 
 if triton is not None:
+    # On the GPU the sigmoid's exp and reciprocal are single approximate instructions
+    # (ex2.approx.ftz, rcp.approx.ftz: about 2 ulp and 1 ulp, where tl.exp and the division
+    # also approximate but add range fixups: 8 instructions a value instead of 2). Under
+    # Triton's CPU interpreter, which runs no inline assembly, tl.exp and the division.
+    _FAST_MATH = tl.constexpr(not triton.knobs.runtime.interpret)
+
+    @triton.jit
+    def _exp_neg_abs(v):
+        """exp(-|v|) of fp32 v, in (0, 1]; values below 2**-126 flushed to 0 on the GPU."""
+        if _FAST_MATH:
+            return tl.inline_asm_elementwise(
+                "ex2.approx.ftz.f32 $0, $1;", "=r,r", [-tl.abs(v) * 1.4426950408889634],
+                dtype=tl.float32, is_pure=True, pack=1,
+            )  # fmt: skip
+        return tl.exp(-tl.abs(v))
+
+    @triton.jit
+    def _reciprocal(d):
+        """1 / d of fp32 d in [1, 2]."""
+        if _FAST_MATH:
+            return tl.inline_asm_elementwise(
+                "rcp.approx.ftz.f32 $0, $1;", "=r,r", [d], dtype=tl.float32, is_pure=True,
+                pack=1,
+            )  # fmt: skip
+        return 1.0 / d
 
     @triton.jit
     def _sigmoid(v):
@@ -79,8 +104,8 @@ if triton is not None:
         does not promise) and 1 - s is never a cancelling difference, whose error the x s (1 - s)
         terms of the derivatives would scale up (GPU exp and division are not correctly
         rounded)."""
-        e = tl.exp(-tl.abs(v))
-        r = 1.0 / (1.0 + e)
+        e = _exp_neg_abs(v)
+        r = _reciprocal(1.0 + e)
         p = e * r
         return tl.where(v >= 0.0, r, p), tl.where(v >= 0.0, p, r)
 
@@ -90,10 +115,13 @@ if triton is not None:
         clamped_silu (x1c sigmoid(alpha x1c), x1c = min(a, limit)); the unused one is compiled
         away."""
         if ACT == "gelu":
-            s, sc = _sigmoid(2.0 * 0.7978845608028654 * (a + 0.044715 * a * a * a))
-            t = 2.0 * s * sc
+            # 2u = a (2c + 2cb a^2) and d(2u)/da = 2c + 6cb a^2 (c = sqrt(2/pi), b = 0.044715),
+            # so act' = s + a s (1 - s) d(2u)/da: a^2 once, two multiply-adds.
+            a2 = a * a
+            s, sc = _sigmoid(a * (1.5957691216057308 + 0.07135481627260025 * a2))
+            t = s * sc
             # t is 0 exactly where |a| is so large that a * a may overflow: avoid 0 * inf.
-            slope = a * t * 0.7978845608028654 * (1.0 + 3.0 * 0.044715 * a * a)
+            slope = t * (a * (1.5957691216057308 + 0.21406444881780076 * a2))
             act = a * s
             dact = s + tl.where(t == 0.0, 0.0, slope)
         elif ACT == "qgelu":

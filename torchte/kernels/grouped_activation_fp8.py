@@ -163,7 +163,9 @@ if triton is not None:
         COLUMNWISE: tl.constexpr, FP8_MAX: tl.constexpr,
     ):  # fmt: skip
         """Slice k (rows 4i + k) of the backward tile from its loaded inputs: dh encoded (and
-        its amax), ds's part and the bias sums; (bits, words1, words2, sum1, sum2)."""
+        its amax), ds's part, and dh added into the bias sums sum1, sum2 ((BLOCK_M // 4,
+        BLOCK_N) each: summed over their rows once, after the four slices; sum2 only when
+        GATED); (bits, words1, words2, sum1, sum2)."""
         rows = quads + k
         row_in = rows < rows_g
         mask = row_in[:, None] & col_in[None, :]
@@ -178,8 +180,9 @@ if triton is not None:
             tl.store(partial_ptr + pid_n.to(tl.int64) * T + row_start + rows, part, mask=row_in)
         dx1, dx2 = _round_as(dx1, h_ptr), _round_as(dx2, h_ptr)  # 0 in masked rows
         if DBIAS:
-            sum1 += tl.sum(dx1, 0)
-            sum2 += tl.sum(dx2, 0)
+            sum1 += dx1
+            if GATED:
+                sum2 += dx2
         bits, words1 = _encode_slice(
             dx1, k, row_in, offs, mask, scale, bits, words1, out_g, FP8_MAX, True, ROWWISE,
             COLUMNWISE,
@@ -256,8 +259,8 @@ if triton is not None:
         bits = tl.zeros((BLOCK_M // 4, BLOCK_N), tl.int32)
         words1 = tl.zeros((BLOCK_M // 4, BLOCK_N), tl.int32)
         words2 = tl.zeros((BLOCK_M // 4, BLOCK_N), tl.int32)
-        sum1 = tl.zeros((BLOCK_N,), tl.float32)
-        sum2 = tl.zeros((BLOCK_N,), tl.float32)
+        sum1 = tl.zeros((BLOCK_M // 4, BLOCK_N), tl.float32)
+        sum2 = tl.zeros((BLOCK_M // 4, BLOCK_N), tl.float32)
         # All four slices loaded first, then each computed and encoded (_load_grad_rows says why)
         s_g = s_ptr + row_start
         x0, g0, p0, dy0 = _load_grad_rows(h_g, s_g, dy_g, quads, rows_g, cols, col_in, N, GATED)
@@ -289,9 +292,9 @@ if triton is not None:
         )  # fmt: skip
         if DBIAS:
             db = dbias_ptr + pid_m.to(tl.int64) * k_cols
-            tl.store(db + cols, sum1, mask=col_in)
+            tl.store(db + cols, tl.sum(sum1, 0), mask=col_in)
             if GATED:
-                tl.store(db + N + cols, sum2, mask=col_in)
+                tl.store(db + N + cols, tl.sum(sum2, 0), mask=col_in)
         if COLUMNWISE:
             col_start = tl.multiple_of(tl.load(col_offsets_ptr + group), 16)
             out_t_g = out_t_ptr + col_start.to(tl.int64) * k_cols

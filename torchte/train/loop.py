@@ -42,6 +42,7 @@ from .data import BatchSampler, Corpus, validation_batches
 from .fsdp_run import DataParallel, local_rows, shard_model
 from .fsdp_state import load_sharded, read_position, save_sharded
 from .model import GPT, restore_scaling, scaling_snapshot, shard_from
+from .optimizer import ClippedAdamW
 from .progress import Progress
 from .throughput import Throughput
 from .tp_state import split_state, whole_state
@@ -189,7 +190,7 @@ class Trainer:
             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
         ]
         fused = self.device.type == "cuda"  # one kernel for all parameters on a GPU
-        self.optimizer = torch.optim.AdamW(groups, lr=config.lr, betas=BETAS, fused=fused)
+        self.optimizer = ClippedAdamW(groups, lr=config.lr, betas=BETAS, fused=fused)
         packed = model_config.packed  # batches then say where their documents start
         self.sampler = BatchSampler(
             corpus.train, config.batch_size, model_config.seq_len, config.seed,
@@ -242,9 +243,12 @@ class Trainer:
         loss = self._loss(*self.sampler.next())
         self.optimizer.zero_grad(set_to_none=True)
         self._backward(loss)
-        dp_group = self.dp.group if self.dp is not None else None
-        clip_grad_norm(list(self.model.parameters()), GRAD_CLIP, self.tp_group, dp_group)
-        self.optimizer.step()
+        if self.tp_group is None and self.dp is None:  # every gradient whole on this process
+            self.optimizer.clip_and_step(GRAD_CLIP, torch.nn.utils.clip_grad_norm_)
+        else:
+            dp_group = self.dp.group if self.dp is not None else None
+            clip_grad_norm(list(self.model.parameters()), GRAD_CLIP, self.tp_group, dp_group)
+            self.optimizer.step()
         if self.dp is not None:  # FP8-gathered weights: their scales in one all-reduce
             te_fsdp.precompute_fp8_scales(self.model)
         self.step += 1

@@ -1,0 +1,109 @@
+"""The training example's optimizer: torch's AdamW whose step also clips the gradients' global
+norm, both fused on a GPU.
+
+`ClippedAdamW` is torch.optim.AdamW (same hyperparameters, same state, same state_dict, so
+checkpoints carry over either way) with one more method, `clip_and_step(max_norm)`. On a CUDA
+device, with fp32 parameters and plain (not DTensor) gradients, it runs two Triton launches
+over all the gradients (kernels/adamw.py): their global L2 norm, then AdamW with each gradient
+multiplied by the clipping factor as it is read. torch.nn.utils.clip_grad_norm_ followed by
+AdamW.step reads the gradients three times and writes them once (the factor multiplied in
+place); at the example's 2000M parameters on an H200 that is 5 ms of a 120 ms step
+(docs/benchmarks.md). Elsewhere (the CPU, FSDP's DTensors, tensor parallelism, whose norm
+sums over ranks) `clip` runs first and torch's step after it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from torchte.kernels import adamw
+
+__all__ = ["ClippedAdamW", "clip_factor"]
+
+CLIP_EPS = 1e-6  # as torch.nn.utils.clip_grad_norm_
+
+
+def clip_factor(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """min(1, max_norm / (norm + 1e-6)): what clip_grad_norm_ multiplies the gradients by."""
+    return (max_norm / (norm + CLIP_EPS)).clamp(max=1.0)
+
+
+class ClippedAdamW(torch.optim.AdamW):
+    """torch.optim.AdamW plus `clip_and_step` (the module docstring says how it runs)."""
+
+    def __init__(self, params, **kwargs) -> None:
+        super().__init__(params, **kwargs)
+        self._host_step: int | None = None  # steps taken, known without reading the device
+        self.fused_steps = 0  # clip_and_step calls that took the fused path
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict(state_dict)
+        self._host_step = None  # read from the loaded state at the next fused step
+
+    def clip_and_step(self, max_norm: float, clip: Callable[[list, float], object]) -> None:
+        """Scale the gradients to a global norm of at most `max_norm`, then take one AdamW
+        step, for a model whose gradients are all on this process (no tensor-parallel or
+        sharded pieces). `clip(params, max_norm)` (torch.nn.utils.clip_grad_norm_) clips them
+        in place where the fused path does not apply."""
+        params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
+        if not params:
+            return
+        if not self._fusable(params):
+            clip(params, max_norm)
+            self.step()
+            self._host_step = None  # torch's step counted it on the device
+            return
+        factor = clip_factor(adamw.grad_norm([p.grad for p in params]), max_norm)
+        step = self._next_step(params)
+        for group in self.param_groups:
+            self._group_step(group, step, factor)
+        self.fused_steps += 1
+
+    def _fusable(self, params: list[torch.Tensor]) -> bool:
+        grads = [p.grad for p in params]
+        if not all(p.is_cuda and p.dtype == torch.float32 for p in params):
+            return False
+        if any(isinstance(t, DTensor) for t in (*params, *grads)):
+            return False
+        if not all(t.is_contiguous() for t in (*params, *grads)):
+            return False
+        if len({g.dtype for g in grads}) != 1 or grads[0].dtype not in adamw.GRAD_DTYPES:
+            return False
+        plain = ("amsgrad", "maximize", "capturable", "differentiable")
+        return not any(g[k] for g in self.param_groups for k in plain) and not any(
+            torch.is_tensor(g["lr"]) for g in self.param_groups
+        )
+
+    def _next_step(self, params: list[torch.Tensor]) -> int:
+        """The step count after this step (1-based), kept on the host; read from the state
+        once after construction or a load (one sync)."""
+        if self._host_step is None:
+            state = self.state.get(params[0], {})
+            self._host_step = int(state["step"].item()) if "step" in state else 0
+        self._host_step += 1
+        return self._host_step
+
+    def _group_step(self, group: dict, step: int, factor: torch.Tensor) -> None:
+        params = [p for p in group["params"] if p.grad is not None]
+        if not params:
+            return
+        steps, exp_avgs, exp_avg_sqs = [], [], []
+        for p in params:
+            state = self.state[p]
+            if not state:  # as torch's fused AdamW makes it: the step a device fp32 scalar
+                state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            steps.append(state["step"])
+            exp_avgs.append(state["exp_avg"])
+            exp_avg_sqs.append(state["exp_avg_sq"])
+        torch._foreach_add_(steps, 1.0)
+        beta1, beta2 = group["betas"]
+        hyper = adamw.AdamWStep(
+            group["lr"], beta1, beta2, group["eps"], group["weight_decay"], step
+        )
+        grads = [p.grad for p in params]
+        adamw.adamw_step_(params, grads, exp_avgs, exp_avg_sqs, hyper, factor)
