@@ -80,6 +80,34 @@ def test_fp8_forward_under_inference_mode_leaves_training_intact(name, recipe):
             assert torch.equal(p.grad, q.grad)
 
 
+@pytest.mark.parametrize("recipe", RECIPES, ids=["delayed", "current"])
+@pytest.mark.parametrize("name", ["Linear", "LayerNormLinear", "LayerNormMLP", "GroupedLinear"])
+@pytest.mark.parametrize("mode", ["inference_mode", "no_grad"])
+def test_fp8_forward_without_autograd_makes_no_columnwise_copy(name, recipe, mode, monkeypatch):
+    """Without autograd nothing runs backward: no FP8 tensor of the forward, input or weight,
+    carries a columnwise (transposed) copy, whether or not the parameters require grad."""
+    from torchte.quantization.float8 import Float8Storage
+    from torchte.quantization.grouped import GroupedStorage
+
+    made = []
+    for cls in (Float8Storage, GroupedStorage):
+        init = cls.__init__
+
+        def spy(self, *args, _init=init, **kwargs):
+            _init(self, *args, **kwargs)
+            made.append(self)
+
+        monkeypatch.setattr(cls, "__init__", spy)
+    module = builders()[name]()
+    x = torch.randn(16, H, requires_grad=mode == "no_grad")
+    context = torch.inference_mode() if mode == "inference_mode" else torch.no_grad()
+    with context, te.autocast(recipe=recipe):
+        call(module, x)
+    assert made, "no FP8 tensor was made"
+    assert all(t.rowwise_data is not None for t in made)
+    assert [t for t in made if t.columnwise_data is not None] == []
+
+
 # -- deferred initialization, reset_parameters, device ------------------------------------------
 
 
@@ -103,6 +131,26 @@ def test_meta_init_then_to_empty_and_reset_matches_eager(name):
         with te.autocast(recipe=DelayedScaling()):
             if not isinstance(eager, te.LayerNorm | te.RMSNorm):
                 assert torch.equal(call(deferred, x), call(eager, x))
+
+
+@pytest.mark.parametrize("name", list(builders()))
+def test_meta_module_materializes_on_reset_parameters(name):
+    """Built with device="meta", reset_parameters() alone makes the parameters on the default
+    device (Transformer Engine's rule: the current CUDA device; the CPU here) with the values
+    an eager build draws, and the module runs there."""
+    torch.manual_seed(7)
+    eager = builders()[name]()
+    deferred = builders(device="meta")[name]()
+    assert all(p.is_meta for p in deferred.parameters())
+    torch.manual_seed(7)
+    deferred.reset_parameters()
+    assert deferred.device == eager.device
+    for (n, p), (_, q) in zip(eager.named_parameters(), deferred.named_parameters(), strict=True):
+        assert not q.is_meta and q.device == p.device, n
+        assert torch.equal(p, q), n
+    x = torch.randn(16, H)
+    with torch.no_grad():
+        assert torch.equal(call(deferred, x), call(eager, x))
 
 
 @pytest.mark.parametrize("name", list(builders()))

@@ -393,8 +393,9 @@ class LinearCore(TransformerEngineBaseModule):
         ]
 
     def _needs_dgrad(self, inp: torch.Tensor) -> bool:
-        """Whether backward needs the input gradient of the GEMM (the weight's transpose)."""
-        return inp.requires_grad
+        """Whether backward needs the input gradient of the GEMM (the weight's transpose):
+        never without autograd (torch.no_grad, torch.inference_mode)."""
+        return torch.is_grad_enabled() and inp.requires_grad
 
     def _make_parameters(self, init_method: Callable) -> None:
         kw = {"dtype": self.params_dtype, "device": self.device}

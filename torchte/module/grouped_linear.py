@@ -547,7 +547,9 @@ class GroupedLinear(SaveOriginalInputMixin, TransformerEngineBaseModule):
         single = self.single_grouped_weight, self.single_grouped_bias
 
         def run():
-            w_fp8 = self._weights_fp8(plan, weights, is_first_microbatch, inp.requires_grad)
+            w_fp8 = self._weights_fp8(
+                plan, weights, is_first_microbatch, torch.is_grad_enabled() and inp.requires_grad
+            )
             call = GroupedCall(plan, splits, w_fp8, len(biases), *single, exact_requested())
             params = (*weights, *biases)
             if torch.is_grad_enabled():

@@ -199,7 +199,7 @@ class LayerNormLinear(LinearCore):
     def _needs_dgrad(self, inp: torch.Tensor) -> bool:
         params = self._parameters
         ln_bias = params["layer_norm_bias"]
-        return (
+        return torch.is_grad_enabled() and (
             inp.requires_grad
             or params["layer_norm_weight"].requires_grad
             or (ln_bias is not None and ln_bias.requires_grad)

@@ -385,13 +385,15 @@ class LayerNormMLP(TransformerEngineBaseModule):
         )
 
         def run():
-            need_dgrad = inp.requires_grad or any(
-                t is not None and t.requires_grad for t in params[:2]
+            # The weights' transposes serve backward only: none without autograd.
+            grad = torch.is_grad_enabled()
+            need_dgrad = grad and (
+                inp.requires_grad or any(t is not None and t.requires_grad for t in params[:2])
             )
             w1 = self._fp8_weight(
                 params[2], plans.fc1, is_first_microbatch, need_dgrad, params[2:3]
             )
-            w2 = self._fp8_weight(params[4], plans.fc2, is_first_microbatch, True, params[4:5])
+            w2 = self._fp8_weight(params[4], plans.fc2, is_first_microbatch, grad, params[4:5])
             if torch.is_grad_enabled():
                 return apply(_LayerNormMLPFunction, inp, *params, w1, w2, plans, self._spec)
             needs = (False, False, False, False)

@@ -115,7 +115,7 @@ class _Norm(TransformerEngineBaseModule):
             self.register_parameter("bias", None)
         for param in self.parameters():
             param.sequence_parallel = self.sequence_parallel
-        self.reset_parameters()
+        self.reset_parameters(defer_init=self.device.type == "meta")  # meta: left empty
         self._norm = NormSpec(cls, self.eps, self.zero_centered_gamma)
         self._finish_init()
 
