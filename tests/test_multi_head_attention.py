@@ -397,7 +397,6 @@ def test_qk_norm_rmsnorm_over_head_dim():
         (dict(qkv_format="sbh"), ValueError),
         (dict(num_gqa_groups=3), ValueError),
         (dict(layer_number=0), ValueError),
-        (dict(qk_norm_type="L2Normalization"), NotImplementedError),
         (dict(qk_norm_type="BatchNorm"), ValueError),
         (dict(ub_overlap_ag=True), NotImplementedError),
         (dict(tp_size=2), ValueError),

@@ -353,11 +353,10 @@ def _qk_norms(qk_norm_type: str | None, eps: float, head_dim: int, device):
     if qk_norm_type is None:
         return None, None
     norms = {"RMSNorm": RMSNorm, "LayerNorm": LayerNorm}
-    if qk_norm_type == "L2Normalization":
-        raise NotImplementedError(
-            "te.MultiheadAttention: qk_norm_type='L2Normalization' is not implemented; use "
-            "'RMSNorm' or 'LayerNorm'"
-        )
+    if qk_norm_type == "L2Normalization":  # parameter-free, as Transformer Engine's
+        from torchte.ops import L2Normalization
+
+        return L2Normalization(eps=eps, device=device), L2Normalization(eps=eps, device=device)
     if qk_norm_type not in norms:
         raise ValueError(
             "te.MultiheadAttention: qk_norm_type must be None, 'L2Normalization', 'RMSNorm' or "

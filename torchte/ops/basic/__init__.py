@@ -23,6 +23,7 @@ from .constant_scale import ConstantScale
 from .dropout import Dropout
 from .grouped_linear import GroupedLinear
 from .identity import Identity
+from .l2_normalization import L2Normalization
 from .linear import Linear
 from .make_extra_output import MakeExtraOutput
 from .norm import LayerNorm, RMSNorm
@@ -61,6 +62,7 @@ __all__ = [
     "Dropout",
     "GroupedLinear",
     "Identity",
+    "L2Normalization",
     "LayerNorm",
     "Linear",
     "MakeExtraOutput",
