@@ -215,6 +215,25 @@ def test_context_parallel_positions(fmt, cp_size, cp_rank):
     check_against_model(t, dy, freqs, fmt, False, cp_size=cp_size, cp_rank=cp_rank, **kw)
 
 
+@pytest.mark.parametrize("cp_size,cp_rank", [(2, 0), (2, 1), (4, 3)])
+@pytest.mark.parametrize("fmt", ["sbhd", "bshd", "thd"])
+def test_context_parallel_with_start_positions(fmt, cp_size, cp_rank):
+    """start_positions add to the rank's chunk positions, as Transformer Engine adds them."""
+    if fmt == "thd":
+        cu = torch.tensor([0, 4, 6, 12], dtype=torch.int32) * cp_size
+        start = torch.tensor([5, 0, 2])
+        t, dy, freqs = draw((12, 2, 8), torch.float32, 6 * cp_size + 2, 6)
+        kw = {"cu_seqlens": cu}
+    else:
+        shape = (6, 2, 3, 8) if fmt == "sbhd" else (2, 6, 3, 8)
+        start = torch.tensor([0, 7], dtype=torch.int32)
+        t, dy, freqs = draw(shape, torch.float32, 6 * cp_size + 7, 8)
+        kw = {}
+    check_against_model(
+        t, dy, freqs, fmt, True, cp_size=cp_size, cp_rank=cp_rank, start_positions=start, **kw
+    )
+
+
 def test_zero_tokens_and_fused_on_cpu_is_the_reference():
     freqs = representable((9, 1, 1, 8), torch.float32, scale=FREQS_SCALE)
     t = representable((9, 2, 3, 10), torch.float32)
@@ -278,7 +297,8 @@ def test_bad_apply_arguments():
         ({"start_positions": torch.tensor([0.0, 1.0])}, "start_positions must be a 1-D integer"),
         ({"start_positions": torch.tensor([0, 1])}, "leave room for 6"),
         ({"start_positions": torch.tensor([-1, 0])}, ">= 0"),
-        ({"cp_size": 2, "start_positions": torch.tensor([0, 0])}, "cannot be combined"),
+        ({"cp_size": 2, "start_positions": torch.tensor([0, 1]),
+          "freqs": torch.zeros(12, 1, 1, 8)}, "leave room for 12"),
         ({"cp_size": 2, "cp_rank": 2}, "cp_rank"),
         ({"cp_size": 2}, "cp_size \\* seq len needs 12"),
         ({"cp_size": 2, "t": t[:5], "freqs": torch.zeros(20, 1, 1, 8)}, "must be even"),

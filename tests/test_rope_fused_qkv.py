@@ -152,6 +152,19 @@ def test_context_parallel_positions(fmt, cp_size, cp_rank):
     check_against_model(qkv, q_freqs, k_freqs, 1, fmt, True, cp_size=cp_size, cp_rank=cp_rank)
 
 
+@pytest.mark.parametrize("fmt", ["sbhd", "bshd"])
+@pytest.mark.parametrize("cp_size,cp_rank", [(2, 1), (3, 0)])
+def test_context_parallel_with_start_positions(fmt, cp_size, cp_rank):
+    """start_positions add to the rank's chunk positions, as Transformer Engine adds them."""
+    shape = (6, 2, 2, 3 * 8) if fmt == "sbhd" else (2, 6, 2, 3 * 8)
+    qkv, q_freqs, k_freqs = draw(shape, torch.float32, 6 * cp_size + 4, 8)
+    start = torch.tensor([4, 1], dtype=torch.int32)
+    check_against_model(
+        qkv, q_freqs, k_freqs, 1, fmt, False, cp_size=cp_size, cp_rank=cp_rank,
+        start_positions=start,
+    )  # fmt: skip
+
+
 @pytest.mark.parametrize("interleaved", [False, True])
 def test_same_as_megatron_split_then_apply_rotary_pos_emb(interleaved):
     """Megatron-Core's unfused path: split [sq, b, ng, (np/ng + 2) hn] along the last dim,
@@ -288,8 +301,9 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match="fewer than"):
         apply_fused_qkv_rotary_pos_emb(qkv, freqs, freqs[:3], split)
     start = torch.zeros(2, dtype=torch.int32)
-    with pytest.raises(ValueError, match="start_positions cannot be combined"):
-        apply_fused_qkv_rotary_pos_emb(qkv, freqs, freqs, split, start_positions=start, cp_size=2)
+    with pytest.raises(ValueError, match="leave room for 8 positions"):  # 2 x 4 from 1
+        apply_fused_qkv_rotary_pos_emb(qkv, freqs, freqs, split, start_positions=start + 1,
+                                       cp_size=2)  # fmt: skip
     with pytest.raises(ValueError, match="cp_size"):
         apply_fused_qkv_rotary_pos_emb(qkv, freqs, freqs, split, cp_size=2, cp_rank=2)
     with pytest.raises(ValueError, match="start_positions must be >= 0"):

@@ -142,7 +142,8 @@ def apply_rotary_pos_emb(
 
     t: (s, b, h, d) sbhd, (b, s, h, d) bshd or (t, h, d) thd, fp32 / bf16 / fp16.
     freqs: (s2, 1, 1, d2) angles (RotaryPositionEmbedding's output), taken as float32.
-    start_positions: (b,) or, thd, (B,) integers added to each sequence's positions.
+    start_positions: (b,) or, thd, (B,) integers added to each sequence's positions (with
+      cp_size > 1, to the rank's chunk positions, as Transformer Engine adds them).
     cu_seqlens: (B + 1,) integer offsets of the packed sequences (thd only; with cp_size > 1,
       the padded offsets of the whole sequences, each a multiple of 2 cp_size long).
     cp_size, cp_rank: context parallelism: each rank holds two chunks of every sequence (chunk
@@ -155,7 +156,7 @@ def apply_rotary_pos_emb(
         raise ValueError(f"tensor_format must be one of {known}, got {tensor_format!r}")
     x, seq_first = _as_4d(t, tensor_format)
     freqs_2d = _freqs_2d(freqs, t.shape[-1], t.device)
-    _check_cp(cp_size, cp_rank, start_positions)
+    _check_cp(cp_size, cp_rank)
     cp = (cp_size, cp_rank)
     if tensor_format == "thd":
         seq_pos, start = _thd_positions(t, cu_seqlens, start_positions, freqs_2d, *cp)
@@ -230,8 +231,8 @@ def apply_fused_qkv_rotary_pos_emb(
     qkv_split_arg_list: [per * d, d, d], the channels of the group's queries, key and value
       (they sum to c); per query heads of d channels share each key/value head.
     q_freqs, k_freqs: (s2, 1, 1, d2) angles with the same d2 (even, <= d), taken as float32.
-    start_positions, interleaved, cp_size, cp_rank: as apply_rotary_pos_emb (start_positions
-      not with cp_size > 1). cu_seqlens is accepted and unused, as in Transformer Engine.
+    start_positions, interleaved, cp_size, cp_rank: as apply_rotary_pos_emb. cu_seqlens is
+      accepted and unused, as in Transformer Engine.
     Returns q (s, b, g * per, d), k (s, b, g, d), v (s, b, g, d) (b first for bshd), contiguous,
     in qkv's dtype; differentiable with respect to qkv. One Triton kernel on CUDA (forward, and
     its transpose for the backward), the torch reference elsewhere.
@@ -253,7 +254,7 @@ def apply_fused_qkv_rotary_pos_emb(
         raise ValueError(
             f"q_freqs and k_freqs must have the same d2, got {q_2d.shape[1]} and {k_2d.shape[1]}"
         )
-    _check_cp(cp_size, cp_rank, start_positions)
+    _check_cp(cp_size, cp_rank)
     seq_first = tensor_format == "sbhd"
     shorter = q_2d if q_2d.shape[0] <= k_2d.shape[0] else k_2d
     seq_pos, start = _padded_positions(qkv, seq_first, start_positions, shorter, cp_size, cp_rank)
@@ -304,13 +305,11 @@ def _freqs_2d(
     return freqs.reshape(freqs.shape[0], d2).float()
 
 
-def _check_cp(cp_size: int, cp_rank: int, start_positions: torch.Tensor | None) -> None:
+def _check_cp(cp_size: int, cp_rank: int) -> None:
     if not (isinstance(cp_size, int) and cp_size >= 1 and 0 <= cp_rank < cp_size):
         raise ValueError(
             f"cp_size must be >= 1 and 0 <= cp_rank < cp_size, got {cp_size} and {cp_rank}"
         )
-    if cp_size > 1 and start_positions is not None:
-        raise ValueError("start_positions cannot be combined with cp_size > 1")
 
 
 def _index_table(table: torch.Tensor, name: str, length: int, device: torch.device) -> torch.Tensor:
@@ -341,29 +340,32 @@ def _cp_table(n: int, cp_size: int, cp_rank: int, device: torch.device) -> torch
 
 
 def _padded_positions(x, seq_first, start_positions, freqs_2d, cp_size, cp_rank):
-    """(seq_pos or None, start or None) for sbhd / bshd, after checking they fit freqs."""
+    """(seq_pos or None, start or None) for sbhd / bshd, after checking they fit freqs. With
+    cp_size > 1 the positions are the rank's two chunks' (seq_pos), each sequence's start
+    position added to them as Transformer Engine adds it."""
     n_seq, n_batch = (x.shape[0], x.shape[1]) if seq_first else (x.shape[1], x.shape[0])
     s2 = freqs_2d.shape[0]
+    seq_pos, span = None, n_seq  # span: the positions the whole sequence takes
     if cp_size > 1:
         if n_seq % 2:
             raise ValueError(f"with cp_size > 1 the sequence length must be even, got {n_seq}")
-        if cp_size * n_seq > s2:
-            raise ValueError(f"freqs has {s2} positions; cp_size * seq len needs {cp_size * n_seq}")
-        return _cp_table(n_seq, cp_size, cp_rank, x.device), None
+        seq_pos, span = _cp_table(n_seq, cp_size, cp_rank, x.device), cp_size * n_seq
     if start_positions is None:
-        if n_seq > s2:
+        if span > s2 and cp_size > 1:
+            raise ValueError(f"freqs has {s2} positions; cp_size * seq len needs {span}")
+        if span > s2:
             raise ValueError(f"freqs has {s2} positions, fewer than t's sequence length {n_seq}")
-        return None, None
+        return seq_pos, None
     # Checked where start_positions lies: no device read when the caller keeps it on the host.
     start = _index_table(start_positions, "start_positions", n_batch, start_positions.device)
     if n_batch and n_seq:
         got = _read_back([start.min(), start.max()])
-        if got is not None and (got[0] < 0 or got[1] + n_seq > s2):
+        if got is not None and (got[0] < 0 or got[1] + span > s2):
             raise ValueError(
-                f"start_positions must be >= 0 and leave room for {n_seq} positions in freqs' "
+                f"start_positions must be >= 0 and leave room for {span} positions in freqs' "
                 f"{s2}, got min {got[0]}, max {got[1]}"
             )
-    return None, start.to(x.device)
+    return seq_pos, start.to(x.device)
 
 
 def _thd_positions(t, cu_seqlens, start_positions, freqs_2d, cp_size, cp_rank):
@@ -382,7 +384,7 @@ def _thd_positions(t, cu_seqlens, start_positions, freqs_2d, cp_size, cp_rank):
     if start_positions is not None:
         start = _index_table(start_positions, "start_positions", n_seqs, device).long()
     lengths = cu[1:] - cu[:-1]
-    need = cp_size * lengths if cp_size > 1 else lengths + (start if start is not None else 0)
+    need = cp_size * lengths + (start if start is not None else 0)
     checks = [cu[0], cu[-1], lengths.min(), need.max(), (lengths % 2).max()]
     if start is not None:
         checks.append(start.min())
@@ -393,12 +395,13 @@ def _thd_positions(t, cu_seqlens, start_positions, freqs_2d, cp_size, cp_rank):
     seq = torch.searchsorted(cu[1:], tok, right=True).clamp_(max=n_seqs - 1)
     begin, length = cu[seq], lengths[seq]
     local = tok - begin
+    pos = local
     if cp_size > 1:
         seg = length // 2
         late = cp_size * length - (cp_rank + 1) * seg + (local - seg)
         pos = torch.where(local < seg, cp_rank * seg + local, late)
-    else:
-        pos = local if start is None else local + start[seq]
+    if start is not None:  # added after the context-parallel chunk's offset, as TE adds it
+        pos = pos + start[seq]
     return pos.int(), None
 
 
