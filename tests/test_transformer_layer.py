@@ -296,6 +296,33 @@ def test_drop_path_drops_whole_samples():
     assert torch.equal(drop(x), x)
 
 
+def test_drop_path_rate_one_drops_every_sample_and_draws_as_any_rate():
+    """drop_path_rate=1.0 (Transformer Engine accepts it): the branch is all zeros in training
+    (no NaN from 1 / (1 - p)), its gradient zero, the RNG advanced as at any other rate; a
+    TransformerLayer built with it then computes residual + nothing in training."""
+    from torchte._transformer_parts import DropPath
+
+    drop = DropPath(1.0)
+    x = torch.randn(16, 3, 8, requires_grad=True)
+    torch.manual_seed(0)
+    y = drop(x)
+    after_one = torch.rand(1)
+    torch.manual_seed(0)
+    DropPath(0.5)(x.detach())
+    assert torch.equal(torch.rand(1), after_one)
+    assert torch.equal(y, torch.zeros_like(y))
+    y.sum().backward()
+    assert torch.equal(x.grad, torch.zeros_like(x))
+    drop.eval()
+    assert torch.equal(drop(x), x)
+    layer = te.TransformerLayer(HIDDEN, FFN, HEADS, drop_path_rate=1.0, hidden_dropout=0.0)
+    h = torch.randn(S, B, HIDDEN)
+    with torch.no_grad():
+        assert torch.equal(layer(h), h)  # both residual branches dropped
+        layer.eval()
+        assert not torch.equal(layer(h), h)
+
+
 def test_parameter_names_equal_transformer_engines():
     """Names as Transformer Engine 2.x names its submodules and parameters (written here)."""
     mha = [

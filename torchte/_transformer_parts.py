@@ -22,12 +22,13 @@ _FORMATS = ("sbhd", "bshd", "thd")
 class DropPath(nn.Module):
     """Stochastic depth: in training, each sample (dim 0) is zeroed with probability
     drop_prob and the others scaled by 1 / (1 - drop_prob); the identity in eval. No
-    parameters. x (n, ...) -> (n, ...)."""
+    parameters. x (n, ...) -> (n, ...). drop_prob 1 (which Transformer Engine accepts) drops
+    every sample: the branch contributes zeros, where 1 / (1 - drop_prob) would make NaN."""
 
     def __init__(self, drop_prob: float = 0.0) -> None:
         super().__init__()
-        if not 0.0 <= drop_prob < 1.0:
-            raise ValueError(f"drop_path_rate must be in [0, 1), got {drop_prob}")
+        if not 0.0 <= drop_prob <= 1.0:
+            raise ValueError(f"drop_path_rate must be in [0, 1], got {drop_prob}")
         self.drop_prob = drop_prob
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -36,7 +37,10 @@ class DropPath(nn.Module):
             return x
         keep = 1.0 - self.drop_prob
         shape = (x.shape[0],) + (1,) * (x.ndim - 1)
+        # The same draw at every rate, as Transformer Engine's: the RNG streams stay aligned.
         mask = (keep + torch.rand(shape, dtype=x.dtype, device=x.device)).floor_()
+        if keep == 0.0:
+            return x * mask  # all zeros
         return x.div(keep) * mask
 
     def extra_repr(self) -> str:
