@@ -109,6 +109,7 @@ def _plain_producer(op: BasicOperation) -> bool:
         op.num_extra_inputs == 0
         and getattr(op, "glu_interleave_size", None) is None
         and not getattr(op, "cache_quantized_input", False)
+        and getattr(op, "over_last_dim", True)  # a norm over several dims makes no GEMM rows
     )
 
 
