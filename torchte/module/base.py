@@ -213,12 +213,14 @@ class TransformerEngineBaseModule(TEMetadataMixin, SetattrGuard):
         deferred initialization (`with torch.device("meta")`, then `to_empty(device=...)`) this
         gives the parameters their values. defer_init=True does nothing (Transformer Engine's
         argument: the parameters stay uninitialized). Parameters still on the meta device are
-        first made, as Transformer Engine does, on the default device (the current CUDA
-        device; the CPU where there is none), as te.ops' reset_parameters does."""
+        first made, as Transformer Engine does, on the module's device, or on the default device
+        (the current CUDA device; the CPU where there is none) when that is the meta device
+        too."""
         if defer_init:
             return
         if any(p.is_meta for p in self.parameters(recurse=False)):
-            self.to_empty(device=default_device(None), recurse=False)
+            device = self.device if self.device.type != "meta" else default_device(None)
+            self.to_empty(device=device, recurse=False)
         recipe = self._model_init_recipe
 
         def prime(full_hp: torch.Tensor, gemm: int) -> None:

@@ -29,7 +29,6 @@ from typing import Any
 
 import torch
 
-from torchte._device import default_device
 from torchte.module.base import SUPPORTED_DTYPES, TransformerEngineBaseModule
 from torchte.recipe import Recipe
 
@@ -184,17 +183,6 @@ class BasicOperation(FusibleOperation, TransformerEngineBaseModule):
                 self._follow_parameters()
             params = self.op_parameters()
         return params
-
-    def reset_parameters(self, defer_init: bool | None = False) -> None:
-        """Initialize the parameters again (see TransformerEngineBaseModule.reset_parameters);
-        parameters on the meta device are first made on the op's device, or on the default
-        device when that is the meta device too (Transformer Engine's rule)."""
-        if defer_init:
-            return
-        if any(p is not None and p.is_meta for p in self._parameters.values()):
-            device = self.device if self.device.type != "meta" else default_device(None)
-            self.to_empty(device=device)
-        super().reset_parameters()
 
     def output_features(self, features: int | None) -> int | None:
         """The last dimension of the output for an input of `features` (None: unknown); the
