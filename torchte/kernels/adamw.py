@@ -46,6 +46,7 @@ __all__ = [
     "adamw_step_reference_",
     "grad_norm",
     "grad_norm_reference",
+    "grads_supported",
 ]
 
 # Elements a program updates (read at each call; benchmarks/optimizer_step.py compares sizes):
@@ -156,14 +157,16 @@ _TRITON_DTYPES = {} if tl is None else {torch.float32: tl.float32, torch.bfloat1
 @functools.lru_cache(maxsize=32)
 def _chunks(
     numels: tuple[int, ...], device: torch.device, chunk: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(the tensor of each chunk (C,) int32, its first element (C,) int64) on `device`, for
-    tensors of `numels` elements cut in chunks of `chunk`: computed once per list of sizes."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(the numels (T,) int64, the tensor of each chunk (C,) int32, its first element (C,)
+    int64) on `device`, for tensors of `numels` elements cut in chunks of `chunk`: computed once
+    per list of sizes."""
     counts = torch.tensor([math.ceil(n / chunk) for n in numels])
     tensor_of = torch.repeat_interleave(torch.arange(len(numels), dtype=torch.int32), counts)
     first = torch.cumsum(counts, 0) - counts
     start = (torch.arange(len(tensor_of)) - first[tensor_of.long()]) * chunk
-    return tensor_of.to(device), start.to(device)
+    numels_t = torch.tensor(numels, dtype=torch.int64)
+    return numels_t.to(device), tensor_of.to(device), start.to(device)
 
 
 def _check(params, grads, exp_avgs, exp_avg_sqs) -> None:
@@ -199,18 +202,22 @@ def _launch_args(lists: tuple[Sequence[torch.Tensor], ...], chunk: int):
     lists of tensors, or None when they hold no element."""
     first = lists[0]
     device = first[0].device
-    numels = tuple(t.numel() for t in first)
-    tensor_of, start = _chunks(numels, device, chunk)
+    numels, tensor_of, start = _chunks(tuple(t.numel() for t in first), device, chunk)
     if tensor_of.numel() == 0:
         return None
     addresses = _device_table([t.data_ptr() for lst in lists for t in lst], device)
-    return addresses, _device_table(list(numels), device), tensor_of, start
+    return addresses, numels, tensor_of, start
+
+
+def grads_supported(grads: Sequence[torch.Tensor]) -> bool:
+    """Whether the kernels take these gradients: one dtype of GRAD_DTYPES."""
+    return len({g.dtype for g in grads}) == 1 and grads[0].dtype in GRAD_DTYPES
 
 
 def _check_grads(grads: Sequence[torch.Tensor], who: str) -> None:
     if not all(g.is_contiguous() for g in grads):
         raise ValueError(f"{who}: every gradient must be contiguous")
-    if len({g.dtype for g in grads}) > 1 or grads[0].dtype not in GRAD_DTYPES:
+    if not grads_supported(grads):
         raise ValueError(
             f"{who}: gradients must share one dtype, fp32 or bf16; got "
             f"{sorted({str(g.dtype) for g in grads})}"

@@ -70,7 +70,7 @@ class ClippedAdamW(torch.optim.AdamW):
             return False
         if not all(t.is_contiguous() for t in (*params, *grads)):
             return False
-        if len({g.dtype for g in grads}) != 1 or grads[0].dtype not in adamw.GRAD_DTYPES:
+        if not adamw.grads_supported(grads):
             return False
         plain = ("amsgrad", "maximize", "capturable", "differentiable")
         return not any(g[k] for g in self.param_groups for k in plain) and not any(
