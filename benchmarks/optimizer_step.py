@@ -55,25 +55,26 @@ def run(size: str, copy: float) -> list[tuple]:
         torch.nn.utils.clip_grad_norm_(params, 1e9)
         theirs.step()
 
-    cases = [
-        ("torch: clip_grad_norm_ + fused AdamW", torch_step, NORM + MULTIPLY + ADAMW),
-        ("  clip_grad_norm_", lambda: torch.nn.utils.clip_grad_norm_(params, 1e9),
+    def fused_step():
+        ours.clip_and_step(1e9, None)
+
+    cases = [  # (name, ADAMW_CHUNK or None for the default, step, bytes an element)
+        ("torch: clip_grad_norm_ + fused AdamW", None, torch_step, NORM + MULTIPLY + ADAMW),
+        ("  clip_grad_norm_", None, lambda: torch.nn.utils.clip_grad_norm_(params, 1e9),
          NORM + MULTIPLY),
-        ("  get_total_norm", lambda: torch.nn.utils.get_total_norm(grads), NORM),
-        ("  fused AdamW", theirs.step, ADAMW),
-        ("ClippedAdamW.clip_and_step", lambda: ours.clip_and_step(1e9, None), NORM + ADAMW),
-        ("  grad_norm", lambda: adamw.grad_norm(grads), NORM),
+        ("  get_total_norm", None, lambda: torch.nn.utils.get_total_norm(grads), NORM),
+        ("  fused AdamW", None, theirs.step, ADAMW),
+        ("ClippedAdamW.clip_and_step", None, fused_step, NORM + ADAMW),
+        ("  grad_norm", None, lambda: adamw.grad_norm(grads), NORM),
     ]  # fmt: skip
+    cases += [(f"  chunks of {c} elements", c, fused_step, NORM + ADAMW) for c in CHUNKS]
     default = adamw.ADAMW_CHUNK
-    for chunk in CHUNKS:
-        cases.append((f"  chunks of {chunk} elements", chunk, NORM + ADAMW))
     rows = []
-    for name, fn, bytes_per_element in cases:
-        if isinstance(fn, int):  # clip_and_step with another chunk size
-            adamw.ADAMW_CHUNK, fn = fn, cases[4][1]
+    for name, chunk, fn, bytes_per_element in cases:
+        adamw.ADAMW_CHUNK = chunk or default
         ms = gpu_ms(fn, reps=10)
-        adamw.ADAMW_CHUNK = default
         rows.append((size, name, ms, bytes_per_element * numel / ms / 1e6 / copy))
+    adamw.ADAMW_CHUNK = default
     return rows
 
 
