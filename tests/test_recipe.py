@@ -89,8 +89,9 @@ def test_transformer_engine_2x_fields_are_accepted_at_construction():
         DelayedScaling(params_dtype=torch.bfloat16, device="cuda", margin=1)
     layer = te.Linear(16, 16, device="cpu")
     x = torch.randn(16, 16)
+    with te.autocast(recipe=current):  # runs (tests/test_backward_override.py)
+        assert layer(x).shape == (16, 16)
     for used, match in (
-        (current, "backward_override='high_precision'"),
         (wgrad_hp, "override_linear_precision"),
         (custom, "CustomRecipe is not implemented"),
     ):

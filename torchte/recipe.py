@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+import os
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -176,6 +177,9 @@ class Recipe:
 
 
 BACKWARD_OVERRIDES = (None, "high_precision", "dequantized")
+# The default backward_override of the recipes that take one: NVTE_BACKWARD_OVERRIDE, read at
+# import (unset: None), as Transformer Engine reads it.
+_BACKWARD_OVERRIDE_DEFAULT = os.environ.get("NVTE_BACKWARD_OVERRIDE") or None
 
 
 def _check_backward_override(recipe) -> None:
@@ -244,7 +248,7 @@ class DelayedScaling(Recipe):
     reduce_amax: bool = True
     fp8_dpa: bool = False
     fp8_mha: bool = False
-    backward_override: str | None = None
+    backward_override: str | None = None  # takes None only: the variable is not read
     # Older Transformer Engine fields, accepted as clients pass them: interval (ignored, a
     # one-time note), override_linear_precision ((fprop, dgrad, wgrad) high-precision flags:
     # all False runs; any True raises NotImplementedError at use), params_dtype and device
@@ -364,7 +368,7 @@ class Float8CurrentScaling(Recipe):
     amax_epsilon: float = 0.0
     fp8_dpa: bool = False
     fp8_mha: bool = False
-    backward_override: str | None = None
+    backward_override: str | None = _BACKWARD_OVERRIDE_DEFAULT
     fp8_quant_fwd_inp: QParams | None = None  # None: QParams()
     fp8_quant_fwd_weight: QParams | None = None
     fp8_quant_bwd_grad: QParams | None = None
@@ -437,7 +441,7 @@ class Float8BlockScaling(Recipe):
     grad_block_scaling_dim: int = 1
     fp8_dpa: bool = False
     fp8_mha: bool = False
-    backward_override: str | None = None
+    backward_override: str | None = _BACKWARD_OVERRIDE_DEFAULT
     use_f32_scales: bool = False
     fp8_quant_fwd_inp: QParams | None = None  # None: QParams(power_2_scale=True)
     fp8_quant_fwd_weight: QParams | None = None
@@ -473,7 +477,7 @@ class MXFP8BlockScaling(Recipe):
     fp8_dpa: bool = False
     fp8_mha: bool = False
     enable_2d_quantization: bool = False
-    backward_override: str | None = None
+    backward_override: str | None = _BACKWARD_OVERRIDE_DEFAULT
 
     def _validate(self) -> None:
         _check_format(self.fp8_format, (Format.E4M3, Format.HYBRID), type(self).__name__)
@@ -528,7 +532,7 @@ class NVFP4BlockScaling(Recipe):
     disable_rht: bool = False
     disable_stochastic_rounding: bool = False
     disable_2d_quantization: bool = False
-    backward_override: str | None = None
+    backward_override: str | None = _BACKWARD_OVERRIDE_DEFAULT
     fp8_format: Format = Format.E4M3
     row_scaled_activation: bool = False
     nvfp4_4over6: str = "none"
@@ -586,7 +590,7 @@ class CustomRecipe(Recipe):
     fp8_format: Format = Format.HYBRID
     fp8_dpa: bool = False
     fp8_mha: bool = False
-    backward_override: str | None = None
+    backward_override: str | None = _BACKWARD_OVERRIDE_DEFAULT
 
     def _validate(self) -> None:
         if self.qfactory is not None and not callable(self.qfactory):

@@ -16,6 +16,7 @@ from torch import nn
 
 from torchte._options import check_options
 from torchte.gemm import fp8_gemm, hp_linear, hp_mm, operand_gemm
+from torchte.quantization.base import QuantizedTensor
 from torchte.quantization.float8 import Float8Storage
 from torchte.quantization.float8_tensor import Float8Tensor
 from torchte.quantization.fused import grad_output_with_dbias
@@ -87,20 +88,35 @@ class LinearPlan:
     """Backward keeps the GEMM's input as given and casts it again (not its FP8 copy)."""
     fast: bool = field(init=False)
     """Plain high precision: nn.Linear's own kernels and autograd do everything."""
+    backward_override: str | None = field(init=False)
+    """The recipe's backward_override under FP8: "high_precision" (backward GEMMs from the
+    input and weight as given), "dequantized" (from the forward's FP8 operands, dequantized),
+    None (FP8 backward GEMMs)."""
 
     def __post_init__(self) -> None:
         special = self.main_grad is not None or self.wgrad_store is not None
         fast = not (self.fp8 or self.calibrating or special or self.save_original_input)
         object.__setattr__(self, "fast", fast)
+        override = self.recipe.backward_override if self.fp8 else None
+        object.__setattr__(self, "backward_override", override)
+
+    @property
+    def fp8_backward(self) -> bool:
+        """Whether backward runs FP8 GEMMs (FP8, without a backward_override): only then are
+        columnwise (transposed) FP8 copies of the input and weight needed."""
+        return self.fp8 and self.backward_override is None
 
     def input_quantizer(self):
         """The quantizer of the GEMM's input under FP8 (a producer in front, such as a norm or
-        an activation, may write with it); None in high precision."""
-        return self.setup.input[self.gemm] if self.fp8 else None
+        an activation, may write with it); None in high precision, and where backward needs
+        the input as it was before the cast (backward_override="high_precision")."""
+        if not self.fp8 or self.backward_override == "high_precision":
+            return None
+        return self.setup.input[self.gemm]
 
     def grad_output_quantizer(self):
-        """The quantizer of the GEMM's output gradient under FP8; None in high precision."""
-        return self.setup.grad_output[self.gemm] if self.fp8 else None
+        """The quantizer of the GEMM's output gradient under FP8 backward; None otherwise."""
+        return self.setup.grad_output[self.gemm] if self.fp8_backward else None
 
 
 def fprop(x, w, bias, plan: LinearPlan, residual=None) -> torch.Tensor:
@@ -148,15 +164,22 @@ def linear_forward(
         bias = bias.to(dtype)
     if plan.fp8:
         setup = plan.setup
+        wgrad_fp8 = need_wgrad and plan.fp8_backward
         if produced:
             x_fp8 = inp
         elif isinstance(inp, Float8Tensor):
             x_fp8 = inp._storage
-            x_fp8.update_usage(rowwise_usage=True, columnwise_usage=need_wgrad or None)
+            x_fp8.update_usage(rowwise_usage=True, columnwise_usage=wgrad_fp8 or None)
         else:
-            columnwise = need_wgrad and not plan.save_original_input
+            columnwise = wgrad_fp8 and not plan.save_original_input
             x_fp8 = setup.input[plan.gemm].quantize(x2d, rowwise=True, columnwise=columnwise)
         y = fprop(x_fp8, w_fp8, bias, plan)
+        if plan.backward_override is not None:
+            own = not isinstance(inp, Float8Tensor)  # a user's Float8Tensor is left as it is
+            x_saved, w_saved = _saved_for_override(
+                plan, x2d, weight, x_fp8 if own else None, w_fp8, need_dgrad, need_wgrad
+            )
+            return _output(y, inp, plan), x_saved, w_saved
         x_saved = x_fp8 if need_wgrad else None
         if need_wgrad and plan.save_original_input and x2d is not None:
             x_saved = x2d  # kept as given: backward casts it again (_columnwise_input)
@@ -172,10 +195,30 @@ def linear_forward(
         y = fprop(x_hp, w_hp, bias, plan, residual)
         x_saved = (x2d if plan.save_original_input else x_hp) if need_wgrad else None
         w_saved = w_hp if need_dgrad else None
+    return _output(y, inp, plan), x_saved, w_saved
+
+
+def _output(y, inp, plan: LinearPlan):
+    """The GEMM's (M, N) result as the layer's output: inp's leading dims, FP8 if asked."""
     y = as_output(y, (*inp.shape[:-1], y.shape[-1]))
     if plan.fp8_output:
         y = plan.setup.output[plan.gemm].quantize(y, rowwise=True, columnwise=True)
-    return y, x_saved, w_saved
+    return y
+
+
+def _saved_for_override(plan: LinearPlan, x2d, weight, x_fp8, w_fp8, need_dgrad, need_wgrad):
+    """(x_saved, w_saved) for a backward in high precision (backward_override):
+    "high_precision" keeps the input and weight as given; "dequantized" keeps the forward's
+    FP8 operands, rowwise only. x_fp8: the FP8 input made here or by a fused producer (None:
+    the input came as a user's Float8Tensor, x2d, kept as it is)."""
+    if plan.backward_override == "high_precision" or x_fp8 is None:
+        x_keep = x2d if x2d is not None else x_fp8
+        w_keep = weight if plan.backward_override == "high_precision" else w_fp8
+    else:
+        x_keep, w_keep = x_fp8, w_fp8
+        if need_wgrad:
+            x_fp8.update_usage(rowwise_usage=True, columnwise_usage=False)
+    return (x_keep if need_wgrad else None), (w_keep if need_dgrad else None)
 
 
 @dataclass(slots=True, eq=False)
@@ -234,14 +277,22 @@ def linear_backward(
         dy2d = grad_out.reshape(-1, grad_out.shape[-1])
         if not dy2d.is_contiguous():
             dy2d = dy2d.contiguous()
-    if plan.fp8 and dy_fp8 is None and dy2d is not None and ctx.bias_requires_grad:
+    fp8_backward = plan.fp8_backward
+    if fp8_backward and dy_fp8 is None and dy2d is not None and ctx.bias_requires_grad:
         usage = (ctx.need_dgrad, ctx.need_wgrad)
         fused = grad_output_with_dbias(plan.setup.grad_output[plan.gemm], dy2d, usage)
         if fused is not None:  # the cast also sums the columns (1x128 blocks)
             dy_fp8, dbias = fused
-    if plan.fp8:
+    if fp8_backward:
         dgrad, wgrad = _backward_fp8(ctx, plan, dy2d, dy_fp8, x_saved, w_saved, start_reduction)
     else:
+        if plan.fp8:  # backward_override: the saved operands in high precision
+            if dy2d is None:
+                dy2d = dy_fp8.dequantize(plan.dtype)
+            x_saved, w_saved = (
+                high_precision(x_saved, plan.dtype),
+                high_precision(w_saved, plan.dtype),
+            )
         dgrad, wgrad = _backward_hp(ctx, plan, dy2d, x_saved, w_saved, start_reduction)
     if not ctx.bias_requires_grad:
         dbias = None
@@ -251,7 +302,7 @@ def linear_backward(
         dbias = dbias.to(plan.dtype)
     if dgrad is not None:
         dgrad = dgrad.view(-1, *ctx.inp_shape[1:]) if start_reduction else dgrad.view(ctx.inp_shape)
-        if plan.fp8_grad:
+        if plan.fp8_grad and fp8_backward:  # a backward_override gives it in high precision
             dgrad = plan.setup.grad_input[plan.gemm].quantize(dgrad, rowwise=True, columnwise=True)
     return dgrad, wgrad, dbias
 
@@ -450,8 +501,9 @@ class LinearCore(TransformerEngineBaseModule):
         """The autograd.Function path (FP8, calibration, fused wgrad), exception-safe."""
 
         def run():
+            need_columnwise = self._needs_dgrad(inp) and plan.fp8_backward
             w_fp8 = self._fp8_weight(
-                weight, plan, is_first_microbatch, self._needs_dgrad(inp), self._weight_params()
+                weight, plan, is_first_microbatch, need_columnwise, self._weight_params()
             )
             return self._apply_function(inp, weight, bias, w_fp8, plan)
 
@@ -514,6 +566,15 @@ def _no_tp():
 def cast_to(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
     """t in dtype (t itself when it already is, or None)."""
     return t if t is None or t.dtype == dtype else t.to(dtype)
+
+
+def high_precision(t, dtype: torch.dtype) -> torch.Tensor | None:
+    """t (a tensor, a quantized tensor or storage, or None) as a plain tensor in dtype."""
+    if t is None or (type(t) in (torch.Tensor, nn.Parameter) and t.dtype == dtype):
+        return t
+    if isinstance(t, torch.Tensor) and not isinstance(t, QuantizedTensor):
+        return t.to(dtype)
+    return t.dequantize(dtype)
 
 
 # Transformer Engine's options that torchte does not implement, with the value that means

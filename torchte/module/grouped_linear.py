@@ -269,7 +269,8 @@ def grouped_plan(module, key: PlanKey, weight_names: list[str], who: str) -> Gro
     if plain and not fp8_params:
         if dtype == torch.bfloat16 and grouped_mm_supported(module.device, dtype, True):
             mode = "grouped"
-    elif fp8 and gemms[0].setup.grouped_mode is not None:
+    elif fp8 and gemms[0].setup.grouped_mode is not None and gemms[0].fp8_backward:
+        # (a backward_override runs per group: te.Linear's high-precision backward)
         mode = gemms[0].setup.grouped_mode  # "fp8" (per-tensor scales) or "block"
         if mode == "block" and isinstance(p[weight_names[0]], QuantizedTensor):
             mode = "per_group"  # block-scaled weight parameters: each read as it is
@@ -300,6 +301,7 @@ def grouped_weights_fp8(
     first = plan.gemms[0]
     if not first.fp8:
         return None
+    columnwise = columnwise and first.fp8_backward  # the transposes serve FP8 dgrad only
     if transforms_active():
         raise NotImplementedError(
             f"{type(module).__name__} under torch.func runs in high precision only: its FP8 "

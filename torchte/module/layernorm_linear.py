@@ -50,11 +50,12 @@ def _ln_linear_forward(
     tp = plan.tp
     gather = tp.gathers_sequence
     quantizer = plan.input_quantizer()
+    columnwise = need_wgrad and plan.fp8_backward  # z's transposed FP8 copy, for wgrad
     x2d, z_in, z, mean, rstd = norm.run(
-        inp, ln_weight, ln_bias, plan.dtype, None if gather else quantizer, need_wgrad
+        inp, ln_weight, ln_bias, plan.dtype, None if gather else quantizer, columnwise
     )
     if gather:  # under FP8 the gathered z moves as FP8 bytes (unless it is handed out)
-        z_in, z = tp.gather_gemm_input(z, quantizer, need_wgrad, norm.keep_output)
+        z_in, z = tp.gather_gemm_input(z, quantizer, columnwise, norm.keep_output)
     y, z_saved, w_saved = linear_forward(z_in, weight, bias, w_fp8, plan, need_dgrad, need_wgrad)
     return y, z, (x2d, mean, rstd, z_saved, w_saved)
 

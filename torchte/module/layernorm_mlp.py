@@ -102,21 +102,24 @@ def _mlp_forward(inp, params, w_fp8, plans: MLPPlan, spec: MLPSpec, needs):
     tp = plans.fc1.tp
     ln_weight, ln_bias, fc1_weight, fc1_bias, fc2_weight, fc2_bias = params
     need_d1, need_w1, need_d2, need_w2 = needs
-    keep = spec.checkpoint and (need_d1 or need_w1)  # recompute h from z in backward
     fc1 = plans.fc1
+    # Recompute h from z in backward; not from the input as given (backward_override
+    # "high_precision"): its FP8 cast would be made again.
+    keep = spec.checkpoint and (need_d1 or need_w1) and fc1.backward_override != "high_precision"
     gather = tp.gathers_sequence
     quantizer = fc1.input_quantizer()
+    columnwise = (need_w1 or keep) and fc1.fp8_backward  # z's transposed FP8 copy
     x2d, z_in, z, mean, rstd = spec.norm.run(
-        inp, ln_weight, ln_bias, fc1.dtype, None if gather else quantizer, need_w1 or keep
+        inp, ln_weight, ln_bias, fc1.dtype, None if gather else quantizer, columnwise
     )
     if gather:  # under FP8 the gathered z moves as FP8 bytes (unless it is handed out)
-        z_in, z = tp.gather_gemm_input(z, quantizer, need_w1 or keep, spec.norm.keep_output)
+        z_in, z = tp.gather_gemm_input(z, quantizer, columnwise, spec.norm.keep_output)
     h, z_saved, w1_saved = linear_forward(
         z_in, fc1_weight, fc1_bias, w_fp8[0], plans.fc1, need_d1 or keep, need_w1 or keep, keep
     )
     h2d = h.reshape(-1, h.shape[-1])
     a_shape = (*h.shape[:-1], fc2_weight.shape[1])
-    a = spec.activate(h2d, plans.fc2.input_quantizer(), need_w2, a_shape)
+    a = spec.activate(h2d, plans.fc2.input_quantizer(), need_w2 and plans.fc2.fp8_backward, a_shape)
     split = tp.split  # fc2 row-parallel: its bias goes in once, after the reduction
     y, a_saved, w2_saved = linear_forward(
         a, fc2_weight, None if split else fc2_bias, w_fp8[1], plans.fc2, need_d2, need_w2
@@ -390,10 +393,10 @@ class LayerNormMLP(TransformerEngineBaseModule):
             need_dgrad = grad and (
                 inp.requires_grad or any(t is not None and t.requires_grad for t in params[:2])
             )
-            w1 = self._fp8_weight(
-                params[2], plans.fc1, is_first_microbatch, need_dgrad, params[2:3]
-            )
-            w2 = self._fp8_weight(params[4], plans.fc2, is_first_microbatch, grad, params[4:5])
+            need_w1t = need_dgrad and plans.fc1.fp8_backward
+            need_w2t = grad and plans.fc2.fp8_backward
+            w1 = self._fp8_weight(params[2], plans.fc1, is_first_microbatch, need_w1t, params[2:3])
+            w2 = self._fp8_weight(params[4], plans.fc2, is_first_microbatch, need_w2t, params[4:5])
             if torch.is_grad_enabled():
                 return apply(_LayerNormMLPFunction, inp, *params, w1, w2, plans, self._spec)
             needs = (False, False, False, False)

@@ -51,7 +51,8 @@ def _split_forward(inp, weight, bias, w_fp8, plan: LinearPlan, tp, needs):
     x = inp
     if tp.gathers_sequence:
         quantizer = plan.input_quantizer()
-        x = tp.gather_gemm_input(inp, quantizer, need_wgrad, keep_output=False)[0]
+        columnwise = need_wgrad and plan.fp8_backward
+        x = tp.gather_gemm_input(inp, quantizer, columnwise, keep_output=False)[0]
     y, x_saved, w_saved = linear_forward(x, weight, bias, w_fp8, plan, need_dgrad, need_wgrad)
     if tp.mode == "row":
         y = tp.reduce_partial(y)

@@ -41,11 +41,6 @@ def check_recipe(recipe: Recipe, device: torch.device) -> None:
             "NVFP4BlockScaling"
         )
     name = type(recipe).__name__
-    if recipe.backward_override is not None:
-        raise NotImplementedError(
-            f"{name}(backward_override={recipe.backward_override!r}) is not implemented in "
-            "torchte yet: leave backward_override None"
-        )
     if any(getattr(recipe, "override_linear_precision", ())):
         raise NotImplementedError(
             f"{name}(override_linear_precision={recipe.override_linear_precision}): GEMMs kept "

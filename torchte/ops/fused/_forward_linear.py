@@ -54,8 +54,9 @@ class ForwardLinear(FusedOperation):
     def _produce(self, ctx, x, settings: RunSettings):
         """The producer's output as the GEMM's input: written in FP8 by the producer."""
         producer, linear = self.producer, self.linear
-        quantizer = linear.linear_plan(settings).input_quantizer()
-        columnwise = settings.requires_grad and linear.weight.requires_grad
+        plan = linear.linear_plan(settings)
+        quantizer = plan.input_quantizer()
+        columnwise = settings.requires_grad and linear.weight.requires_grad and plan.fp8_backward
         if isinstance(producer, _NormOp):
             bias = producer._parameters.get("bias")
             x2d, z_fp8, _, mean, rstd = producer.norm.run(
