@@ -413,7 +413,7 @@ def delayed_state_untouched(layer) -> bool:
     """Whether no forward or backward recorded into or updated any delayed-scaling state of
     `layer` (the default history length's state is made with the module)."""
     states = [s for pair in layer._delayed_states.values() for s in pair]
-    return layer.get_extra_state() == {} and all(
+    return layer.get_extra_state().numel() == 0 and all(
         not s.amax_history.any() and bool((s.scale == 1).all()) and s.generation == 0
         for s in states
     )

@@ -88,6 +88,27 @@ def test_linear(name, override):
 
 
 @pytest.mark.parametrize("override", OVERRIDES)
+@pytest.mark.parametrize("kind", ["linear", "layernorm_linear", "layernorm_mlp"])
+def test_three_dimensional_inputs(kind, override):
+    """[seq, batch, hidden] inputs: the gradients are those of the same rows given as 2-D."""
+    torch.manual_seed(0)
+    build = {
+        "linear": lambda: te.Linear(32, 48),
+        "layernorm_linear": lambda: te.LayerNormLinear(32, 48),
+        "layernorm_mlp": lambda: te.LayerNormMLP(32, 48),
+    }[kind]
+    layer = build()
+    out = 32 if kind == "layernorm_mlp" else 48
+    x = torch.randn(6, 3, 32)
+    dy = torch.randn(6, 3, out)
+    y3, dx3, g3 = run(layer, x, dy, current(override))
+    y2, dx2, g2 = run(layer, x.reshape(18, 32), dy.reshape(18, out), current(override))
+    assert torch.equal(y3.reshape(18, out), y2) and torch.equal(dx3.reshape(18, 32), dx2)
+    for name in g2:
+        assert torch.equal(g3[name], g2[name]), name
+
+
+@pytest.mark.parametrize("override", OVERRIDES)
 def test_linear_makes_no_transposed_copies(override):
     """The backward needs no columnwise FP8 copy of the weight or the input."""
     fp8_recipe = current(override)

@@ -18,6 +18,8 @@ from torch._dynamo.testing import CompileCounter
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
+import torchte as te
+from torchte import recipe
 from torchte.quantization.float8 import (
     Float8CurrentScalingQuantizer,
     Float8Quantizer,
@@ -612,3 +614,30 @@ def test_data_is_transformer_engines_name_for_the_bytes():
     assert data.dtype == torch.uint8 and data.shape == (6, 10)
     assert torch.equal(data, tensor._storage.rowwise_data.view(torch.uint8))
     assert data.data_ptr() == tensor._storage.rowwise_data.data_ptr()  # a view, no copy
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe_name", ["current", "block"])
+def test_fp8_parameters_through_cpu_and_cuda_keep_their_bytes_and_quantizer(recipe_name):
+    """Quantized parameters moved to the CPU and back (module.cpu(), module.cuda()) stay
+    quantized parameters with their quantizer and bytes, and the layer gives the same output."""
+    recipes = {"current": recipe.Float8CurrentScaling, "block": recipe.Float8BlockScaling}
+    fp8 = recipes[recipe_name]()
+    with te.quantized_model_init(enabled=True, recipe=fp8):
+        layer = te.Linear(128, 128, params_dtype=torch.bfloat16, device="cuda")
+    weight_type = type(layer.weight)
+    bytes_before = [t.cpu() for t in layer.weight._storage.get_data_tensors() if t is not None]
+    x = torch.randn(32, 128, device="cuda", dtype=torch.bfloat16)
+    with te.autocast(recipe=fp8):
+        want = layer(x)
+    layer.cpu()
+    assert type(layer.weight) is weight_type and layer.weight.device.type == "cpu"
+    layer.cuda()
+    layer.apply(lambda module: None)
+    weight = layer.weight
+    assert type(weight) is weight_type and isinstance(weight, torch.nn.Parameter)
+    assert weight.is_cuda and weight._get_quantizer() is not None
+    after = [t.cpu() for t in weight._storage.get_data_tensors() if t is not None]
+    assert all(torch.equal(a, b) for a, b in zip(after, bytes_before, strict=True))
+    with te.autocast(recipe=fp8):
+        assert torch.equal(layer(x), want)

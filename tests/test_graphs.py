@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import torchte as te
-from torchte.graphs_hooks import capture_hooks
-from torchte.graphs_schedule import pipeline_schedule, reused_samples
+from torchte.graphs.hooks import capture_hooks
+from torchte.graphs.schedule import pipeline_schedule, reused_samples
 from torchte.module.base import cached_value
 from torchte.recipe import DelayedScaling, Float8CurrentScaling
 
@@ -70,8 +70,7 @@ def test_transformer_engine_2x_argument_names():
             layer, (x,), clone_param_grads_on_return=False, _clone_param_grads_on_return=True
         )
     cached = te.Linear(32, 32)
-    with pytest.warns(UserWarning, match="quantize the FP8 weights in every replay"):
-        graphed = te.make_graphed_callables(cached, (x,), cache_quantized_params=True)
+    graphed = te.make_graphed_callables(cached, (x,), cache_quantized_params=True)
     assert torch.equal(graphed(x, is_first_microbatch=False), cached(x))
     with pytest.raises(TypeError, match="not_an_option"):
         te.make_graphed_callables(layer, (x,), not_an_option=1)
@@ -285,3 +284,13 @@ def test_capture_time_hooks_are_called_with_transformer_engines_signatures():
         returning.after_backward(module, ("gi",), ("g",))
     (none,) = capture_hooks([None], 1)
     none.before_forward(module, (), {})  # no hooks: nothing runs
+
+
+def test_attention_module_takes_the_graphed_forward_without_a_setattr_warning():
+    """DotProductAttention guards its attributes as te modules do: installing the graphed
+    forward goes through _fast_setattr (a plain assignment would warn, an error here)."""
+    attention = te.DotProductAttention(2, 16)
+    q, k, v = (torch.randn(8, 2, 2, 16) for _ in range(3))
+    graphed = te.make_graphed_callables(attention, (q, k, v))
+    assert "forward" in graphed.__dict__
+    assert torch.equal(graphed(q, k, v), type(attention).forward(attention, q, k, v))

@@ -188,7 +188,7 @@ def test_a_failed_warm_up_leaves_the_modules_as_they_were():
     with te.autocast(recipe=fp8):  # scaling state with history
         layer(torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)).sum().backward()
     before = {k: v.clone() for k, v in layer.state_dict().items() if isinstance(v, torch.Tensor)}
-    extra_before = layer.get_extra_state()
+    extra_before = layer._scaling_state()
     model = torch.nn.Sequential(layer, FailsOnce())
     sample = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     with pytest.raises(RuntimeError, match="second warm-up call fails"):
@@ -197,7 +197,7 @@ def test_a_failed_warm_up_leaves_the_modules_as_they_were():
     for key, value in layer.state_dict().items():
         if isinstance(value, torch.Tensor):
             assert torch.equal(value, before[key]), key
-    extra_after = layer.get_extra_state()
+    extra_after = layer._scaling_state()
     assert extra_after.keys() == extra_before.keys()
     for key, value in extra_before.items():
         if isinstance(value, torch.Tensor):

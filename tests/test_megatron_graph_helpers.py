@@ -1,5 +1,5 @@
 """Transformer Engine's helpers that Megatron-Core's CUDA-graph code and tensor-parallel layers
-reach, on torchte's state: the graph flags and the delayed-scaling snapshot (graphs_state.py),
+reach, on torchte's state: the graph flags and the delayed-scaling snapshot (graphs/state.py),
 FP8GlobalStateManager's buffer, skip flag and quantization_state (fp8.py, fp8_state.py), the
 recompute flags (recompute.py), the collectives' Transformer Engine arguments and the RNG states
 (distributed.py), and the utils (utils.py)."""

@@ -259,9 +259,13 @@ def test_copy_of_fp8_weight_module_uses_its_own_scaling_state(recipe):
 
 
 def _trained_state_dict() -> dict:
+    """A trained model's state_dict with the extra state in torchte's older dict form."""
     model = torch.nn.Sequential(te.Linear(H, H), te.Linear(H, H))
     train_step(model, DelayedScaling(amax_history_len=4), torch.randn(16, H))
-    return model.state_dict()
+    state = model.state_dict()
+    for i, layer in enumerate(model):
+        state[f"{i}._extra_state"] = layer._scaling_state()
+    return state
 
 
 @pytest.mark.parametrize(
@@ -294,7 +298,7 @@ def test_extra_state_round_trip_carries_nonfinite_counts():
     other.load_state_dict(model.state_dict())
     assert other[0].nonfinite_amax_count() == model[0].nonfinite_amax_count()
     # An older checkpoint without counts loads, and the counts start at zero.
-    state = model.state_dict()
+    state = {**model.state_dict(), "0._extra_state": model[0]._scaling_state()}
     for key in ("fwd_nonfinite", "bwd_nonfinite"):
         del state["0._extra_state"][key]
     other.load_state_dict(state)
@@ -304,7 +308,7 @@ def test_extra_state_round_trip_carries_nonfinite_counts():
 def test_extra_state_in_transformer_engine_tensor_form():
     layer = te.Linear(H, H)
     layer.set_extra_state(torch.empty(0, dtype=torch.uint8))  # "no FP8 state": nothing to load
-    assert layer.get_extra_state() == {}
+    assert layer.get_extra_state().numel() == 0 and layer._scaling_state() == {}
     with pytest.raises(ExtraStateError, match="Transformer Engine's format"):
         layer.set_extra_state(torch.zeros(10, dtype=torch.uint8))
 

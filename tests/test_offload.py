@@ -239,7 +239,7 @@ def test_retained_host_buffers_are_reused_across_steps():
         pointers.append(sorted(ref().data_ptr() for ref in copies.hosts))
         pooled.append(context.handler.pooled_buffers())
         made.append(copies.made)
-        held.append(context.handler.get_offloaded_total_size_mb())
+        held.append(context.offload_synchronizer.get_offloaded_total_size_mb())
     assert pointers[0] and pointers[1] == pointers[0] and pointers[2] == pointers[0]
     assert pooled[0] == len(pointers[0]) and pooled == [pooled[0]] * 3
     assert made == [len(pointers[0])] * 3  # no buffer made after the first step

@@ -301,7 +301,7 @@ def test_linear_op_state_dict_and_move():
     other.load_state_dict(state)
     assert torch.equal(other.weight, op.weight)
     assert torch.equal(
-        other.basic_ops[0]._delayed_states[4][0].scale, state["_extra_state"]["fwd_scale"]
+        other.basic_ops[0]._delayed_states[4][0].scale, op.basic_ops[0]._delayed_states[4][0].scale
     )
     op.to(torch.float64)
     assert op.weight.dtype == torch.float64 and op.basic_ops[0].weight is op.weight

@@ -104,7 +104,7 @@ def test_each_roles_qparams_reach_its_quantizers():
 
 
 def _dequantized(x, power_2: bool, eps: float = 0.0) -> torch.Tensor:
-    q = Float8CurrentScalingQuantizer(torch.float8_e4m3fn, power_2, eps)
+    q = Float8CurrentScalingQuantizer(torch.float8_e4m3fn, power_2_scale=power_2, amax_epsilon=eps)
     storage = q.quantize(x, rowwise=True, columnwise=False)
     return storage.rowwise_data.double() * storage.scale_inv.double()
 

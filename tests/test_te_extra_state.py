@@ -33,6 +33,7 @@ pytestmark = pytest.mark.usefixtures("cpu_default_device")
 TE_RECIPE = "transformer_engine.common.recipe"
 L = 4  # amax history length
 SLOTS = {"fwd": 3, "bwd": 2}
+RECIPE_L = TorchteDelayed(amax_history_len=L)
 
 
 # -- stand-ins for Transformer Engine's recipe module ---------------------------------------------
@@ -212,16 +213,16 @@ def test_te_bytes_load_as_the_same_state_and_forward(te_recipe_module, name):
     saved = as_bytes(te_payload(num_gemms, grouped))
     from_te.load_state_dict({**from_te.state_dict(), "_extra_state": saved})  # strict
     from_dict.set_extra_state(torchte_state(num_gemms, grouped))
-    loaded = from_te.get_extra_state()
+    loaded = from_te._scaling_state()
     assert loaded["amax_history_len"] == L and not loaded["fwd_nonfinite"].any()
-    assert states_equal(loaded, from_dict.get_extra_state())
+    assert states_equal(loaded, from_dict._scaling_state())
     # The loaded scales are used: the FP8 forward, backward and next state match bit for bit.
     x = representable((48, 32), torch.float32)
     out = run(from_te, x)
     assert same_bits(out, run(from_dict, x))
     for p, q in zip(from_te.parameters(), from_dict.parameters(), strict=True):
         assert same_bits(p.grad, q.grad)
-    assert states_equal(from_te.get_extra_state(), from_dict.get_extra_state())
+    assert states_equal(from_te._scaling_state(), from_dict._scaling_state())
     # ... and a state whose slots were swapped would have given another output.
     swapped = torchte_state(num_gemms, grouped)
     swapped["fwd_scale"] = swapped["fwd_scale"].roll(1)
@@ -241,13 +242,13 @@ def test_transformer_engine_1x_forms_load(te_recipe_module, name, form):
         torch.save(payload, saved)
     module = make()
     module.set_extra_state(saved)
-    assert states_equal(module.get_extra_state(), _loaded(make, torchte_state(num_gemms, grouped)))
+    assert states_equal(module._scaling_state(), _loaded(make, torchte_state(num_gemms, grouped)))
 
 
 def _loaded(make, state: dict) -> dict:
     module = make()
     module.set_extra_state(state)
-    return module.get_extra_state()
+    return module._scaling_state()
 
 
 def test_a_1x_grouped_payload_is_read_slot_by_slot_even_when_values_do_not_tell(
@@ -261,7 +262,7 @@ def test_a_1x_grouped_payload_is_read_slot_by_slot_even_when_values_do_not_tell(
             t[:, cols] = 0
     module = make()
     module.set_extra_state(as_bytes(payload))
-    assert states_equal(module.get_extra_state(), _loaded(make, want))
+    assert states_equal(module._scaling_state(), _loaded(make, want))
 
 
 def test_early_2x_grouped_layout_is_told_from_the_unused_slots(te_recipe_module):
@@ -270,21 +271,21 @@ def test_early_2x_grouped_layout_is_told_from_the_unused_slots(te_recipe_module)
     for by_slot in (False, True):
         module = make()
         module.set_extra_state(as_bytes(te_payload(num_gemms, grouped, by_slot=by_slot)))
-        assert states_equal(module.get_extra_state(), want), by_slot
+        assert states_equal(module._scaling_state(), want), by_slot
 
 
 @pytest.mark.parametrize("recipe", ["current", "nvfp4"])
 def test_a_recipe_without_delayed_scaling_has_nothing_to_load(te_recipe_module, recipe):
     layer = te.Linear(32, 16)
     layer.set_extra_state(torchte_state(1, False))
-    before = layer.get_extra_state()
+    before = layer._scaling_state()
     saved = {"recipe": Float8CurrentScaling() if recipe == "current" else NVFP4BlockScaling()}
     saved["extra_fp8_variables"] = {"num_gemms": 1}
     layer.set_extra_state(as_bytes(saved))
-    assert states_equal(layer.get_extra_state(), before)
+    assert states_equal(layer._scaling_state(), before)
     fresh = te.Linear(32, 16)
     fresh.set_extra_state(as_bytes(saved))
-    assert fresh.get_extra_state() == {}
+    assert fresh._scaling_state() == {}
 
 
 def _side_effect(*args):
@@ -321,7 +322,7 @@ def test_foreign_globals_are_refused_and_never_run(te_recipe_module, inner):
     torch.save({"recipe": inner()}, buffer)
     with pytest.raises(ExtraStateError, match=r"(?s)io.BytesIO.*_side_effect"):
         layer.set_extra_state(buffer)
-    assert _side_effect.calls == [] and layer.get_extra_state() == {}
+    assert _side_effect.calls == [] and layer._scaling_state() == {}
 
 
 @pytest.mark.parametrize(
@@ -353,7 +354,7 @@ def test_other_te_forms_are_refused_clearly(te_recipe_module):
     with pytest.raises(ExtraStateError, match=r"te.ops operation"):
         layer.set_extra_state(as_bytes({"forward": {"recipe": DelayedScaling()}}))
     layer.set_extra_state(as_bytes(None))  # 1.x with FP8 off pickled None: nothing to load
-    assert layer.get_extra_state() == {}
+    assert layer._scaling_state() == {}
 
 
 def test_te_norm_extra_state_loads_and_is_dropped():
@@ -424,10 +425,10 @@ def test_export_is_read_by_transformer_engine_and_back_by_torchte(te_recipe_modu
         assert payload["recipe"].fp8_format is Format.HYBRID and payload["recipe"].margin == 0
         assert payload.keys() == {
             "recipe", "scale_fwd", "amax_history_fwd", "scale_bwd", "amax_history_bwd",
-            "extra_fp8_variables",
+            "extra_fp8_variables", "nonfinite_fwd", "nonfinite_bwd",  # (torchte's, ignored)
         }  # fmt: skip
         state = te_reads(payload, num_gemms)
-        mine = own[f"{name}._extra_state"]
+        mine = getattr(model, name)._scaling_state()
         for d in ("fwd", "bwd"):
             s = SLOTS[d]
             for g in range(num_gemms):
@@ -442,7 +443,10 @@ def test_export_is_read_by_transformer_engine_and_back_by_torchte(te_recipe_modu
     fresh = Model()
     fresh.load_state_dict(torch.load(tmp_path / "te.pt", weights_only=True))
     for name in ("lin", "ln_lin", "mlp", "moe", "idle"):
-        assert states_equal(getattr(fresh, name).get_extra_state(), own[f"{name}._extra_state"])
+        want = getattr(model, name)._scaling_state()
+        assert states_equal(getattr(fresh, name)._scaling_state(), want)
+        # The model's own state_dict already holds these bytes (up to the recipe written).
+        assert torch.equal(exported[f"{name}._extra_state"], own[f"{name}._extra_state"])
 
 
 def test_export_of_a_state_dict_tells_the_layout_from_the_parameters(te_recipe_module):
@@ -455,9 +459,17 @@ def test_export_of_a_state_dict_tells_the_layout_from_the_parameters(te_recipe_m
         assert a.keys() == b.keys() and a["recipe"] == b["recipe"], name
         assert a["extra_fp8_variables"] == b["extra_fp8_variables"], name
         assert all(torch.equal(a[k], b[k]) for k in a if k.startswith(("scale", "amax"))), name
-    alone = {"mlp._extra_state": model.state_dict()["mlp._extra_state"]}
+    own = model.state_dict()["mlp._extra_state"]  # already Transformer Engine's: kept as it is
+    alone = te.export_transformer_engine_state_dict({"mlp._extra_state": own})
+    assert alone["mlp._extra_state"] is own
+    older = {"mlp._extra_state": model.mlp._scaling_state()}  # torchte's older dict form
     with pytest.raises(ValueError, match="pass the model"):
-        te.export_transformer_engine_state_dict(alone)
+        te.export_transformer_engine_state_dict(older)
+    with pytest.raises(ValueError, match="pass the model"):  # rewritten with another recipe
+        te.export_transformer_engine_state_dict({"mlp._extra_state": own}, recipe=RECIPE_L)
+    older["mlp.fc1_weight"] = model.mlp.fc1_weight
+    from_older = te.export_transformer_engine_state_dict(older)["mlp._extra_state"]
+    assert torch.equal(from_older, from_module["mlp._extra_state"])
 
 
 def test_export_writes_the_given_recipe_and_refuses_what_it_cannot(te_recipe_module):

@@ -95,7 +95,9 @@ def _expected(weight: Float8Tensor, master: torch.Tensor) -> Float8Storage:
     if isinstance(q, Float8Quantizer):
         amax = torch.zeros(1, device=hp.device)
         return Float8Quantizer(q.scale.clone(), amax, q.fp8_dtype).quantize(hp, columnwise=False)
-    fresh = Float8CurrentScalingQuantizer(q.fp8_dtype, q.power_2_scale, q.amax_epsilon)
+    fresh = Float8CurrentScalingQuantizer(
+        q.fp8_dtype, power_2_scale=q.power_2_scale, amax_epsilon=q.amax_epsilon
+    )
     return fresh.quantize(hp, columnwise=False)
 
 

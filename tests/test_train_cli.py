@@ -10,7 +10,7 @@ import pytest
 import torch
 from test_train import tiny, write_corpus
 
-from torchte.train import cli, loop, precision, progress
+from torchte.train import cli, loop, precision, progress, runner
 
 
 @pytest.fixture
@@ -104,7 +104,7 @@ def test_resume_in_another_compute_dtype_names_the_option(corpus_dir: Path, tmp_
 @pytest.fixture
 def no_training(monkeypatch: pytest.MonkeyPatch) -> None:
     """Building a Trainer fails the test: the run must end before any training."""
-    monkeypatch.setattr(cli, "Trainer", lambda *a, **k: pytest.fail("training started"))
+    monkeypatch.setattr(runner, "Trainer", lambda *a, **k: pytest.fail("training started"))
 
 
 @pytest.mark.parametrize("option", ["--out", "--save"])
@@ -143,7 +143,7 @@ def test_resume_past_steps_or_stop_at_is_refused_before_training(
     ckpt = tmp_path / "run.pt"
     args = tiny(corpus_dir, tmp_path, "--compare", "--steps", "4", "--eval-every", "2")
     cli.train([*args, "--save", str(ckpt)])
-    monkeypatch.setattr(cli, "Trainer", lambda *a, **k: pytest.fail("training started"))
+    monkeypatch.setattr(runner, "Trainer", lambda *a, **k: pytest.fail("training started"))
     with pytest.raises(SystemExit, match=r"at step 4, past --steps 3; pass --steps 4 or more"):
         cli.train([*args, "--steps", "3", "--resume", str(ckpt)])
     with pytest.raises(SystemExit, match=r"at step 4, past --stop-at 2; pass a --stop-at of 4"):
@@ -193,7 +193,7 @@ def test_each_recipe_counts_the_steps_of_those_after_it(
             super().__init__(*args, **kwargs)
             made.append((self.label, self.first_step, self.end, self.later_steps))
 
-    monkeypatch.setattr(cli, "Progress", Recorder)
+    monkeypatch.setattr(runner, "Progress", Recorder)
     ckpt = tmp_path / "run.pt"
     args = tiny(corpus_dir, tmp_path, "--recipe", "current", "--compare", "--steps", "8")
     cli.train([*args, "--stop-at", "3", "--save", str(ckpt)])

@@ -15,7 +15,7 @@ import torch
 from test_train import losses, tiny, write_corpus
 from tolerances import assert_close
 
-from torchte.train import cli, cuda_graph, data, loop, model, moe
+from torchte.train import arguments, cli, cuda_graph, data, loop, model, moe
 from torchte.train.config import RunConfig
 
 
@@ -229,7 +229,7 @@ def test_graphed_run_prints_saves_and_resumes_bit_for_bit(
     eager run's."""
     args = tiny(corpus_dir, tmp_path / "out", "--recipe", "delayed", "--eval-every", "3")
     eager = cli.train(args)
-    monkeypatch.setattr(cli, "resolve_cuda_graph", lambda *a: (True, "forced by the test"))
+    monkeypatch.setattr(arguments, "resolve_cuda_graph", lambda *a: (True, "forced by the test"))
     seen = []
     monkeypatch.setattr(loop.Trainer, "release_graphs", _recording(seen))
     whole = cli.train(args)

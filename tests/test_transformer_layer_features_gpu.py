@@ -17,7 +17,7 @@ from test_transformer_layer_features import (
 )
 
 import torchte as te
-from torchte.offload_copies import CudaCopies
+from torchte.offload.copies import CudaCopies
 
 pytestmark = pytest.mark.gpu
 

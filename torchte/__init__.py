@@ -36,6 +36,17 @@ from .quantization.base import QuantizedTensor
 from .quantization.block_tensor import Float8BlockwiseQTensor, MXFP8Tensor, NVFP4Tensor
 from .quantization.float8_tensor import Float8Tensor
 from .quantization.model_init import fp8_model_init, quantized_model_init
+from .quantization.te_api import (
+    Float8CurrentScalingQuantizer,
+    Float8Quantizer,
+    Float8TensorStorage,
+    QuantizedTensorStorage,
+    Quantizer,
+    QuantizerRole,
+    prepare_for_saving,
+    restore_from_func_ctx,
+    restore_from_saved,
+)
 from .recompute import checkpoint
 from .transformer import TransformerLayer
 
@@ -43,7 +54,10 @@ __all__ = [
     "DType",
     "DotProductAttention",
     "Float8BlockwiseQTensor",
+    "Float8CurrentScalingQuantizer",
+    "Float8Quantizer",
     "Float8Tensor",
+    "Float8TensorStorage",
     "Fp8Padding",
     "Fp8Unpadding",
     "GroupedLinear",
@@ -56,6 +70,9 @@ __all__ = [
     "MultiheadAttention",
     "NVFP4Tensor",
     "QuantizedTensor",
+    "QuantizedTensorStorage",
+    "Quantizer",
+    "QuantizerRole",
     "RMSNorm",
     "RotaryPositionEmbedding",
     "TransformerLayer",
@@ -80,8 +97,11 @@ __all__ = [
     "ops",
     "optimizers",
     "parallel_cross_entropy",
+    "prepare_for_saving",
     "quantized_model_init",
     "recipe",
+    "restore_from_func_ctx",
+    "restore_from_saved",
     "utils",
 ]
 

@@ -1,11 +1,11 @@
 """State dicts that Transformer Engine loads: `export_transformer_engine_state_dict`.
 
-torchte's state_dict keeps a te module's FP8 scaling state (`_extra_state`) as a dict of
-tensors, which torch.distributed.checkpoint and FSDP2 shard and load without pickle; that stays
-the default. Transformer Engine keeps it as a uint8 tensor of pickled bytes, which torchte's
-modules read as they are (load_state_dict). This module writes the other way: the same
-state_dict with every te module's `_extra_state` in Transformer Engine's form (see
-module/_te_extra_state.py for the format and the column layouts).
+A te module's FP8 scaling state (`_extra_state`) is already in Transformer Engine 2.x's form in
+torchte's state_dict (a uint8 tensor of pickled bytes; see module/_te_extra_state.py for the
+format and the column layouts). This module writes a whole state_dict for Transformer Engine:
+the extra state with a chosen recipe, torchte's older dict form (checkpoints written before)
+turned into Transformer Engine's, the norms' entries Transformer Engine's norms carry, and a
+clear refusal for te.ops operations, whose Transformer Engine format differs.
 """
 
 from __future__ import annotations
@@ -18,7 +18,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from .module._te_extra_state import is_te_extra_state, to_te_extra_state
+from .module._te_extra_state import (
+    from_te_extra_state,
+    is_te_extra_state,
+    te_payload_of,
+    to_te_extra_state,
+)
 from .module.grouped_linear import GroupedLinear
 from .module.layernorm_linear import LayerNormLinear
 from .module.layernorm_mlp import LayerNormMLP
@@ -38,7 +43,8 @@ def export_transformer_engine_state_dict(
     """`model`'s state_dict (or the state_dict `model` itself) with each te module's
     `_extra_state` in Transformer Engine 2.x's form: a uint8 tensor of pickled bytes (empty
     for a module without delayed-scaling state) that Transformer Engine's `load_state_dict`
-    reads; the other entries are the same objects.
+    reads, also where a state_dict holds torchte's older dict form; the other entries are the
+    same objects.
 
     recipe: the DelayedScaling written as the state's recipe (its amax_history_len must be the
     saved one); None writes DelayedScaling(amax_history_len=<saved length>).
@@ -77,7 +83,7 @@ def export_transformer_engine_state_dict(
 
 def _te_modules(model: nn.Module) -> dict[str, Any]:
     """`_extra_state` key -> (name, num_gemms, slot_major) of each te GEMM module of `model`,
-    or "norm" for each te norm."""
+    "norm" for each te norm, "op" for each te.ops operation."""
     found: dict[str, Any] = {}
     for name, module in model.named_modules():
         key = f"{name}.{_EXTRA}" if name else _EXTRA
@@ -86,31 +92,52 @@ def _te_modules(model: nn.Module) -> dict[str, Any]:
             found[key] = (label, module.num_gemms, module._slot_major)
         elif isinstance(module, (LayerNorm, RMSNorm)):
             found[key] = "norm"
+        elif type(module).__module__.startswith("torchte.ops."):
+            found[key] = "op"
     return found
 
 
 def _exported(key: str, value: Any, state_dict: Mapping, modules: dict | None, recipe) -> Any:
-    """The Transformer Engine form of the extra state `value` under `key`."""
-    if is_te_extra_state(value) or not isinstance(value, dict):
-        return value  # already Transformer Engine's, or not a te module's state
-    layout = _layout(key, value, state_dict) if modules is None else modules.get(key)
-    if not isinstance(layout, tuple):
-        if value:
-            raise NotImplementedError(
-                f"{key}: this FP8 scaling state is not a te GEMM module's (a te.ops operation's, "
-                "whose Transformer Engine format is per operation); exporting it is not "
-                "implemented: export the model without FP8 state in its te.ops operations"
-            )
+    """The Transformer Engine form of the extra state `value` under `key` (torchte's uint8
+    form, or its older dict form), written with `recipe`."""
+    if modules is None:
+        if isinstance(value, torch.Tensor) and recipe is None:
+            return value  # already Transformer Engine's form
+        if not isinstance(value, (dict, torch.Tensor)):
+            return value  # not a te module's state
+        layout = _layout(key, value, state_dict)
+    else:
+        layout = modules.get(key)
+    if layout == "op" and _holds_state(value):
+        raise NotImplementedError(
+            f"{key}: this FP8 scaling state is a te.ops operation's, whose Transformer Engine "
+            "format is per operation; exporting it is not implemented: export the model "
+            "without FP8 state in its te.ops operations"
+        )
+    if layout == "op":
         return torch.empty(0, dtype=torch.uint8)
+    if not isinstance(layout, tuple) or not isinstance(value, (dict, torch.Tensor)):
+        return value  # not a te GEMM module's state
     name, num_gemms, slot_major = layout
+    if is_te_extra_state(value):
+        value = from_te_extra_state(value, name, num_gemms, slot_major) or {}
     return to_te_extra_state(value, name, num_gemms, slot_major, recipe)
 
 
-def _layout(key: str, value: dict, state_dict: Mapping) -> tuple[str, int | None, bool]:
+def _holds_state(value: Any) -> bool:
+    """Whether an extra state (either form) holds anything."""
+    return bool(value.numel() if isinstance(value, torch.Tensor) else value)
+
+
+def _layout(
+    key: str, value: dict | torch.Tensor, state_dict: Mapping
+) -> tuple[str, int | None, bool]:
     """(name, num_gemms, slot_major) of the module of `key` in a bare state_dict, told from its
     parameters when it has several GEMMs."""
     prefix = key[: -len(_EXTRA)]
-    scale = value.get("fwd_scale")
+    if isinstance(value, torch.Tensor):
+        value = te_payload_of(value, key) or {}
+    scale = value.get("fwd_scale", value.get("scale_fwd"))
     num_gemms = scale.numel() // 3 if isinstance(scale, torch.Tensor) else None
     weight = state_dict.get(prefix + "weight")
     grouped = prefix + "weight0" in state_dict or (

@@ -18,7 +18,7 @@ from ._device import (
     is_nvfp4_available,
 )
 from .autocast import autocast_state, default_recipe
-from .graphs_state import making_graphs
+from .graphs.state import making_graphs
 from .module.fp8_padding import get_align_size_for_quantization
 from .quantization.model_init import model_init_settings
 from .recipe import Recipe

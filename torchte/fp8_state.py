@@ -138,6 +138,7 @@ def delayed_states_of(fp8_meta) -> tuple | None:
     states = []
     for key in ("scaling_fwd", "scaling_bwd"):
         state = fp8_meta.get(key)
+        state = getattr(state, "delayed_state", state)  # a module's fp8_meta holds views of it
         if state is not None and not isinstance(state, DelayedScalingState):
             raise TypeError(
                 f"add_fp8_tensors_to_global_buffer: fp8_meta[{key!r}] must be a torchte "

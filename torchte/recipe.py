@@ -109,6 +109,9 @@ class Recipe:
             object.__setattr__(self, name, value)
             return
         if name not in self._FIELDS:
+            if isinstance(getattr(type(self), name, None), property):  # a settable view
+                object.__setattr__(self, name, value)
+                return
             raise AttributeError(f"{type(self).__name__} has no field {name!r}")
         old = getattr(self, name)
         object.__setattr__(self, name, value)
@@ -521,9 +524,10 @@ class NVFP4BlockScaling(Recipe):
     """NVFP4: FP4 E2M1 values with FP8 scales over blocks of 16 (emulated exactly off
     Blackwell).
 
-    fp4_quant_fwd_inp, fp4_quant_fwd_weight and fp4_quant_bwd_grad (read-only QParams) say
-    what the disable_* fields leave on: random Hadamard transforms for inputs and gradients,
-    2-D blocks for weights, stochastic rounding for gradients.
+    fp4_quant_fwd_inp, fp4_quant_fwd_weight and fp4_quant_bwd_grad (QParams) say what the
+    disable_* fields leave on: random Hadamard transforms for inputs and gradients, 2-D blocks
+    for weights, stochastic rounding for gradients. Assigning one (as Transformer Engine's
+    clients do) sets that role's options alone; the disable_* fields keep their values.
     """
 
     fp4_format: Format = Format.E2M1
@@ -561,24 +565,65 @@ class NVFP4BlockScaling(Recipe):
             options.append("row_scaled_activation=True")
         if self.nvfp4_4over6 != "none":
             options.append(f"nvfp4_4over6={self.nvfp4_4over6!r}")
+        inp, weight, grad = (
+            self.fp4_quant_fwd_inp,
+            self.fp4_quant_fwd_weight,
+            self.fp4_quant_bwd_grad,
+        )
+        if inp.random_hadamard_transform != grad.random_hadamard_transform:
+            # wgrad multiplies the two transposed copies: both transformed, or neither.
+            options.append("a random Hadamard transform on inputs or gradients alone")
+        if weight.random_hadamard_transform:
+            options.append("fp4_quant_fwd_weight with a random Hadamard transform")
         if not options:
             return None
         return f"NVFP4BlockScaling({', '.join(options)}) is not implemented in torchte yet"
 
+    def _role_params(self, role: str) -> QParams | None:
+        """The QParams assigned to `role` (None: derived from the disable_* fields)."""
+        return self.__dict__.get("_assigned_params", {}).get(role)
+
+    def _assign_params(self, role: str, params: QParams) -> None:
+        if not isinstance(params, QParams):
+            raise TypeError(f"NVFP4BlockScaling.{role} must be a QParams, got {params!r}")
+        if getattr(self, "_is_snapshot", False):
+            Recipe.__setattr__(self, role, params)  # FrozenInstanceError, saying why
+        assigned = {**self.__dict__.get("_assigned_params", {}), role: params}
+        object.__setattr__(self, "_assigned_params", assigned)
+        object.__setattr__(self, "_generation", getattr(self, "_generation", 0) + 1)
+
+    def _values(self) -> tuple:
+        roles = ("fp4_quant_fwd_inp", "fp4_quant_fwd_weight", "fp4_quant_bwd_grad")
+        return super()._values() + tuple(self._role_params(r) for r in roles)
+
     @property
     def fp4_quant_fwd_inp(self) -> QParams:
-        return QParams(random_hadamard_transform=not self.disable_rht)
+        assigned = self._role_params("fp4_quant_fwd_inp")
+        return assigned or QParams(random_hadamard_transform=not self.disable_rht)
+
+    @fp4_quant_fwd_inp.setter
+    def fp4_quant_fwd_inp(self, params: QParams) -> None:
+        self._assign_params("fp4_quant_fwd_inp", params)
 
     @property
     def fp4_quant_fwd_weight(self) -> QParams:
-        return QParams(fp4_2d_quantization=not self.disable_2d_quantization)
+        assigned = self._role_params("fp4_quant_fwd_weight")
+        return assigned or QParams(fp4_2d_quantization=not self.disable_2d_quantization)
+
+    @fp4_quant_fwd_weight.setter
+    def fp4_quant_fwd_weight(self, params: QParams) -> None:
+        self._assign_params("fp4_quant_fwd_weight", params)
 
     @property
     def fp4_quant_bwd_grad(self) -> QParams:
-        return QParams(
+        return self._role_params("fp4_quant_bwd_grad") or QParams(
             random_hadamard_transform=not self.disable_rht,
             stochastic_rounding=not self.disable_stochastic_rounding,
         )
+
+    @fp4_quant_bwd_grad.setter
+    def fp4_quant_bwd_grad(self, params: QParams) -> None:
+        self._assign_params("fp4_quant_bwd_grad", params)
 
 
 @dataclass(eq=False)

@@ -6,6 +6,8 @@
 - NVTX ranges named by a message, with a stack that checks pushes and pops match
   (`nvtx_range_push`, `nvtx_range_pop`): on when TORCHTE_NVTX=1 or Transformer Engine's
   NVTE_NVTX_ENABLED=1 (read once), no-ops otherwise;
+- `is_non_tn_fp8_gemm_supported`: whether the current GPU's FP8 GEMMs take operands in any
+  layout (Blackwell and later) rather than only "TN" (Hopper);
 - `make_weak_ref`: CUDA tensors (alone or in tuples, lists, dicts) seen through tensors that
   alias their memory without keeping it allocated (CUDA-graph buffers whose memory the graph
   pool keeps).
@@ -25,6 +27,7 @@ from . import _nvtx
 __all__ = [
     "ceil_div",
     "init_method_normal",
+    "is_non_tn_fp8_gemm_supported",
     "make_weak_ref",
     "nvtx_range_pop",
     "nvtx_range_push",
@@ -82,6 +85,24 @@ def round_up_to_nearest_multiple(value: int, multiple: int) -> int:
     if multiple == 0:
         raise ValueError("round_up_to_nearest_multiple: multiple cannot be zero")
     return ceil_div(value, multiple) * multiple
+
+
+# -- devices --------------------------------------------------------------------------------------
+
+
+def is_non_tn_fp8_gemm_supported() -> bool:
+    """Whether the current CUDA device's FP8 GEMMs take non-TN operand layouts: compute
+    capability 10.x and 11.x, and 13.0 on (not 12.x, the consumer Blackwell parts, nor
+    Hopper); False without a GPU. Answered once per device."""
+    if not torch.cuda.is_available():
+        return False
+    return _non_tn_fp8_gemm(torch.cuda.current_device())
+
+
+@functools.cache
+def _non_tn_fp8_gemm(device: int) -> bool:
+    capability = tuple(torch.cuda.get_device_capability(device))
+    return (10, 0) <= capability < (12, 0) or capability >= (13, 0)
 
 
 # -- NVTX -----------------------------------------------------------------------------------------

@@ -46,14 +46,12 @@ _RENAMED: dict[type, str] = {}
 
 def _speak_transformer_engine(on: bool) -> None:
     """While the alias is installed, te objects serialize as Transformer Engine's do: the
-    modules' `_extra_state` in its uint8 form, and the recipe classes (with Format, QParams,
-    MMParams) pickled under their transformer_engine.common.recipe path, which is what a
-    client's restricted unpickler allows (Megatron-Core's lists those names). Off restores
-    torchte's own forms."""
+    recipe classes (with Format, QParams, MMParams) pickled under their
+    transformer_engine.common.recipe path, which is what a client's restricted unpickler allows
+    (Megatron-Core's lists those names); the modules' `_extra_state` is in Transformer Engine's
+    uint8 form always. Off restores torchte's own names."""
     from torchte import recipe
-    from torchte.module._te_compat import use_te_extra_state_format
 
-    use_te_extra_state_format(on)
     if not on:
         for cls, module in _RENAMED.items():
             cls.__module__ = module

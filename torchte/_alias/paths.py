@@ -33,6 +33,15 @@ _PADDING = "torchte.module.fp8_padding"
 _MODEL_INIT = "torchte.quantization.model_init"
 _DEVICE = "torchte._device"
 _BLOCK_TENSORS = "torchte.quantization.block_tensor"
+_TE_API = "torchte.quantization.te_api"
+_FLOAT8 = ("Float8Quantizer", "Float8CurrentScalingQuantizer", "Float8TensorStorage")
+_QUANTIZED_TENSOR = (
+    "QuantizedTensorStorage",
+    "Quantizer",
+    "prepare_for_saving",
+    "restore_from_saved",
+    "restore_from_func_ctx",
+)
 _BLOCKWISE = ("Float8BlockQuantizer", "Float8BlockwiseQTensorStorage")
 _MXFP8 = ("MXFP8Quantizer", "MXFP8TensorStorage")
 _NVFP4 = ("NVFP4Quantizer", "NVFP4TensorStorage")
@@ -77,6 +86,7 @@ PATHS: dict[str, AliasPath] = {
             **_one(_MODEL_INIT, "quantized_model_init", "fp8_model_init"),
             **_one(_DEVICE, *_AVAILABLE),
             **_one(_PADDING, "get_align_size_for_quantization"),
+            **_one(_TE_API, "QuantizerRole"),
         },
     ),
     "transformer_engine.pytorch.module": AliasPath(
@@ -121,6 +131,7 @@ PATHS: dict[str, AliasPath] = {
     "transformer_engine.pytorch.tensor": AliasPath(
         names={
             **_one("torchte", "Float8Tensor", "QuantizedTensor"),
+            **_one(_TE_API, *_FLOAT8, "QuantizedTensorStorage", "Quantizer"),
             **_one(_BLOCK_TENSORS, "Float8BlockwiseQTensor", "MXFP8Tensor", "NVFP4Tensor"),
             **_one("torchte.quantization.blockwise", *_BLOCKWISE),
             **_one("torchte.quantization.mxfp8", *_MXFP8),
@@ -148,6 +159,7 @@ PATHS: dict[str, AliasPath] = {
     ),
     "transformer_engine.pytorch.tensor.storage": AliasPath(
         names={
+            **_one(_TE_API, "Float8TensorStorage"),
             **_one("torchte.quantization.blockwise", "Float8BlockwiseQTensorStorage"),
             **_one("torchte.quantization.mxfp8", "MXFP8TensorStorage"),
             **_one("torchte.quantization.nvfp4", "NVFP4TensorStorage"),
@@ -156,6 +168,9 @@ PATHS: dict[str, AliasPath] = {
     ),
     "transformer_engine.pytorch.tensor.storage.float8_blockwise_tensor_storage": AliasPath(
         names=_one("torchte.quantization.blockwise", "Float8BlockwiseQTensorStorage")
+    ),
+    "transformer_engine.pytorch.tensor.storage.float8_tensor_storage": AliasPath(
+        names=_one(_TE_API, "Float8TensorStorage")
     ),
     "transformer_engine.pytorch.tensor.storage.mxfp8_tensor_storage": AliasPath(
         names=_one("torchte.quantization.mxfp8", "MXFP8TensorStorage")
@@ -167,7 +182,7 @@ PATHS: dict[str, AliasPath] = {
         sources=("torchte.quantization.block_param_utils",)
     ),
     "transformer_engine.pytorch.quantized_tensor": AliasPath(
-        names=_one("torchte", "QuantizedTensor")
+        names={**_one("torchte", "QuantizedTensor"), **_one(_TE_API, *_QUANTIZED_TENSOR)}
     ),
     "transformer_engine.pytorch.router": AliasPath(sources=("torchte.moe.router",)),
     "transformer_engine.pytorch.permutation": AliasPath(sources=("torchte.moe.permutation",)),
@@ -185,7 +200,7 @@ PATHS: dict[str, AliasPath] = {
         names=_one("torchte.optimizers", "MultiTensorApply", "multi_tensor_applier")
     ),
     "transformer_engine.pytorch.tensor.float8_tensor": AliasPath(
-        names=_one("torchte", "Float8Tensor")
+        names={**_one("torchte", "Float8Tensor"), **_one(_TE_API, *_FLOAT8)}
     ),
     "transformer_engine.pytorch.float8_tensor": AliasPath(names=_one("torchte", "Float8Tensor")),
     "transformer_engine.pytorch.distributed": AliasPath(sources=("torchte.distributed",)),

@@ -8,7 +8,8 @@ another device, and its FP8 scaling state in a state_dict.
 - A module built on the meta device (deferred initialization) or moved with .to()/.cuda()/
   to_empty() takes its parameters' device (`moved_state`).
 - `extra_state_of` / `read_extra_state`: the delayed-scaling scales, amax histories and
-  non-finite counts that go into the state_dict as `_extra_state`, checked on load.
+  non-finite counts as a dict of tensors, checked on load: what get_extra_state writes into
+  Transformer Engine's form (_te_extra_state.py), and torchte's older `_extra_state` form.
 """
 
 from __future__ import annotations
@@ -150,7 +151,8 @@ class ExtraStateError(ValueError):
 
 
 def extra_state_of(length: int, fwd: DelayedScalingState, bwd: DelayedScalingState) -> dict:
-    """The extra state of a module whose last used delayed-scaling history length is `length`."""
+    """The extra state (a dict of copies of its tensors) of a module whose last used
+    delayed-scaling history length is `length`."""
     state: dict[str, Any] = {"amax_history_len": length}
     for key, s in (("fwd", fwd), ("bwd", bwd)):
         state[f"{key}_scale"] = s.scale.clone()
@@ -174,14 +176,15 @@ def read_extra_state(state: Any, module: str) -> dict | None:
         )
     if not isinstance(state, dict):
         raise ExtraStateError(
-            f"{module}: extra state must be a dict (as get_extra_state() makes), "
+            f"{module}: extra state must be Transformer Engine's uint8 tensor (as "
+            "get_extra_state() makes) or torchte's older dict form, "
             f"got {type(state).__name__}"
         )
     missing = [k for k in ("amax_history_len", *EXTRA_STATE_KEYS) if k not in state]
     if missing:
         raise ExtraStateError(
             f"{module}: extra state lacks {', '.join(repr(k) for k in missing)}; it must hold "
-            f"amax_history_len and {', '.join(EXTRA_STATE_KEYS)} (as get_extra_state() makes)"
+            f"amax_history_len and {', '.join(EXTRA_STATE_KEYS)} (torchte's older form)"
         )
     length = state["amax_history_len"]
     if isinstance(length, bool) or not isinstance(length, int) or length < 1:

@@ -287,12 +287,7 @@ def linear_backward(
         dgrad, wgrad = _backward_fp8(ctx, plan, dy2d, dy_fp8, x_saved, w_saved, start_reduction)
     else:
         if plan.fp8:  # backward_override: the saved operands in high precision
-            if dy2d is None:
-                dy2d = dy_fp8.dequantize(plan.dtype)
-            x_saved, w_saved = (
-                high_precision(x_saved, plan.dtype),
-                high_precision(w_saved, plan.dtype),
-            )
+            dy2d, x_saved, w_saved = _high_precision_operands(plan, dy2d, dy_fp8, x_saved, w_saved)
         dgrad, wgrad = _backward_hp(ctx, plan, dy2d, x_saved, w_saved, start_reduction)
     if not ctx.bias_requires_grad:
         dbias = None
@@ -305,6 +300,20 @@ def linear_backward(
         if plan.fp8_grad and fp8_backward:  # a backward_override gives it in high precision
             dgrad = plan.setup.grad_input[plan.gemm].quantize(dgrad, rowwise=True, columnwise=True)
     return dgrad, wgrad, dbias
+
+
+def _high_precision_operands(plan: LinearPlan, dy2d, dy_fp8, x_saved, w_saved):
+    """(dy (M, N), x (M, K) | None, W (N, K) | None) in the compute dtype for a backward
+    under backward_override, from what forward saved (quantized values dequantize to their
+    original (..., K) shapes) and the output gradient (dy_fp8 where a producer quantized it)."""
+    if dy2d is None:
+        dy2d = _rows(high_precision(dy_fp8, plan.dtype))
+    x_hp = high_precision(x_saved, plan.dtype)
+    return dy2d, (None if x_hp is None else _rows(x_hp)), high_precision(w_saved, plan.dtype)
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1, t.shape[-1])
 
 
 def _backward_fp8(ctx, plan, dy2d, dy_fp8, x_saved, w_fp8, start_reduction):

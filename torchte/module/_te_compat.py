@@ -8,40 +8,23 @@ are made when a forward needs them), so these answer from what the module did la
 holding Transformer Engine's keys ("recipe", "fp8_checkpoint", "num_gemms", ...) that a client
 may read and write; torchte's own computations never read it.
 
-`get_extra_state()` gives torchte's dict of tensors (what DCP and FSDP2 shard and load without
-pickle) unless Transformer Engine's form is asked for (`use_te_extra_state_format`, which
-torchte.alias turns on): then the uint8 tensor of pickled bytes that Transformer Engine 2.x
-writes, which clients split, merge and re-pickle themselves (Megatron-Core's TEGroupedLinear
-does). set_extra_state reads both forms.
+`get_extra_state()` gives Transformer Engine 2.x's form of `_extra_state` (a uint8 tensor of
+pickled bytes, see _te_extra_state.py), with or without torchte.alias: clients split, merge and
+re-pickle it themselves (Megatron-Core's TEGroupedLinear does). set_extra_state also reads
+torchte's older dict form.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = [
-    "SaveOriginalInputMixin",
-    "TEMetadataMixin",
-    "te_extra_state_format",
-    "use_te_extra_state_format",
-]
+from ._fp8_meta import refresh_fp8_meta, warn_on_recipe_type_change
 
-_TE_FORMAT = [False]
-
-
-def use_te_extra_state_format(enabled: bool) -> None:
-    """Make te modules' get_extra_state() write Transformer Engine 2.x's uint8 form (True) or
-    torchte's dict of tensors (False, the default). torchte.alias turns it on."""
-    _TE_FORMAT[0] = bool(enabled)
-
-
-def te_extra_state_format() -> bool:
-    """Whether get_extra_state() writes Transformer Engine's form."""
-    return _TE_FORMAT[0]
+__all__ = ["SaveOriginalInputMixin", "TEMetadataMixin"]
 
 
 # Positions in the plan key (base.PlanKey's fields, kept as a plain tuple in _last_plan).
-_FP8, _CALIBRATING, _RECIPE = 0, 1, 2
+_FP8, _CALIBRATING, _RECIPE, _GROUP = 0, 1, 2, 3
 
 
 class TEMetadataMixin:
@@ -62,18 +45,34 @@ class TEMetadataMixin:
 
     @property
     def fp8_meta(self) -> dict[str, Any]:
-        """Transformer Engine's fp8_meta keys a client reads or writes: "recipe" (the last FP8
-        forward's, unless a client set it), "fp8_checkpoint" (whether the module holds
-        delayed-scaling state to save), "num_gemms", "fp8_group". The same dict every time."""
+        """Transformer Engine's fp8_meta dict (the same dict every time), brought up to date at
+        each read (module/_fp8_meta.py): "recipe" (the last FP8 forward's, or what a client
+        set), "fp8_group", "num_gemms", "fp8_checkpoint" (whether the module holds
+        delayed-scaling state to save), "fp8_max_fwd" / "fp8_max_bwd", and under delayed
+        scaling "scaling_fwd" / "scaling_bwd", views of the module's scales and amax
+        histories."""
         meta = self.__dict__.get("_te_fp8_meta")
         if meta is None:
-            meta = {"recipe": None, "fp8_group": None, "num_gemms": self.num_gemms}
+            recipe = self.__dict__.get("_te_fp8_recipe")
+            meta = {"recipe": recipe, "fp8_group": None, "num_gemms": self.num_gemms}
             self.__dict__["_te_fp8_meta"] = meta
         last = self.__dict__.get("_last_plan")
-        if last is not None and last[0][_RECIPE] is not None and meta.get("recipe") is None:
-            meta["recipe"] = last[0][_RECIPE]
-        meta["fp8_checkpoint"] = self.__dict__.get("_saved_history_len") is not None
+        group = last[0][_GROUP] if last is not None and last[0][_RECIPE] is not None else None
+        refresh_fp8_meta(meta, self, meta.get("recipe"), group)
         return meta
+
+    def _note_fp8_recipe(self, recipe) -> None:
+        """Called by a forward whose plan changed (never while the settings stay the same):
+        `recipe` (None: not FP8) becomes fp8_meta's "recipe", with a UserWarning where its type
+        differs from the previous one's (warn_on_recipe_type_change)."""
+        if recipe is None:
+            return
+        meta = self.__dict__.get("_te_fp8_meta")
+        old = meta.get("recipe") if meta is not None else self.__dict__.get("_te_fp8_recipe")
+        warn_on_recipe_type_change(self, old, recipe)
+        self.__dict__["_te_fp8_recipe"] = recipe
+        if meta is not None:
+            meta["recipe"] = recipe
 
     def init_fp8_metadata(self, num_gemms: int = 1) -> None:
         """Transformer Engine's hook to set up FP8 metadata before a forward or a load: nothing

@@ -1,4 +1,4 @@
-"""A te module's delayed-scaling state in Transformer Engine's `_extra_state` form, both ways.
+"""A te module's `_extra_state`: Transformer Engine's form, which torchte's modules also write.
 
 Transformer Engine 2.x (`TransformerEngineBaseModule.get_extra_state`) saves a module that ran
 under FP8 as a uint8 tensor of the pickled dict
@@ -14,6 +14,18 @@ and a module without FP8 state as an empty uint8 tensor. Transformer Engine 1.x 
 (delayed scaling was the only one), saved "scale_inv_fwd"/"scale_inv_bwd" (1/scale) and, in some
 releases, global amax buffers; it wrote an io.BytesIO of torch.save, or the uint8 form.
 
+torchte's modules write this form too, always (get_extra_state), with two more entries that
+Transformer Engine ignores: "nonfinite_fwd" (3G,) and "nonfinite_bwd" (2G,) int32, the counts of
+amaxes left out for holding a NaN or inf, in the columns of the scales. Why this form and not a
+dict of tensors (torchte's form before, still read): every state_dict value is then a tensor,
+which tensor-only formats (safetensors, HF transformers' save_pretrained) require, and
+Transformer Engine loads torchte's state_dict as it is. Why bytes and not a fixed numeric layout:
+Transformer Engine reads only this one. torch.distributed.checkpoint loads into tensors of the
+saved size: the bytes are written so that their length depends only on G and L (see
+_te_pickle.py), so a model that ran under the same recipe loads as it is; a model that has not
+run under delayed scaling holds the empty tensor, and its loader sizes the entry from the
+checkpoint's metadata first (as torchte/train/fsdp_state.py does).
+
 Columns: slot j of GEMM g is column g*S + j (S slots per GEMM), in both libraries for Linear,
 LayerNormLinear and LayerNormMLP (fc1 is GEMM 0, fc2 GEMM 1). torchte's GroupedLinear keeps it
 at column j*G + g (slot by slot), as Transformer Engine's GroupedLinear did in 1.x and early 2.x
@@ -24,8 +36,8 @@ when it has no recipe (1.x), else GEMM by GEMM, unless its values show the slot-
 What torchte has no use for is dropped on load: scale_inv (recomputed from the scale), the recipe
 (te.autocast's recipe rules, as for torchte's own checkpoints), extra_fp8_variables other than
 num_gemms (checked), 1.x global buffers (torchte reduces amaxes per module). Non-finite counts,
-which Transformer Engine does not keep, start at zero. A payload of a recipe without delayed
-scaling (current scaling, block scaling: only the recipe is saved) has nothing to load.
+where a payload has none (Transformer Engine's), start at zero. A payload of a recipe without
+delayed scaling (current scaling, block scaling: only the recipe is saved) has nothing to load.
 """
 
 from __future__ import annotations
@@ -55,6 +67,8 @@ _TENSORS = (
     ("bwd_scale", "scale_bwd", 2),
     ("bwd_amax_history", "amax_history_bwd", 2),
 )
+# torchte's non-finite counts, which Transformer Engine's payloads lack (same columns).
+_COUNTS = (("fwd_nonfinite", "nonfinite_fwd", 3), ("bwd_nonfinite", "nonfinite_bwd", 2))
 # DelayedScaling's fields as Transformer Engine 2.x has them.
 _RECIPE_FIELDS = (
     "margin",
@@ -95,7 +109,7 @@ def te_payload_of(state: torch.Tensor | io.BytesIO, module: str) -> Any:
 def from_te_extra_state(
     state: torch.Tensor | io.BytesIO, module: str, num_gemms: int, slot_major: bool
 ) -> dict | None:
-    """torchte's extra state dict (as get_extra_state makes) for Transformer Engine's `state`
+    """torchte's extra state dict (as _lifecycle.extra_state_of makes) for the payload `state`
     of a module with `num_gemms` GEMMs laid out slot by slot if `slot_major`; None when it holds
     nothing to load. ExtraStateError names `module` and what is wrong."""
     payload = te_payload_of(state, module)
@@ -122,14 +136,16 @@ def from_te_extra_state(
     # 1.x laid a grouped module out slot by slot, as torchte does; 2.x (mostly) GEMM by GEMM.
     reorder = slot_major and recipe is not None and not _saved_slot_by_slot(tensors, num_gemms)
     state: dict[str, Any] = {"amax_history_len": tensors["amax_history_fwd"].shape[0]}
-    for ours, theirs, slots in _TENSORS:
-        t = tensors[theirs]
-        state[ours] = _columns(t, slots, num_gemms, True) if reorder else t
+    for ours, theirs, slots in _TENSORS + _COUNTS:
+        t = tensors.get(theirs)
+        if t is not None:
+            state[ours] = _columns(t, slots, num_gemms, True) if reorder else t
     return state
 
 
 def _checked_tensors(payload: dict, module: str, num_gemms: int) -> dict[str, torch.Tensor]:
-    """The four delayed-scaling tensors of `payload` as fp32 CPU copies, shapes checked."""
+    """The four delayed-scaling tensors of `payload` as fp32 CPU copies, and the non-finite
+    counts where it has them (int32), shapes checked."""
     missing = [theirs for _, theirs, _ in _TENSORS if theirs not in payload]
     if missing:
         raise ExtraStateError(
@@ -150,6 +166,17 @@ def _checked_tensors(payload: dict, module: str, num_gemms: int) -> dict[str, to
                 f"{want} ({slots} per GEMM, {num_gemms} GEMMs)"
             )
         out[theirs] = t.detach().to("cpu", torch.float32, copy=True)
+    for _, theirs, slots in _COUNTS:
+        t = payload.get(theirs)
+        if t is None:
+            continue
+        if not isinstance(t, torch.Tensor) or t.shape != (slots * num_gemms,):
+            got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ExtraStateError(
+                f"{module}: extra state's {theirs} is {got}, this module's is an int tensor of "
+                f"shape ({slots * num_gemms},)"
+            )
+        out[theirs] = t.detach().to("cpu", torch.int32, copy=True)
     rows = (out["amax_history_fwd"].shape[0], out["amax_history_bwd"].shape[0])
     if rows[0] != rows[1]:
         raise ExtraStateError(
@@ -200,7 +227,8 @@ def _columns(t: torch.Tensor, slots: int, num_gemms: int, to_slot_major: bool) -
 def to_te_extra_state(
     state: dict, module: str, num_gemms: int | None, slot_major: bool, recipe: Recipe | None
 ) -> torch.Tensor:
-    """Transformer Engine's uint8 extra state for torchte's `state` (get_extra_state's dict) of
+    """Transformer Engine's uint8 extra state (1-D; empty for an empty `state`) for torchte's
+    dict `state` (scales, amax histories, non-finite counts: see _lifecycle.extra_state_of) of
     te module `module` (a name for messages) with `num_gemms` GEMMs (None: from the scales)
     laid out slot by slot if `slot_major`; `recipe` (a DelayedScaling, or None for
     DelayedScaling(amax_history_len=L)) is the recipe written with it."""
@@ -213,13 +241,13 @@ def to_te_extra_state(
     payload: dict[str, Any] = {"recipe": _te_recipe(recipe, length, module)}
     for ours, theirs, slots in _TENSORS:
         t = checked[ours].detach().to("cpu", torch.float32)
-        n = slots * num_gemms
-        if t.shape[-1] != n or t.dim() != (2 if "history" in ours else 1):
-            raise ValueError(
-                f"{module}: extra state's {ours} has shape {tuple(t.shape)}, not that of "
-                f"{num_gemms} GEMMs of {slots} slots"
-            )
+        _check_columns(t, ours, slots, num_gemms, module)
         payload[theirs] = _columns(t, slots, num_gemms, False) if slot_major else t.clone()
+    for ours, theirs, slots in _COUNTS:
+        if ours in checked:
+            t = checked[ours].detach().to("cpu", torch.int32)
+            _check_columns(t, ours, slots, num_gemms, module)
+            payload[theirs] = _columns(t, slots, num_gemms, False) if slot_major else t.clone()
     fmt = payload["recipe"].fields["fp8_format"].value
     payload["extra_fp8_variables"] = {
         "fp8_checkpoint": True,
@@ -228,6 +256,15 @@ def to_te_extra_state(
         "fp8_max_bwd": fmt.max_bwd,
     }
     return torch.frombuffer(bytearray(te_pickle(payload)), dtype=torch.uint8)
+
+
+def _check_columns(t: torch.Tensor, key: str, slots: int, num_gemms: int, module: str) -> None:
+    """ValueError unless `t` is (slots*G,), or (L, slots*G) for an amax history."""
+    if t.shape[-1] != slots * num_gemms or t.dim() != (2 if "history" in key else 1):
+        raise ValueError(
+            f"{module}: extra state's {key} has shape {tuple(t.shape)}, not that of "
+            f"{num_gemms} GEMMs of {slots} slots"
+        )
 
 
 def _te_recipe(recipe: Recipe | None, length: int, module: str) -> TERecord:

@@ -21,7 +21,12 @@ only the globals that format uses, and refuse any other with ExtraStateError nam
 
 `te_pickle` writes the same form: a `TERecord` and a torchte `Format` are written as the
 Transformer Engine objects they stand for (the class referenced by its Transformer Engine path,
-then its fields), as Transformer Engine's own pickle.dumps writes them.
+then its fields), as Transformer Engine's own pickle.dumps writes them. A tensor is written as
+pickle writes one (torch's `_rebuild_tensor_v2` of `torch.storage._load_from_bytes`), with one
+difference: its storage's bytes are torch.save's zip format, not the legacy format that
+pickle.dumps uses, which names a storage by its memory address. So the same values always give
+the same bytes, and the length of the bytes depends only on the tensors' shapes and dtypes
+(torch.distributed.checkpoint loads into tensors of the saved size). Both formats read the same.
 """
 
 from __future__ import annotations
@@ -123,10 +128,48 @@ class _TEFormat:
     """Writes Transformer Engine's Format enum (a member pickles as Format(value))."""
 
 
-# The stand-ins te_pickle writes as references to Transformer Engine's classes.
+class _RebuildTensor:
+    """Written as torch._utils._rebuild_tensor_v2 (never called here)."""
+
+
+class _LoadFromBytes:
+    """Written as torch.storage._load_from_bytes (never called here)."""
+
+
+class _StorageBytes:
+    """A tensor's storage, written as _load_from_bytes(torch.save bytes, zip format)."""
+
+    __slots__ = ("data",)
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        storage = torch.TypedStorage(
+            wrap_storage=tensor.untyped_storage(), dtype=tensor.dtype, _internal=True
+        )
+        buffer = io.BytesIO()
+        torch.save(storage, buffer)
+        self.data = buffer.getvalue()
+
+    def __reduce_ex__(self, protocol):
+        return (_LoadFromBytes, (self.data,))
+
+
+def _reduce_tensor(tensor: torch.Tensor):
+    """A tensor as pickle writes one (a CPU copy of its values, no autograd flag or hooks)."""
+    dense = tensor.detach().to("cpu", copy=True).contiguous()
+    args = (_StorageBytes(dense), 0, tuple(dense.shape), dense.stride(), False)
+    return (_RebuildTensor, (*args, collections.OrderedDict()))
+
+
+# The stand-ins te_pickle writes as references to Transformer Engine's classes and torch's
+# tensor functions.
 _TE_PATHS: dict[type, tuple[str, str]] = {
     cls: (TE_RECIPE_MODULE, name) for name, cls in _RECORDS.items()
-} | {_TEFormatHelper: (TE_RECIPE_MODULE, "_FormatHelper"), _TEFormat: (TE_RECIPE_MODULE, "Format")}
+} | {
+    _TEFormatHelper: (TE_RECIPE_MODULE, "_FormatHelper"),
+    _TEFormat: (TE_RECIPE_MODULE, "Format"),
+    _RebuildTensor: ("torch._utils", "_rebuild_tensor_v2"),
+    _LoadFromBytes: ("torch.storage", "_load_from_bytes"),
+}
 
 
 def _as_te_number(value: float) -> int | float:
@@ -154,11 +197,14 @@ class _TEPickler(pickle._Pickler):
         if isinstance(obj, Format):
             fwd, bwd = (_as_te_number(v) for v in obj.value)
             return (_TEFormat, (_TEFormatHelper(fwd, bwd),))
+        if type(obj) is torch.Tensor or type(obj) is torch.nn.Parameter:
+            return _reduce_tensor(obj)
         return NotImplemented
 
 
 def te_pickle(obj: Any) -> bytes:
-    """pickle.dumps(obj) with TERecords and torchte Formats written as Transformer Engine's."""
+    """pickle.dumps(obj) with TERecords and torchte Formats written as Transformer Engine's, and
+    tensors with their storages in torch.save's zip format (see the module doc)."""
     buffer = io.BytesIO()
     _TEPickler(buffer, protocol=max(4, pickle.DEFAULT_PROTOCOL)).dump(obj)
     return buffer.getvalue()

@@ -33,6 +33,7 @@ from torchte.recipe import Recipe
 
 from ._deferred_wgrad import WgradStore, add_to_grads, run_deferred
 from ._functorch import Deferred, plain, transforms_active
+from ._graph_weights import active_caching
 from ._lifecycle import (
     ExtraStateError,
     ParameterInit,
@@ -44,7 +45,7 @@ from ._lifecycle import (
     reinitialize,
 )
 from ._setattr_guard import SetattrGuard
-from ._te_compat import TEMetadataMixin, te_extra_state_format
+from ._te_compat import TEMetadataMixin
 from ._te_extra_state import from_te_extra_state, is_te_extra_state, to_te_extra_state
 
 __all__ = ["PlanKey", "TransformerEngineBaseModule"]
@@ -288,25 +289,32 @@ class TransformerEngineBaseModule(TEMetadataMixin, SetattrGuard):
         counts = [s.nonfinite.sum() for pair in self._delayed_states.values() for s in pair]
         return int(torch.stack(counts).sum().item()) if counts else 0
 
-    def get_extra_state(self) -> dict[str, Any] | torch.Tensor:
-        """Delayed-scaling scales, amax histories and non-finite counts (of the last used
-        history length); {} when the module has not run under delayed scaling. In Transformer
-        Engine's form (_te_compat.use_te_extra_state_format, on under torchte.alias): its
-        uint8 tensor of pickled bytes, empty for a module without that state."""
-        length = self._saved_history_len
-        state = {} if length is None else extra_state_of(length, *self._delayed_states[length])
-        if te_extra_state_format():
-            name = f"te.{type(self).__name__}"
-            return to_te_extra_state(state, name, self.num_gemms, self._slot_major, None)
-        return state
-
-    def set_extra_state(self, state: dict[str, Any] | torch.Tensor | io.BytesIO | None) -> None:
-        """Load what get_extra_state made, or Transformer Engine's form of it (a uint8 tensor of
-        pickled bytes, 1.x's io.BytesIO: see _te_extra_state.py). ExtraStateError names
-        anything missing or wrong."""
+    def get_extra_state(self) -> torch.Tensor:
+        """The delayed-scaling state (scales, amax histories and non-finite counts of the last
+        used history length) as Transformer Engine's uint8 tensor of pickled bytes (1-D, on the
+        CPU; see _te_extra_state.py); empty when the module has not run under delayed scaling."""
         name = f"te.{type(self).__name__}"
+        state = self._scaling_state()
+        return to_te_extra_state(state, name, self.num_gemms, self._slot_major, None)
+
+    def set_extra_state(self, state: torch.Tensor | io.BytesIO | dict[str, Any] | None) -> None:
+        """Load what get_extra_state made, Transformer Engine's forms of it (the uint8 tensor,
+        1.x's io.BytesIO) or torchte's older dict form. ExtraStateError names anything missing
+        or wrong."""
         if is_te_extra_state(state):
+            name = f"te.{type(self).__name__}"
             state = from_te_extra_state(state, name, self.num_gemms, self._slot_major)
+        self._load_scaling_state(state)
+
+    def _scaling_state(self) -> dict[str, Any]:
+        """The delayed-scaling state as a dict of tensors (copies; see
+        _lifecycle.extra_state_of); {} when the module has not run under delayed scaling."""
+        length = self._saved_history_len
+        return {} if length is None else extra_state_of(length, *self._delayed_states[length])
+
+    def _load_scaling_state(self, state: dict[str, Any] | None) -> None:
+        """Load a dict made by _scaling_state (nothing for None or {})."""
+        name = f"te.{type(self).__name__}"
         state = read_extra_state(state, name)
         if state is None:
             return
@@ -362,6 +370,7 @@ class TransformerEngineBaseModule(TEMetadataMixin, SetattrGuard):
             plan = self._build_plan(PlanKey._make(key))
             self._plans[key] = plan
         self.__dict__["_last_plan"] = (key, plan)
+        self._note_fp8_recipe(recipe)  # fp8_meta's recipe; warns where its type changed
         return plan
 
     def _build_plan(self, key: PlanKey):
@@ -557,12 +566,18 @@ def cached_quantization(
 ):
     """The quantized value in the one-element cache [(key, value)] if it may be reused (see
     cached_value), given columnwise data when `columnwise` asks for it; else quantize() made
-    now and cached. Either way it is marked not to be offloaded (the cache keeps it alive) and
+    now and cached (while a graph is captured with weight caching, kept across its replays:
+    _graph_weights.py). Either way it is marked not to be offloaded (the cache keeps it alive) and
     made of normal tensors even under torch.inference_mode()."""
     storage = cached_value(cache, key, is_first_microbatch, capturing)
+    caching = active_caching()  # a graph that keeps the weight across replays (or None)
+    if storage is not None and caching is not None and not capturing:
+        caching.prepare(cache, storage)
     if storage is None:
         with torch.no_grad(), keeping_out_of_inference():
             storage = quantize()
+            if caching is not None:
+                (caching.keep if capturing else caching.prepare)(cache, storage)
         cache[0] = (key, storage)
     elif columnwise and storage.columnwise_data is None:
         with keeping_out_of_inference():

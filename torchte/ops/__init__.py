@@ -38,13 +38,21 @@ from .basic import (
     ScaledReGLU,
     ScaledReLU,
     ScaledSiLU,
+    ScaledSiTUGLU,
     ScaledSReGLU,
     ScaledSReLU,
     ScaledSwiGLU,
     SiLU,
+    SiTUGLU,
     SReGLU,
     SReLU,
     SwiGLU,
+)
+from .fuser import (
+    OperationFuser,
+    register_backward_fusion,
+    register_forward_backward_fusion,
+    register_forward_fusion,
 )
 from .op import BasicOperation, FusedOperation, FusibleOperation, OperationContext
 from .sequential import Sequential
@@ -73,6 +81,7 @@ __all__ = [
     "Linear",
     "MakeExtraOutput",
     "OperationContext",
+    "OperationFuser",
     "Quantize",
     "RMSNorm",
     "ReGLU",
@@ -93,8 +102,13 @@ __all__ = [
     "ScaledSReGLU",
     "ScaledSReLU",
     "ScaledSiLU",
+    "ScaledSiTUGLU",
     "ScaledSwiGLU",
     "Sequential",
     "SiLU",
+    "SiTUGLU",
     "SwiGLU",
+    "register_backward_fusion",
+    "register_forward_backward_fusion",
+    "register_forward_fusion",
 ]

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from torchte.autocast import autocast_state
 from torchte.module.base import SUPPORTED_DTYPES, TransformerEngineBaseModule
 from torchte.recipe import Recipe
 
@@ -61,12 +62,17 @@ class RunSettings:
 
 
 _NO_KWARGS: MappingProxyType = MappingProxyType({})
+_STATE = autocast_state()
 
 
 class OperationContext:
     """What one basic op's backward needs from its forward: `saved` (tensors or quantized
     storages, given to save_for_backward) and any attributes the op sets; `kwargs`, the
-    keyword arguments the call gave this op (Sequential's op_kwargs; empty by default)."""
+    keyword arguments the call gave this op (Sequential's op_kwargs; empty by default).
+    `requires_grad`: whether a backward will run through this op (set for ops written with
+    Transformer Engine's signatures; True otherwise, Transformer Engine's default)."""
+
+    requires_grad = True
 
     def __init__(self) -> None:
         self.saved: tuple = ()
@@ -81,11 +87,34 @@ class OperationContext:
         """What save_for_backward kept (read by module code written for an autograd ctx)."""
         return self.saved
 
+    @property
+    def to_save(self) -> tuple:
+        """Transformer Engine's name of what the forward keeps: assigning it saves."""
+        return self.saved
+
+    @to_save.setter
+    def to_save(self, values) -> None:
+        self.saved = () if values is None else tuple(values)
+
 
 class FusibleOperation:
-    """An operation the fuser can run: a basic op or a fusion of several."""
+    """An operation the fuser can run: a basic op or a fusion of several.
+
+    Its fuser_forward / fuser_backward take torchte's arguments (below) or Transformer
+    Engine's (keyword arguments basic_op_extra_inputs, prev_op_grad_output_quantizer,
+    next_op_input_quantizer, basic_op_kwargs; basic_op_grad_extra_outputs, returning
+    (dx, param grads per op, extra input grads per op)): the fuser tells them apart by their
+    signature, once per class (ops/_te_signatures.py)."""
 
     is_fused_op = False
+
+    def get_input_quantizer(self):
+        """The quantizer of this op's input under the current te.autocast (None without)."""
+        return None
+
+    def get_grad_output_quantizer(self):
+        """The quantizer of this op's output gradient under the current te.autocast."""
+        return None
 
     def fuser_forward(self, ctxs: list, x, extra_inputs: list[tuple], settings: RunSettings):
         """x -> (y, [extra outputs of each basic op]); ctxs and extra_inputs per basic op."""
@@ -201,6 +230,100 @@ class BasicOperation(FusibleOperation, TransformerEngineBaseModule):
         """dy -> (dx, extra input grads (num_extra_inputs), param grads (op_parameters order));
         None where there is no gradient."""
         raise NotImplementedError
+
+    # -- extra-tensor channels (Transformer Engine's) ------------------------------------------
+
+    def extra_input_channels(self) -> tuple[str | None, ...]:
+        """The channel each extra input slot is bound to (None: a public input of the call)."""
+        return self.__dict__.get("_extra_input_channels") or (None,) * self.num_extra_inputs
+
+    def extra_output_channels(self) -> tuple[tuple[str | None, bool], ...]:
+        """(channel or None, whether the call also returns it) of each extra output slot."""
+        return self.__dict__.get("_extra_output_channels") or ((None, True),) * (
+            self.num_extra_outputs
+        )
+
+    def set_extra_input_channel(self, index: int, channel: str | None) -> BasicOperation:
+        """Bind extra input `index` to `channel`: it then takes the extra output of an earlier
+        op of the same fused run bound to that channel instead of an input of the call (None:
+        public again). Only before a Sequential or a call of the op has run it (RuntimeError
+        after)."""
+        self._check_channel(index, self.num_extra_inputs, "input", channel)
+        channels = list(self.extra_input_channels())
+        channels[index] = channel
+        self.__dict__["_extra_input_channels"] = tuple(channels)
+        return self
+
+    def set_extra_output_channel(
+        self, index: int, channel: str | None, *, output_to_caller: bool = True
+    ) -> BasicOperation:
+        """Bind extra output `index` to `channel` for later ops of the same fused run;
+        output_to_caller=False keeps it from the call's outputs (channel None: public again)."""
+        self._check_channel(index, self.num_extra_outputs, "output", channel)
+        if not isinstance(output_to_caller, bool):
+            raise TypeError("set_extra_output_channel: output_to_caller must be a bool")
+        channels = list(self.extra_output_channels())
+        channels[index] = (channel, output_to_caller or channel is None)
+        self.__dict__["_extra_output_channels"] = tuple(channels)
+        return self
+
+    def _check_channel(self, index: int, count: int, what: str, channel) -> None:
+        who = f"te.ops.{type(self).__name__}"
+        if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < count:
+            raise IndexError(f"{who} has {count} extra {what}(s); extra {what} {index!r} is none")
+        if channel is not None and (not isinstance(channel, str) or not channel):
+            raise ValueError(f"{who}: an extra {what} channel is a non-empty str or None")
+        if self.__dict__.get("_channels_locked", False):
+            raise RuntimeError(
+                f"{who}: its extra-tensor channels cannot change once a fused run has taken "
+                "them (a Sequential that ran, or a call of the op): build new operations"
+            )
+
+    # -- quantizers, by Transformer Engine's (mode, index) -------------------------------------
+
+    def quantizer_slots(self, mode: str) -> list[tuple[str, int]]:
+        """(FP8Setup field, GEMM) of each of this op's quantizers of `mode`, in Transformer
+        Engine's order: forward input and weight of each GEMM, backward its output gradient."""
+        if mode == "forward":
+            return [(name, g) for g in range(self.num_gemms) for name in ("input", "weight")]
+        if mode == "backward":
+            return [("grad_output", g) for g in range(self.num_gemms)]
+        return []
+
+    def num_quantizers(self, mode: str) -> int:
+        """How many quantizers this op has for `mode` ("forward" or "backward")."""
+        return len(self.quantizer_slots(mode))
+
+    def get_quantizer(self, mode: str, index: int):
+        """Quantizer `index` of `mode` ("forward" or "backward", Transformer Engine's order:
+        see quantizer_slots) under the current te.autocast recipe; None outside te.autocast."""
+        state = _STATE
+        return self.quantizer_under(state.recipe if state.enabled else None, mode, index)
+
+    def quantizer_under(self, recipe: Recipe | None, mode: str, index: int):
+        """get_quantizer's answer under `recipe` (None: no FP8, no quantizer)."""
+        if mode not in ("forward", "backward"):
+            raise ValueError(f"get_quantizer: mode must be 'forward' or 'backward', got {mode!r}")
+        slots = self.quantizer_slots(mode)
+        if not 0 <= index < len(slots):
+            raise IndexError(
+                f"te.ops.{type(self).__name__} has {len(slots)} {mode} quantizer(s), "
+                f"asked for index {index}"
+            )
+        if recipe is None:
+            return None
+        name, gemm = slots[index]
+        return getattr(self._fp8_setup(recipe), name)[gemm]
+
+    def get_input_quantizer(self):
+        if self.num_quantizers("forward"):
+            return self.get_quantizer("forward", 0)
+        return None
+
+    def get_grad_output_quantizer(self):
+        if self.num_quantizers("backward"):
+            return self.get_quantizer("backward", 0)
+        return None
 
     def check_settings(self, settings: RunSettings) -> None:
         """Raise before any kernel runs when this op cannot run under `settings`."""

@@ -11,6 +11,7 @@ import math
 
 import torch
 
+from torchte.constants import TE_DType, TE_DType_To_Torch
 from torchte.kernels import cast_transpose as ct
 from torchte.kernels.cast_spec import CastSpec
 
@@ -78,25 +79,89 @@ class Float8Storage(TwoUsageStorage):
         return f"Float8Storage(shape={self.shape}, dtype={self.fp8_dtype}, usage={usage})"
 
 
+def _one_value(value: torch.Tensor | None, name: str) -> torch.Tensor | None:
+    """A one-element fp32 tensor as the (1,) tensor a CastSpec reads (a view: writes through it
+    reach the caller's tensor). ValueError naming `name` otherwise."""
+    if value is None:
+        return None
+    if not isinstance(value, torch.Tensor) or value.numel() != 1 or value.dtype != torch.float32:
+        if isinstance(value, torch.Tensor):
+            got = f"{value.dtype} of shape {tuple(value.shape)}"
+        else:
+            got = repr(value)
+        raise ValueError(f"Float8Quantizer: {name} must be a one-element float32 tensor, got {got}")
+    return value if value.dim() == 1 else value.view(1)
+
+
 def _as_2d(x: torch.Tensor) -> torch.Tensor:
     x2d = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
     return x2d if x2d.is_contiguous() else x2d.contiguous()
 
 
+_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def fp8_torch_dtype(fp8_dtype) -> torch.dtype:
+    """The torch FP8 dtype of `fp8_dtype`: torch.float8_e4m3fn / float8_e5m2, or Transformer
+    Engine's DType tag of one (DType.kFloat8E4M3 / kFloat8E5M2). TypeError otherwise."""
+    if not isinstance(fp8_dtype, torch.dtype):
+        fp8_dtype = TE_DType_To_Torch.get(fp8_dtype, fp8_dtype)
+    if fp8_dtype not in _FP8_DTYPES:
+        raise TypeError(
+            f"fp8_dtype must be torch.float8_e4m3fn or torch.float8_e5m2 (or DType.kFloat8E4M3 / "
+            f"DType.kFloat8E5M2), got {fp8_dtype!r}"
+        )
+    return fp8_dtype
+
+
 class _Float8Quantizer(Quantizer):
     """What both per-tensor quantizers share: the cast through cast_transpose with their
-    CastSpec, and turning what a kernel wrote into a Float8Storage (or Float8Tensor)."""
+    CastSpec, turning what a kernel wrote into a Float8Storage (or Float8Tensor), and
+    Transformer Engine's quantizer API: the usages quantize makes when not told
+    (`rowwise_usage`, `columnwise_usage`, `set_usage`), `q(x)`, `dtype` (the DType tag),
+    `copy()`, `calibrate(x)`."""
 
-    __slots__ = ("_specs",)
+    __slots__ = ("_specs", "columnwise_usage", "rowwise_usage")
 
     # Whether an FP8-writing producer kernel (norm -> FP8, activation -> FP8) can write this
     # quantizer's output: it needs the scale before the values exist.
     fusable = False
 
-    def __init__(self, fp8_dtype: torch.dtype, internal: bool) -> None:
-        super().__init__(fp8_dtype, internal)
+    def __init__(
+        self, fp8_dtype, internal: bool, rowwise: bool = True, columnwise: bool = True
+    ) -> None:
+        super().__init__(fp8_torch_dtype(fp8_dtype), bool(internal))
+        self.rowwise_usage, self.columnwise_usage = bool(rowwise), bool(columnwise)
         # CastSpec per usage (rowwise * 2 + columnwise), made on first use.
         self._specs: list[CastSpec | None] = [None] * 4
+
+    @property
+    def dtype(self):
+        """The FP8 dtype as Transformer Engine's DType tag (`fp8_dtype` is the torch dtype)."""
+        return TE_DType[self.fp8_dtype]
+
+    def set_usage(self, *, rowwise: bool | None = None, columnwise: bool | None = None) -> None:
+        """Set the copies quantize (and q(x)) makes when not told; None leaves one as is."""
+        if rowwise is not None:
+            self.rowwise_usage = bool(rowwise)
+        if columnwise is not None:
+            self.columnwise_usage = bool(columnwise)
+
+    def get_usages(self) -> dict[str, bool]:
+        """{"rowwise": ..., "columnwise": ...}: the copies quantize makes when not told."""
+        return {"rowwise": self.rowwise_usage, "columnwise": self.columnwise_usage}
+
+    def __call__(self, x_hp: torch.Tensor):
+        """quantize(x_hp) with this quantizer's usages."""
+        return self.quantize(x_hp)
+
+    def calibrate(self, x_hp: torch.Tensor) -> None:
+        """Transformer Engine's name: take x_hp's amax as quantizing it would, no cast."""
+        self.record_amax(x_hp)
+
+    def _copy_usage_to(self, other: _Float8Quantizer) -> _Float8Quantizer:
+        other.rowwise_usage, other.columnwise_usage = self.rowwise_usage, self.columnwise_usage
+        return other
 
     def cast_spec(self, rowwise: bool = True, columnwise: bool = True) -> CastSpec:
         """How a kernel writes this quantizer's output with these usages (see CastSpec)."""
@@ -146,8 +211,13 @@ class _Float8Quantizer(Quantizer):
         """(scale (1,), scale_inv (1,) or None for 1 / scale) every rank casts its rows with."""
         raise NotImplementedError
 
-    def quantize(self, x_hp, *, rowwise=True, columnwise=True):
-        """x_hp (..., N) -> Float8Storage (or Float8Tensor when not internal)."""
+    def quantize(self, x_hp, *, rowwise=None, columnwise=None):
+        """x_hp (..., N) -> Float8Storage (or Float8Tensor when not internal); a usage left
+        None is the quantizer's (rowwise_usage / columnwise_usage)."""
+        if rowwise is None:
+            rowwise = self.rowwise_usage
+        if columnwise is None:
+            columnwise = self.columnwise_usage
         cast = ct.quantize(_as_2d(x_hp), self.cast_spec(rowwise, columnwise))
         return self._output(*cast, x_hp)
 
@@ -168,6 +238,11 @@ class Float8Quantizer(_Float8Quantizer):
     of its amax history), so updating the state moves them too. A quantizer made with
     `of_slot` takes those views from the state on first use (cached; under torch.compile taken
     afresh at each use, so that a traced graph never outputs a view of a tensor it mutates).
+
+    Also Transformer Engine's constructor `Float8Quantizer(scale, amax, fp8_dtype, *,
+    rowwise=True, columnwise=True)`: scale and amax one-element fp32 tensors it reads and
+    writes in place (a 0-d one is taken as a (1,) view), fp8_dtype a torch FP8 dtype or a
+    DType tag.
     """
 
     __slots__ = ("_amax", "_scale", "_slot")
@@ -178,12 +253,26 @@ class Float8Quantizer(_Float8Quantizer):
         self,
         scale: torch.Tensor | None,
         amax: torch.Tensor | None,
-        fp8_dtype: torch.dtype,
+        fp8_dtype,
         internal: bool = True,
+        *,
+        rowwise: bool = True,
+        columnwise: bool = True,
     ) -> None:
-        super().__init__(fp8_dtype, internal)
-        self._scale, self._amax = scale, amax
+        super().__init__(fp8_dtype, internal, rowwise, columnwise)
+        self._scale, self._amax = _one_value(scale, "scale"), _one_value(amax, "amax")
         self._slot = None
+
+    def copy(self) -> Float8Quantizer:
+        """A quantizer of the same class and settings over the same scale and amax tensors."""
+        twin = type(self)(self.scale, self.amax, self.fp8_dtype, internal=self.internal)
+        return self._copy_usage_to(twin)
+
+    def calibrate(self, x_hp: torch.Tensor) -> None:
+        """Set amax to x_hp's amax (Transformer Engine's calibrate), no cast."""
+        with torch.no_grad():
+            self.amax.zero_()
+            self.record_amax(x_hp)
 
     @classmethod
     def of_slot(cls, state, index: int, fp8_dtype: torch.dtype, internal: bool = True):
@@ -242,19 +331,67 @@ class Float8CurrentScalingQuantizer(_Float8Quantizer):
     pieces of one tensor, tensor parallelism), each piece is cast with the scale of the whole
     tensor's amax: every rank uses the same scale for the same tensor."""
 
-    __slots__ = ("amax_epsilon", "amax_reduction", "power_2_scale")
+    __slots__ = ("amax_epsilon", "amax_reduction", "amax_reduction_group", "power_2_scale")
 
     def __init__(
         self,
-        fp8_dtype: torch.dtype,
+        fp8_dtype,
+        device: torch.device | str | int | None = None,
+        *,
+        rowwise: bool = True,
+        columnwise: bool = True,
         power_2_scale: bool = False,
         amax_epsilon: float = 0.0,
         internal: bool = True,
+        force_pow_2_scales: bool | None = None,
+        with_amax_reduction: bool = False,
+        amax_reduction_group=None,
+        use_existing_amax: bool = False,
+        scale: torch.Tensor | None = None,
+        amax: torch.Tensor | None = None,
     ) -> None:
-        super().__init__(fp8_dtype, internal)
-        self.power_2_scale = power_2_scale
-        self.amax_epsilon = amax_epsilon
+        """fp8_dtype: a torch FP8 dtype or a DType tag. Transformer Engine's arguments:
+        `device` (unused: the scale comes with each input), `force_pow_2_scales` (torchte's
+        `power_2_scale`), `with_amax_reduction` + `amax_reduction_group` (the amax all-reduced
+        with MAX over that group); `use_existing_amax`, `scale`, `amax` are accepted and
+        unused, as in Transformer Engine."""
+        super().__init__(fp8_dtype, internal, rowwise, columnwise)
+        del device, use_existing_amax, scale, amax
+        if force_pow_2_scales is not None:
+            power_2_scale = force_pow_2_scales
+        self.power_2_scale = bool(power_2_scale)
+        self.amax_epsilon = float(amax_epsilon)
         self.amax_reduction = None
+        self.amax_reduction_group = None
+        if with_amax_reduction:
+            from .float8_fsdp import max_over
+
+            self.amax_reduction_group = amax_reduction_group
+            self.amax_reduction = max_over(amax_reduction_group)
+
+    @property
+    def force_pow_2_scales(self) -> bool:
+        """Transformer Engine's name of power_2_scale."""
+        return self.power_2_scale
+
+    @property
+    def with_amax_reduction(self) -> bool:
+        """Whether the amax is all-reduced over the ranks holding pieces of the tensor."""
+        return self.amax_reduction is not None
+
+    def copy(self) -> Float8CurrentScalingQuantizer:
+        """A quantizer of the same class and settings (amax reduction included)."""
+        twin = type(self)(
+            self.fp8_dtype,
+            power_2_scale=self.power_2_scale,
+            amax_epsilon=self.amax_epsilon,
+            internal=self.internal,
+        )
+        twin.amax_reduction, twin.amax_reduction_group = (
+            self.amax_reduction,
+            self.amax_reduction_group,
+        )
+        return self._copy_usage_to(twin)
 
     def _new_spec(self, rowwise: bool, columnwise: bool) -> CastSpec:
         eps, power_2 = self.amax_epsilon, self.power_2_scale
@@ -263,11 +400,16 @@ class Float8CurrentScalingQuantizer(_Float8Quantizer):
     def record_amax(self, x_hp: torch.Tensor) -> None:
         """Current scaling keeps no amax between calls: nothing to record."""
 
-    def quantize(self, x_hp, *, rowwise=True, columnwise=True):
+    def quantize(self, x_hp, *, rowwise=None, columnwise=None):
         """x_hp (..., N) -> Float8Storage (or Float8Tensor when not internal); with
-        amax_reduction, scaled by the amax over the ranks (one more launch, one all-reduce)."""
+        amax_reduction, scaled by the amax over the ranks (one more launch, one all-reduce).
+        A usage left None is the quantizer's."""
         if self.amax_reduction is None:
             return super().quantize(x_hp, rowwise=rowwise, columnwise=columnwise)
+        if rowwise is None:
+            rowwise = self.rowwise_usage
+        if columnwise is None:
+            columnwise = self.columnwise_usage
         cast = self._cast_agreed(_as_2d(x_hp), self.amax_reduction, rowwise, columnwise)
         return self._output(*cast, x_hp)
 

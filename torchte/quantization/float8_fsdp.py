@@ -45,7 +45,7 @@ def row_view(tensor, func, args, kwargs):
     storage = tensor._storage
     if storage.rowwise_data is None:
         return None
-    out = func(storage.rowwise_data, *args[1:], **kwargs)
+    out = func(storage.rowwise_data.view(storage.shape), *args[1:], **kwargs)
     results = out if isinstance(out, list | tuple) else [out]
     if not all(t.is_contiguous() for t in results):
         return None

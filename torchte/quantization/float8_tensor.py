@@ -30,6 +30,7 @@ None (current scaling), and the owning module attaches its own again. copy.deepc
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from types import MappingProxyType
 from typing import Any, NamedTuple
@@ -41,7 +42,7 @@ from . import float8_fsdp
 from ._block_common import run_dequantized, run_in_place, written_args
 from .base import QuantizedTensor, Quantizer
 from .float8 import Float8CurrentScalingQuantizer, Float8Storage
-from .float8_tensor_te import Float8TensorTENames
+from .float8_tensor_te import Float8TensorTENames, te_storage
 
 __all__ = ["Float8Tensor"]
 
@@ -99,11 +100,20 @@ class Float8Tensor(Float8TensorTENames, QuantizedTensor):
     @staticmethod
     def __new__(
         cls,
-        storage: Float8Storage,
-        dtype: torch.dtype,
+        storage: Float8Storage | None = None,
+        dtype: torch.dtype | None = None,
         quantizer: Quantizer | None = None,
         requires_grad: bool = False,
+        **te_arguments,
     ) -> Float8Tensor:
+        """Float8Tensor(storage, dtype, quantizer=None, requires_grad=False); or Transformer
+        Engine's form Float8Tensor(shape, dtype, *, data, fp8_scale_inv, fp8_dtype,
+        data_transpose=None, quantizer=None, requires_grad=False, device=None) (te_storage)."""
+        if te_arguments or not isinstance(storage, Float8Storage):
+            shape = te_arguments.pop("shape", storage)
+            storage = te_storage(shape, **te_arguments)
+        if dtype is None:
+            dtype = torch.float32
         tensor = _TensorBase._make_wrapper_subclass(
             cls, storage.shape, dtype=dtype, device=storage.device, requires_grad=requires_grad
         )
@@ -302,7 +312,7 @@ def _quantizer_spec(quantizer: Quantizer | None) -> tuple | None:
     copy would quantize with a private scale that never moves; and torch.compile deep-copies
     flatten metadata and guards on its equality, which an object holding tensors never meets.
     """
-    if type(quantizer) is Float8CurrentScalingQuantizer:
+    if isinstance(quantizer, Float8CurrentScalingQuantizer):
         return (
             "current",
             quantizer.fp8_dtype,
@@ -319,7 +329,9 @@ def _quantizer_from_spec(spec: tuple | None) -> Quantizer | None:
     kind, fp8_dtype, power_2_scale, amax_epsilon, internal = spec
     if kind != "current":
         raise ValueError(f"unknown Float8Tensor quantizer kind {kind!r}")
-    return Float8CurrentScalingQuantizer(fp8_dtype, power_2_scale, amax_epsilon, internal)
+    return Float8CurrentScalingQuantizer(
+        fp8_dtype, power_2_scale=power_2_scale, amax_epsilon=amax_epsilon, internal=internal
+    )
 
 
 def _as_bytes(data: torch.Tensor | None) -> torch.Tensor | None:
@@ -437,12 +449,36 @@ def _handle_view(func, args, kwargs):
         and out.storage_offset() == 0
     ):
         return _alias(self)
+    if func in _RESHAPES and isinstance(out, torch.Tensor) and out.dim() > 0:
+        return _reshaped(self, tuple(out.shape))
     if func in _ROW_VIEWS:
         rows = float8_fsdp.row_view(self, func, args, kwargs)
         if rows is not None:
             return rows
     return _run_dequantized(func, args, kwargs)
 
+
+def _reshaped(self: Float8Tensor, shape: tuple[int, ...]) -> Float8Tensor:
+    """self seen in another shape of as many values (view, reshape), as Transformer Engine
+    does: a Float8Tensor over the same bytes and scale_inv; the columnwise copy kept where
+    the last dim is unchanged (its (N, Mp) layout is the same), dropped otherwise."""
+    storage = self._storage
+    same_last = shape[-1] == storage.shape[-1]
+    row, col = storage.rowwise_data, storage.columnwise_data if same_last else None
+    if row is None and col is None:
+        raise NotImplementedError(
+            f"Float8Tensor of shape {tuple(storage.shape)} holds only its columnwise (transposed) "
+            f"bytes, which have no layout for shape {shape}: make the rowwise copy first "
+            "(update_usage(rowwise_usage=True))"
+        )
+    if row is not None:
+        row = row.view(math.prod(shape[:-1]), shape[-1])
+    view = Float8Storage(row, col, storage.scale_inv, storage.fp8_dtype, shape)
+    return Float8Tensor.from_storage(view, self.dtype, self._quantizer)
+
+
+# The views that only reshape: _reshaped.
+_RESHAPES = frozenset((aten.view.default, aten._unsafe_view.default, aten._reshape_alias.default))
 
 # Views whose result, where contiguous, is a Float8Tensor over the rowwise bytes (how FSDP2
 # shards a parameter: float8_fsdp.py).

@@ -5,7 +5,10 @@ Transformer Engine's own `tensor.utils` (torchte's `quantization/param_utils.py`
 an FP8 parameter through these names: `_data` (the rowwise FP8 bytes as uint8, also assigned to
 move them into a client's buffer), `_transpose`, `_get_quantizer()`, `update_usage()`,
 `_reset_caches()` / `remove_caches()` (drop a transpose that a write to the bytes made stale),
-`_create_transpose()` (make it again, in place) and the classmethod `make_like()`.
+`_create_transpose()` (make it again, in place), the classmethod `make_like()`, and `_fp8_dtype`
+(the DType tag). `te_storage` reads the arguments of Transformer Engine's constructor
+`Float8Tensor(shape, dtype, *, data, fp8_scale_inv, fp8_dtype, data_transpose, quantizer,
+requires_grad, device)`.
 
 Float8Tensor inherits them from `Float8TensorTENames`; they act on its `_storage`
 (a Float8Storage: rowwise (M, N), columnwise (N, Mp) with Mp = M rounded up to 16, zero
@@ -20,12 +23,13 @@ from collections.abc import Sequence
 import torch
 
 from torchte._sizes import round_up
+from torchte.constants import TE_DType
 from torchte.kernels.cast_transpose import COLUMNWISE_ALIGN
 
 from .base import Quantizer
-from .float8 import Float8CurrentScalingQuantizer, Float8Storage
+from .float8 import Float8CurrentScalingQuantizer, Float8Storage, fp8_torch_dtype
 
-__all__ = ["Float8TensorTENames", "as_fp8_bytes"]
+__all__ = ["Float8TensorTENames", "as_fp8_bytes", "te_storage"]
 
 _NOMINAL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -75,6 +79,52 @@ def _columnwise_of(
     return padded.view(fp8_dtype)
 
 
+def te_storage(
+    shape: Sequence[int],
+    *,
+    data: torch.Tensor | None = None,
+    fp8_scale_inv: torch.Tensor,
+    fp8_dtype=torch.float8_e4m3fn,
+    data_transpose: torch.Tensor | None = None,
+    device: torch.device | str | None = None,
+) -> Float8Storage:
+    """The Float8Storage of Transformer Engine's Float8Tensor constructor arguments: `data`
+    (uint8 or FP8, contiguous, prod(shape) values) the rowwise bytes, aliased;
+    `data_transpose` ((N, M), (N, *shape[:-1]) or padded (N, Mp)) the columnwise ones;
+    `fp8_scale_inv` a one-element fp32 tensor (kept, not copied); `fp8_dtype` a DType tag or
+    torch FP8 dtype. ValueError / TypeError naming the argument."""
+    if shape is None:
+        raise TypeError("Float8Tensor: shape is required (or a Float8Storage as first argument)")
+    shape = tuple(int(s) for s in (shape if isinstance(shape, Sequence) else [shape]))
+    if not shape:
+        raise ValueError("Float8Tensor: shape must have at least one dim")
+    fp8_dtype = fp8_torch_dtype(fp8_dtype)
+    if not isinstance(fp8_scale_inv, torch.Tensor) or fp8_scale_inv.numel() != 1:
+        raise ValueError("Float8Tensor: fp8_scale_inv must be a one-element float32 tensor")
+    if fp8_scale_inv.dtype != torch.float32:
+        raise ValueError(f"Float8Tensor: fp8_scale_inv must be float32, got {fp8_scale_inv.dtype}")
+    scale_inv = fp8_scale_inv if fp8_scale_inv.dim() == 1 else fp8_scale_inv.view(1)
+    device = scale_inv.device if device is None else torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if scale_inv.device != device:
+        raise ValueError(f"Float8Tensor: fp8_scale_inv is on {scale_inv.device}, not {device}")
+    numel, cols = math.prod(shape), shape[-1]
+    rows = numel // cols if cols else 0
+    row = col = None
+    if data is not None:
+        row = as_fp8_bytes(data, fp8_dtype, numel, "Float8Tensor: data", device).view(rows, cols)
+    if data_transpose is not None:
+        if not isinstance(data_transpose, torch.Tensor) or data_transpose.device != device:
+            raise ValueError(f"Float8Tensor: data_transpose must be a tensor on {device}")
+        if data_transpose.dim() > 2 and data_transpose.is_contiguous():
+            data_transpose = data_transpose.reshape(data_transpose.shape[0], -1)
+        col = _columnwise_of(data_transpose, fp8_dtype, rows, cols)
+    if row is None and col is None:
+        raise ValueError("Float8Tensor: data and data_transpose cannot both be None")
+    return Float8Storage(row, col, scale_inv, fp8_dtype, shape)
+
+
 class Float8TensorTENames:
     """Transformer Engine's private-named members of a Float8Tensor (mixed into it)."""
 
@@ -114,6 +164,11 @@ class Float8TensorTENames:
         columnwise data."""
         cols = self._storage.columnwise_data
         return None if cols is None else cols[:, : self._storage.num_rows].view(torch.uint8)
+
+    @property
+    def _fp8_dtype(self):
+        """The FP8 dtype as Transformer Engine's DType tag."""
+        return TE_DType[self._storage.fp8_dtype]
 
     def _get_quantizer(self) -> Quantizer:
         """The quantizer that requantizes this tensor: its own, else current scaling in its FP8

@@ -122,7 +122,10 @@ class FP8Setup:
             elif isinstance(recipe, BLOCK_RECIPES):
                 quantizers = [block_quantizer(recipe, slot, dtype, internal)] * num_gemms
             else:
-                q = Float8CurrentScalingQuantizer(dtype, *recipe._slot_scaling(slot), internal)
+                power_2, eps = recipe._slot_scaling(slot)
+                q = Float8CurrentScalingQuantizer(
+                    dtype, power_2_scale=power_2, amax_epsilon=eps, internal=internal
+                )
                 quantizers = [q] * num_gemms
             setattr(self, slot, quantizers)
         self.grouped_mode = None

@@ -5,7 +5,8 @@ A checkpoint is one torch.save file (loaded with weights_only=True) holding:
 - "format", "recipe", "compute_dtype" ("bf16" or "fp32"; files without it computed in bf16),
   "step", "model_config" (ModelConfig fields), "corpus" (the corpus fingerprint) and "run"
   (the training settings, for the record);
-- "model": the model's state_dict, in which each te module's extra state carries its
+- "model": the model's state_dict, in which each te module's extra state (a uint8 tensor;
+  torchte's older dict form in files written before, which load too) carries its
   delayed-scaling scales and amax histories;
 - "optimizer": AdamW's state_dict;
 - "rng": torch's CPU generator, every CUDA device's generator (when on CUDA) and the batch

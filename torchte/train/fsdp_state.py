@@ -6,11 +6,12 @@ training position (checkpoint.SHARDED_POSITION: the one-process format's file wi
 and "optimizer": step, recipe, configs, corpus, RNG, history), written by rank 0. DCP reshards
 on load, so a folder saved over N ranks resumes over any number of them.
 
-The te modules' delayed-scaling state (each one's `_extra_state`: scales and amax histories)
-goes through DCP with the rest of the model, saved once (it is the same on every rank: the
-amaxes are reduced over the ranks). A model that has not run under delayed scaling has none
-yet, so before loading, the entries the folder holds are added to the state_dict it loads
-into (sized from the folder's metadata).
+The te modules' delayed-scaling state (each one's `_extra_state`: scales and amax histories, a
+uint8 tensor) goes through DCP with the rest of the model, saved once (it is the same on every
+rank: the amaxes are reduced over the ranks). DCP loads into tensors of the saved size, and a
+model that has not run under delayed scaling holds empty ones, so before loading, the entries
+of the state_dict it loads into are sized from the folder's metadata (folders written before,
+with torchte's older dict form, load too).
 
 With --tp (2-D) each tensor-parallel rank's pieces live under their own name, "tp<r>" (DCP
 reshards them over the data-parallel ranks, not over tensor-parallel ones): such a folder
@@ -38,7 +39,7 @@ from .checkpoint import SHARDED_POSITION
 
 __all__ = ["check_save_path", "load_sharded", "read_position", "save_sharded"]
 
-EXTRA_STATE = "._extra_state."
+EXTRA_STATE = "._extra_state."  # a field of a module's entry in the older dict form
 
 
 def read_position(path: Path) -> dict[str, Any]:
@@ -144,13 +145,26 @@ def load_sharded(
 
 
 def _add_extra_states(model_state: dict, saved: dict, prefix: str) -> None:
-    """Put an entry into `model_state` for every piece of module extra state the checkpoint
-    holds (`saved`: DCP's metadata by flattened key, "<prefix><module>._extra_state.<field>"),
-    so that DCP loads them: tensors of the saved size and dtype, None for plain values."""
+    """Size every module's extra state in `model_state` as the checkpoint holds it (`saved`:
+    DCP's metadata by flattened key), so that DCP loads it: a module that has not run under
+    delayed scaling holds an empty tensor, or a history of another length. An entry
+    "<prefix><module>._extra_state" is a tensor (Transformer Engine's uint8 form); a folder
+    written before keeps torchte's older dict form, "<prefix><module>._extra_state.<field>"
+    (tensors of the saved size and dtype, None for plain values), and nothing for a module
+    that had no state: its entry becomes {} (nothing to load)."""
+    older: set[str] = set()
     for key, meta in saved.items():
-        if not key.startswith(prefix) or EXTRA_STATE not in key:
+        if not key.startswith(prefix):
             continue
-        module, field = key.removeprefix(prefix).split(EXTRA_STATE)
+        name = key.removeprefix(prefix)
+        whole = name == "_extra_state" or name.endswith("._extra_state")
+        if whole and isinstance(meta, TensorStorageMetadata):
+            model_state[name] = torch.empty(meta.size, dtype=meta.properties.dtype)
+            continue
+        if EXTRA_STATE not in name:
+            continue
+        module, field = name.split(EXTRA_STATE)
+        older.add(module)
         entry = model_state.get(f"{module}._extra_state")
         if not isinstance(entry, dict):
             entry = model_state[f"{module}._extra_state"] = {}
@@ -158,3 +172,9 @@ def _add_extra_states(model_state: dict, saved: dict, prefix: str) -> None:
             entry[field] = torch.empty(meta.size, dtype=meta.properties.dtype)
         else:
             entry[field] = None
+    if not older:
+        return
+    for name in list(model_state):
+        module = name.removesuffix("._extra_state")
+        if module != name and module not in older and prefix + name not in saved:
+            model_state[name] = {}

@@ -268,7 +268,7 @@ def scaled_modules(model: nn.Module) -> list[TransformerEngineBaseModule]:
 
 def scaling_snapshot(model: nn.Module) -> list[dict]:
     """Copies of every te module's delayed-scaling state (scales, amax histories)."""
-    return [m.get_extra_state() for m in scaled_modules(model)]
+    return [m._scaling_state() for m in scaled_modules(model)]
 
 
 def restore_scaling(model: nn.Module, snapshot: list[dict]) -> None:
@@ -276,12 +276,12 @@ def restore_scaling(model: nn.Module, snapshot: list[dict]) -> None:
     the initial values (scale 1, empty history), as if it had never run under FP8."""
     for module, saved in zip(scaled_modules(model), snapshot, strict=True):
         if saved:
-            module.set_extra_state(saved)
+            module._load_scaling_state(saved)
             continue
-        now = module.get_extra_state()
+        now = module._scaling_state()
         if now:
             initial = {k: v for k, v in now.items() if k == "amax_history_len"}
             for key in ("fwd", "bwd"):
                 initial[f"{key}_scale"] = torch.ones_like(now[f"{key}_scale"])
                 initial[f"{key}_amax_history"] = torch.zeros_like(now[f"{key}_amax_history"])
-            module.set_extra_state(initial)
+            module._load_scaling_state(initial)

@@ -45,6 +45,7 @@ from .scaled_activation import (
     ScaledSReLU,
     ScaledSwiGLU,
 )
+from .situglu import ScaledSiTUGLU, SiTUGLU
 
 __all__ = [
     "GEGLU",
@@ -86,7 +87,9 @@ __all__ = [
     "ScaledSReGLU",
     "ScaledSReLU",
     "ScaledSiLU",
+    "ScaledSiTUGLU",
     "ScaledSwiGLU",
     "SiLU",
+    "SiTUGLU",
     "SwiGLU",
 ]

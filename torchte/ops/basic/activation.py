@@ -60,18 +60,26 @@ def _check_interleave(who: str, size) -> int | None:
     return size
 
 
-class _Activation(BasicOperation):
-    """y = act(x); `name` is the kernel's name of the activation, `gated` whether it halves."""
+class _ActivationOp(BasicOperation):
+    """y = act(x) over the last dimension: the layout (gated halves, glu_interleave_size), what
+    is saved for backward (cache_quantized_input) and the calls; subclasses give act_forward
+    and act_backward on the (M, K) kernel input."""
 
-    name = "gelu"
     gated = False
     glu_interleave_size: int | None = None
 
     def __init__(self, *, cache_quantized_input: bool = False, device=None) -> None:
         super().__init__(device, None)
         self.cache_quantized_input = bool(cache_quantized_input)
-        self.limit, self.alpha = 7.0, 1.702
         self._finish_init()
+
+    def act_forward(self, x2d: torch.Tensor) -> torch.Tensor:
+        """x2d (M, K) -> y (M, N) in x2d's dtype."""
+        raise NotImplementedError
+
+    def act_backward(self, dy2d: torch.Tensor, x2d: torch.Tensor) -> torch.Tensor:
+        """dy2d (M, N), x2d (M, K) -> dx (M, K) in x2d's dtype."""
+        raise NotImplementedError
 
     def output_features(self, features: int | None) -> int | None:
         if features is None or not self.gated:
@@ -95,10 +103,6 @@ class _Activation(BasicOperation):
                 f"multiple of {2 * size}, but {what} {features}"
             )
 
-    def activation(self) -> tuple[str, float, float]:
-        """(kernel name, limit, alpha): the arguments of the activation kernels."""
-        return self.name, self.limit, self.alpha
-
     def kernel_input(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """x (..., K) as the kernels' (M, K) input in dtype, halves [a, b] (de-interleaved)."""
         x2d = rows_of(x if x.dtype == dtype else x.to(dtype))
@@ -116,7 +120,7 @@ class _Activation(BasicOperation):
 
     def op_forward(self, ctx, x, extra_inputs, settings):
         x2d = self.kernel_input(x, settings.dtype)
-        y2d = act_kernels.activation_forward(x2d, *self.activation())
+        y2d = self.act_forward(x2d)
         if settings.requires_grad:
             if self.cache_quantized_input:
                 quantizer = Float8CurrentScalingQuantizer(torch.float8_e4m3fn)
@@ -136,9 +140,29 @@ class _Activation(BasicOperation):
     def op_backward(self, ctx, dy, extra_output_grads):
         x2d = self.saved_input(ctx)
         dy2d = rows_of(dy).to(x2d.dtype)
-        dx2d = act_kernels.activation_backward(dy2d, x2d, *self.activation())
-        dx2d = self.input_grad(dx2d)
+        dx2d = self.input_grad(self.act_backward(dy2d, x2d))
         return dx2d.view(*dy.shape[:-1], dx2d.shape[-1]), (), ()
+
+
+class _Activation(_ActivationOp):
+    """An activation of the shared activation kernels: `name` is the kernels' name of it (the
+    fusions write the next GEMM's FP8 input with the same kernels)."""
+
+    name = "gelu"
+
+    def __init__(self, *, cache_quantized_input: bool = False, device=None) -> None:
+        super().__init__(cache_quantized_input=cache_quantized_input, device=device)
+        self.__dict__.update(limit=7.0, alpha=1.702)
+
+    def activation(self) -> tuple[str, float, float]:
+        """(kernel name, limit, alpha): the arguments of the activation kernels."""
+        return self.name, self.limit, self.alpha
+
+    def act_forward(self, x2d: torch.Tensor) -> torch.Tensor:
+        return act_kernels.activation_forward(x2d, *self.activation())
+
+    def act_backward(self, dy2d: torch.Tensor, x2d: torch.Tensor) -> torch.Tensor:
+        return act_kernels.activation_backward(dy2d, x2d, *self.activation())
 
 
 class _GatedActivation(_Activation):

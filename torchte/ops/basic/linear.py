@@ -96,10 +96,10 @@ class Linear(nn.Module):
             op.train(mode)
         return super().train(mode)
 
-    def get_extra_state(self) -> dict[str, Any]:
+    def get_extra_state(self) -> torch.Tensor:
         return self.basic_ops[0].get_extra_state()
 
-    def set_extra_state(self, state: dict[str, Any] | None) -> None:
+    def set_extra_state(self, state: Any) -> None:
         self.basic_ops[0].set_extra_state(state)
 
     def reset_parameters(self, defer_init: bool | None = False) -> None:

@@ -17,6 +17,15 @@ class Quantize(BasicOperation):
         self.quantize_forward, self.quantize_backward = forward, backward
         self._finish_init()
 
+    def quantizer_slots(self, mode: str) -> list[tuple[str, int]]:
+        """Transformer Engine's: the output's quantizer (forward=True), the input gradient's
+        (backward=True)."""
+        if mode == "forward" and self.quantize_forward:
+            return [("output", 0)]
+        if mode == "backward" and self.quantize_backward:
+            return [("grad_input", 0)]
+        return []
+
     def op_forward(self, ctx, x, extra_inputs, settings):
         ctx.setup = setup = self._fp8_setup(settings.recipe) if settings.fp8 else None
         ctx.group = settings.group

@@ -107,10 +107,18 @@ class _Scaled:
             ds = ds.sum().reshape(1)
         return ds.view(ctx.scales_shape)
 
+    def scaled_forward(self, x2d: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+        """y = act(x2d) * s: x2d (M, K), s (M,) -> (M, N) in x2d's dtype."""
+        return scaled_activation_forward(x2d, s, *self.activation())
+
+    def scaled_backward(self, dy2d, x2d, s, need_ds: bool):
+        """(dx (M, K) in x2d's dtype, ds (M,) in s's dtype or None unless need_ds)."""
+        return scaled_activation_backward(dy2d, x2d, s, *self.activation(), need_ds)
+
     def op_forward(self, ctx, x, extra_inputs, settings):
         s = self.scales_of(x, extra_inputs[0])
         x2d = self.kernel_input(x, settings.dtype)
-        y2d = scaled_activation_forward(x2d, s, *self.activation())
+        y2d = self.scaled_forward(x2d, s)
         if settings.requires_grad:
             ctx.save_for_backward(x2d, s)
             self.save_scales(ctx, extra_inputs[0])
@@ -119,7 +127,7 @@ class _Scaled:
     def op_backward(self, ctx, dy, extra_output_grads):
         x2d, s = ctx.saved
         dy2d = dy.reshape(-1, dy.shape[-1])
-        dx2d, ds = scaled_activation_backward(dy2d, x2d, s, *self.activation(), ctx.scales_grad)
+        dx2d, ds = self.scaled_backward(dy2d, x2d, s, ctx.scales_grad)
         dx2d = self.input_grad(dx2d)
         return dx2d.view(*dy.shape[:-1], dx2d.shape[-1]), (self.scales_grad(ctx, ds),), ()
 

@@ -1,5 +1,5 @@
 """make_graphed_callables on a GPU: each forward pass's CUDA graphs, their warm-up and capture
-in the schedule's order (graphs_schedule.py), and the autograd Function that replays them.
+in the schedule's order (schedule.py), and the autograd Function that replays them.
 
 A pass's static inputs are its sample tensors: positional ones, then the keyword ones (None
 keyword values are passed as None and must be None at replay). Its outputs are the forward
@@ -7,7 +7,9 @@ graph's static buffers, valid until the next replay of that pass. Parameter grad
 to autograd as fresh tensors (one concatenation for all of a pass's parameters; the next
 replay overwrites the static buffers, which would corrupt a .grad that kept them), unless
 clone_param_grads_on_return=False asks for the static buffers themselves; parameters with a
-`main_grad` (fuse_wgrad_accumulation) get the static buffer: Megatron ignores their .grad.
+`main_grad` (fuse_wgrad_accumulation) get the static buffer: Megatron ignores their .grad; so
+do parameters marked `skip_backward_post_hook` (their gradient is accumulated elsewhere, as by
+delay_wgrad_compute). Which parameters get fresh tensors is fixed when the graph is captured.
 """
 
 from __future__ import annotations
@@ -20,14 +22,15 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .graphs_hooks import CaptureHooks
-from .module.base import TransformerEngineBaseModule
+from ..module._graph_weights import WeightCaching
+from ..module.base import TransformerEngineBaseModule
+from .hooks import CaptureHooks
 
-__all__ = ["PassGraphs", "capture", "state_kept", "warm_up"]
+__all__ = ["PassGraphs", "capture", "every_module", "state_kept", "warm_up"]
 
-# Keyword arguments a replay takes beyond the captured ones: is_first_microbatch is ignored (the
-# FP8 weights are requantized inside every replay), as Transformer Engine ignores it without
-# weight caching.
+# Keyword arguments a replay takes beyond the captured ones: is_first_microbatch (read by graphs
+# captured with weight caching; ignored by the others, which cast the FP8 weights at every
+# replay, as Transformer Engine ignores it without weight caching).
 _IGNORED_AT_REPLAY = ("is_first_microbatch",)
 _NOT_IMPLEMENTED_AT_REPLAY = ("cuda_graph_stream", "cuda_graph_event")
 
@@ -44,8 +47,10 @@ class PassGraphs:
         kwargs: dict,
         hooks: CaptureHooks,
         clone_param_grads: bool,
+        caching: WeightCaching | None = None,
     ) -> None:
         self.module, self.forward, self.hooks = module, forward, hooks
+        self.caching = caching  # FP8 weights kept across replays (cache_quantized_params)
         self.training = module.training
         self.n_args = len(args)
         self.tensor_keys = tuple(k for k, v in kwargs.items() if v is not None)
@@ -150,8 +155,7 @@ class PassGraphs:
         self.param_grads = tuple(next(grads, None) for _ in self.params)
         cloned = [
             i for i, (p, g) in enumerate(zip(self.params, self.param_grads, strict=True))
-            if g is not None and getattr(p, "main_grad", None) is None
-            and self.clone_param_grads
+            if g is not None and self.clone_param_grads and not _keeps_alias(p)
         ]  # fmt: skip
         by_dtype: dict[torch.dtype, list[int]] = {}
         for i in cloned:
@@ -208,8 +212,11 @@ class PassGraphs:
         captured, else `eager_forward`."""
         graphs, module = self, self.module
         single = self.spec.is_leaf()
+        caching = self.caching
 
         def forward(*args, **kwargs):
+            if caching is not None:
+                caching.set_first_microbatch(kwargs.get("is_first_microbatch"))
             if module.training != graphs.training:
                 return eager_forward(*args, **kwargs)
             inputs = graphs.bind(args, kwargs)
@@ -333,6 +340,16 @@ def capture(passes, steps, pool, stream, allow_unused: bool, retain_graph: bool,
             passes[p].capture_backward(pool, stream, allow_unused, retain_graph, shared)
 
 
+def every_module(root: nn.Module):
+    """root.modules(), and the basic operations that te.ops' composite operations (te.ops.Linear)
+    hold outside the module tree (their FP8 state is theirs)."""
+    for module in root.modules():
+        yield module
+        for op in module.__dict__.get("basic_ops", ()):
+            if isinstance(op, nn.Module) and op not in module._modules.values():
+                yield from every_module(op)
+
+
 @contextlib.contextmanager
 def state_kept(modules):
     """Undo what the warm-up iterations (eager forwards and backwards on the sample arguments)
@@ -340,7 +357,7 @@ def state_kept(modules):
     generator: in place, so the captured graphs keep pointing at the same memory."""
     kept = []
     for root in modules:
-        for module in root.modules():
+        for module in every_module(root):
             if isinstance(module, TransformerEngineBaseModule):
                 for pair in module._delayed_states.values():
                     for state in pair:
@@ -358,3 +375,11 @@ def state_kept(modules):
         with torch.no_grad():
             for t, value in zip(kept, saved, strict=True):
                 t.copy_(value)
+
+
+def _keeps_alias(param: torch.Tensor) -> bool:
+    """Whether a parameter's gradient is handed out as the graph's static buffer (not copied):
+    fused wgrad accumulation (main_grad) or skip_backward_post_hook."""
+    return getattr(param, "main_grad", None) is not None or bool(
+        getattr(param, "skip_backward_post_hook", False)
+    )

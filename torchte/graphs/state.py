@@ -28,9 +28,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from .module.base import TransformerEngineBaseModule
-from .quantization.delayed import DelayedScalingState
-from .quantization.setup import needs_delayed_state
+from ..module.base import TransformerEngineBaseModule
+from ..quantization.delayed import DelayedScalingState
+from ..quantization.setup import needs_delayed_state
 
 __all__ = [
     "graph_pool_handle",

@@ -1,7 +1,7 @@
 """te.make_graphed_callables: forward and backward of modules captured into CUDA graphs.
 
 Each forward pass becomes a replay of a captured forward graph inside one autograd Function
-whose backward replays a captured backward graph (graphs_capture.py), with Transformer Engine's
+whose backward replays a captured backward graph (pass_graphs.py), with Transformer Engine's
 arguments:
 - each module runs under te.autocast(enabled, recipe, amax_reduction_group, calibrating) while
   warming up and capturing (`enabled` may be one bool per module), so the graphs hold the FP8
@@ -10,19 +10,22 @@ arguments:
   They work in place on the modules' scaling state, so every replay records amaxes and moves
   the scales as an eager step would;
 - FP8 weights are quantized inside the graph (the weight cache is bypassed while capturing),
-  so each replay requantizes the live weights that optimizer steps write in place;
+  so each replay requantizes the live weights that optimizer steps write in place; with
+  cache_quantized_params (fp8_weight_caching) each call says is_first_microbatch, and a later
+  microbatch's replay uses the FP8 weight the first one cast, as an eager step does
+  (module/_graph_weights.py);
 - sample_kwargs are captured and replayed as the positional sample_args are;
 - the warm-up iterations (eager, on the sample arguments, between pre_warmup_hook and
   post_warmup_hook) leave no trace: the delayed-scaling states, main_grad buffers and the CUDA
   generator are put back as they were;
 - `_order` captures the passes of interleaved pipeline-parallel chunks in a schedule's order
-  (graphs_schedule.py) and returns one graphed function per forward pass.
+  (schedule.py) and returns one graphed function per forward pass.
 
 A replay needs inputs of the sample arguments' shapes and dtypes; its outputs are the graph's
 static buffers, valid until the next replay of the same pass. The module's training flag at
 capture is kept: a module switched to the other mode runs eagerly under the same autocast.
 `reset()` on a returned callable frees its graphs (a module gets its own forward back).
-While it runs, is_graph_capturing() is True (graphs_state.py, with Transformer Engine's other
+While it runs, is_graph_capturing() is True (state.py, with Transformer Engine's other
 helpers of `transformer_engine.pytorch.graph`: save_fp8_tensors, restore_fp8_tensors, ...).
 On a machine without a GPU the modules run eagerly under the autocast arguments (nothing is
 captured, the warm-up and capture-time hooks are not called), so code using this runs
@@ -32,18 +35,21 @@ unchanged.
 from __future__ import annotations
 
 import functools
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from .autocast import autocast, default_recipe
-from .graphs_capture import PassGraphs, capture, state_kept, warm_up
-from .graphs_hooks import capture_hooks
-from .graphs_schedule import Schedule, pipeline_schedule, plain_schedule, reused_samples
-from .graphs_state import (
+from ..autocast import autocast, default_recipe
+from ..module._graph_weights import WeightCaching, caching_weights
+from ..module._setattr_guard import SetattrGuard
+from ..module.base import TransformerEngineBaseModule
+from ..recipe import Recipe
+from .hooks import capture_hooks
+from .pass_graphs import PassGraphs, capture, every_module, state_kept, warm_up
+from .schedule import Schedule, pipeline_schedule, plain_schedule, reused_samples
+from .state import (
     capture_window,
     graph_pool_handle,
     is_graph_capturing,
@@ -52,8 +58,6 @@ from .graphs_state import (
     set_capture_end,
     set_capture_start,
 )
-from .module.base import TransformerEngineBaseModule
-from .recipe import Recipe
 
 __all__ = [
     "graph_pool_handle",
@@ -78,27 +82,8 @@ class _Capture:
     warmup_hooks: tuple
     stream: object
     pool: object
-
-
-_WEIGHT_CACHING_NOTED: list[bool] = []
-
-
-def _note_weight_caching() -> None:
-    """fp8_weight_caching=True: said once per process that every replay quantizes the FP8
-    weights again (the replay's is_first_microbatch is taken and ignored). Weights do not
-    change between the microbatches of a step, so under current scaling the bytes are those of
-    the first microbatch; under delayed scaling a later microbatch uses the scale as it stands
-    then, where Transformer Engine keeps the first microbatch's FP8 weight."""
-    if _WEIGHT_CACHING_NOTED:
-        return
-    _WEIGHT_CACHING_NOTED.append(True)
-    warnings.warn(
-        "make_graphed_callables: fp8_weight_caching / cache_quantized_params=True: torchte's "
-        "graphs quantize the FP8 weights in every replay (one weight cast per microbatch, "
-        "is_first_microbatch ignored); the results are those of fp8_weight_caching=False",
-        UserWarning,
-        stacklevel=3,
-    )
+    cache_weights: bool
+    """cache_quantized_params: FP8 weights cast at a step's first microbatch only."""
 
 
 def _one_of(new_name: str, new, old_name: str, old, default):
@@ -166,8 +151,6 @@ def make_graphed_callables(
         "_clone_param_grads_on_return", _clone_param_grads_on_return,
         "clone_param_grads_on_return", clone_param_grads_on_return, True,
     )  # fmt: skip
-    if fp8_weight_caching:
-        _note_weight_caching()
     with capture_window():
         return _graphed_callables(
             modules, sample_args, sample_kwargs, fp8_enabled, fp8_calibrating, fp8_recipe,
@@ -175,7 +158,7 @@ def make_graphed_callables(
             _settings(
                 num_warmup_iters, allow_unused_input, retain_graph_in_backward, clone,
                 _reuse_graph_input_output_buffers, (pre_warmup_hook, post_warmup_hook),
-                capture_stream, pool,
+                capture_stream, pool, fp8_weight_caching,
             ),
         )  # fmt: skip
 
@@ -207,11 +190,14 @@ def _graphed_callables(
         return _eager_result(modules, callables, eager, schedule, order is not None)
     for root, on in zip(callables, per_module, strict=True):
         _prepare(root, recipe if on or fp8_calibrating else None)
+    caching = WeightCaching(torch.device("cuda")) if settings.cache_weights else None
     passes = [
-        PassGraphs(callables[c], eager[c], *samples[p], hooks[c], settings.clone_param_grads)
+        PassGraphs(
+            callables[c], eager[c], *samples[p], hooks[c], settings.clone_param_grads, caching
+        )
         for p, c in enumerate(schedule.callable_of)
     ]
-    _warm_up_and_capture(passes, callables, schedule, settings)
+    _warm_up_and_capture(passes, callables, schedule, settings, caching)
     return _graphed_result(modules, passes, eager, schedule, order is not None)
 
 
@@ -263,7 +249,9 @@ def _samples(sample_args, sample_kwargs, single: bool, schedule: Schedule) -> li
     return samples
 
 
-def _settings(iters, allow_unused, retain, clone, reuse, warmup_hooks, stream, pool) -> _Capture:
+def _settings(
+    iters, allow_unused, retain, clone, reuse, warmup_hooks, stream, pool, cache_weights
+) -> _Capture:
     if not isinstance(iters, int) or iters < 1:
         raise ValueError("num_warmup_iters must be at least 1 (lazy setup must not be captured)")
     for name, hook in zip(("pre_warmup_hook", "post_warmup_hook"), warmup_hooks, strict=True):
@@ -273,10 +261,13 @@ def _settings(iters, allow_unused, retain, clone, reuse, warmup_hooks, stream, p
         raise TypeError(f"capture_stream must be a torch.cuda.Stream, got {stream!r}")
     flags = {"allow_unused_input": allow_unused, "retain_graph_in_backward": retain}
     flags |= {"_clone_param_grads_on_return": clone, "_reuse_graph_input_output_buffers": reuse}
+    flags["cache_quantized_params"] = cache_weights
     for name, value in flags.items():
         if not isinstance(value, bool):
             raise TypeError(f"{name} must be a bool, got {value!r}")
-    return _Capture(iters, allow_unused, retain, clone, reuse, warmup_hooks, stream, pool)
+    return _Capture(
+        iters, allow_unused, retain, clone, reuse, warmup_hooks, stream, pool, cache_weights
+    )
 
 
 def _check_reuse(order, callables) -> None:
@@ -293,7 +284,7 @@ def _on_gpu(samples) -> bool:
 
 def _prepare(root: nn.Module, recipe) -> None:
     """Refuse what cannot be captured; make the FP8 scaling state before the warm-up."""
-    for module in root.modules():
+    for module in every_module(root):
         deferred = getattr(module, "need_backward_dw", None)
         if callable(deferred) and deferred():
             raise NotImplementedError(
@@ -301,23 +292,29 @@ def _prepare(root: nn.Module, recipe) -> None:
                 "(delay_wgrad_compute=True); capturing a separate weight-gradient graph is not "
                 "implemented in torchte yet"
             )
-        if recipe is not None and isinstance(module, TransformerEngineBaseModule):
+        # (a te.ops bias or activation keeps no FP8 state)
+        if (
+            recipe is not None
+            and isinstance(module, TransformerEngineBaseModule)
+            and module.num_gemms
+        ):
             module._fp8_setup(recipe)
 
 
-def _warm_up_and_capture(passes, callables, schedule: Schedule, settings: _Capture) -> None:
+def _warm_up_and_capture(passes, callables, schedule: Schedule, settings: _Capture, caching):
     stream = settings.stream if settings.stream is not None else torch.cuda.Stream()
     unique = list({id(c): c for c in callables}.values())
-    with state_kept(unique):
+    with state_kept(unique), caching_weights(caching):
         warm_up(
             passes, schedule.steps, settings.num_warmup_iters, settings.allow_unused, stream,
             settings.warmup_hooks,
         )  # fmt: skip
     pool = torch.cuda.graph_pool_handle() if settings.pool is None else settings.pool
-    capture(
-        passes, schedule.steps, pool, stream, settings.allow_unused, settings.retain_graph,
-        settings.reuse_buffers,
-    )  # fmt: skip
+    with caching_weights(caching):
+        capture(
+            passes, schedule.steps, pool, stream, settings.allow_unused, settings.retain_graph,
+            settings.reuse_buffers,
+        )  # fmt: skip
 
 
 def _graphed_result(modules, passes, eager, schedule: Schedule, ordered: bool):
@@ -414,7 +411,9 @@ def _under(region, forward):
 
 
 def _set_attr(module: nn.Module, name: str, value) -> None:
-    if isinstance(module, TransformerEngineBaseModule):
+    """module.name = value; through _fast_setattr on modules that guard their attributes (te
+    modules, DotProductAttention, ...), whose plain assignment after construction warns."""
+    if isinstance(module, SetattrGuard):
         module._fast_setattr(name, value)
     else:
         setattr(module, name, value)

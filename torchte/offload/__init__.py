@@ -22,7 +22,7 @@ release_activation_forward_gpu_memory(i) (the compute stream waits for those cop
 tensors are let go) and start_reload_layer(i) (copies back begin). A layer never offloaded
 is used in place; one offloaded but not reloaded is copied back when backward needs it.
 
-Streams and memory: copies run on side streams (torchte.offload_copies), ordered against the
+Streams and memory: copies run on side streams (torchte.offload.copies), ordered against the
 compute stream by events; a tensor being copied out is recorded on the copy stream, so the
 caching allocator does not hand its memory to anyone before the copy has read it. Host
 buffers are let go once their tensor is back (torch's pinned-memory cache keeps them safe
@@ -42,7 +42,7 @@ from collections import defaultdict
 
 import torch
 
-from .offload_copies import CudaCopies, SynchronousCopies
+from .copies import CudaCopies, SynchronousCopies
 
 __all__ = [
     "CudaCopies",
@@ -302,6 +302,13 @@ class _LayerContext(contextlib.ContextDecorator):
     def __init__(self, handler: OffloadHandler | None) -> None:
         self.handler = handler
         self._hooks: list[contextlib.AbstractContextManager] = []
+
+    @property
+    def offload_synchronizer(self) -> OffloadHandler | None:
+        """Transformer Engine's name of the object that moves the layers' tensors (its
+        get_offloaded_total_size_mb() says how much host memory they hold); None when
+        offloading is off."""
+        return self.handler
 
     def __enter__(self):
         handler = self.handler

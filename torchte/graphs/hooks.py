@@ -9,11 +9,14 @@ framework bookkeeping that cannot be captured (Transformer Engine's keys and sig
 - "backward_pre_hooks": {id: hook(module, grad_outputs)};
 - "backward_hooks": {id: hook(module, grad_inputs, grad_outputs)}.
 
-A hook must return None: replacing arguments, outputs or gradients is refused (RuntimeError).
+A hook that takes one positional argument is called with the module alone, as newer
+Transformer Engine releases call every capture-time hook. A hook must return None: replacing
+arguments, outputs or gradients is refused (RuntimeError).
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Mapping, Sequence
 
 from torch import nn
@@ -43,29 +46,44 @@ class CaptureHooks:
         with_kwargs = self._hooks["forward_pre_hooks_with_kwargs"]
         for hook_id, hook in self._hooks["forward_pre_hooks"].items():
             extra = (kwargs,) if hook_id in with_kwargs else ()
-            _returned_none(hook(module, args, *extra), "forward_pre_hooks")
+            _call(hook, "forward_pre_hooks", module, args, *extra)
 
     def after_forward(self, module: nn.Module, args: tuple, kwargs: dict, output) -> None:
         with_kwargs = self._hooks["forward_hooks_with_kwargs"]
         for hook_id, hook in self._hooks["forward_hooks"].items():
             extra = (kwargs,) if hook_id in with_kwargs else ()
-            _returned_none(hook(module, args, *extra, output), "forward_hooks")
+            _call(hook, "forward_hooks", module, args, *extra, output)
 
     def before_backward(self, module: nn.Module, grad_outputs: tuple) -> None:
         for hook in self._hooks["backward_pre_hooks"].values():
-            _returned_none(hook(module, grad_outputs), "backward_pre_hooks")
+            _call(hook, "backward_pre_hooks", module, grad_outputs)
 
     def after_backward(self, module: nn.Module, grad_inputs: tuple, grad_outputs: tuple) -> None:
         for hook in self._hooks["backward_hooks"].values():
-            _returned_none(hook(module, grad_inputs, grad_outputs), "backward_hooks")
+            _call(hook, "backward_hooks", module, grad_inputs, grad_outputs)
 
 
-def _returned_none(value, key: str) -> None:
+def _call(hook: Callable, key: str, module: nn.Module, *rest) -> None:
+    """hook(module, *rest), or hook(module) where the hook takes the module alone."""
+    value = hook(module) if _takes_module_only(hook) else hook(module, *rest)
     if value is not None:
         raise RuntimeError(
             f"capture_time_hooks {key} must return None: arguments, outputs and gradients "
             "cannot be replaced through a capture-time hook"
         )
+
+
+def _takes_module_only(hook: Callable) -> bool:
+    """Whether `hook` takes exactly one positional argument (no *args)."""
+    try:
+        params = inspect.signature(hook).parameters.values()
+    except (TypeError, ValueError):  # no signature to read (a builtin): the full form
+        return False
+    positional = [
+        p for p in params
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)
+    ]  # fmt: skip
+    return len(positional) == 1 and positional[0].kind != inspect.Parameter.VAR_POSITIONAL
 
 
 def capture_hooks(hooks: Sequence | None, num_callables: int) -> list[CaptureHooks]:
