@@ -200,14 +200,20 @@ def test_distributed_checkpoint_round_trip(tmp_path):
     ran.load_state_dict(state["model"])
     assert_same_delayed_state(model, ran)
     # A fresh one has none: the entries are sized from the checkpoint's metadata first.
+    assert_same_delayed_state(model, loaded_into_a_fresh_model(tmp_path))
+
+
+def loaded_into_a_fresh_model(path) -> TinyPretrained:
+    """A model that never ran, loaded from the DCP folder `path`: its empty extra-state entries
+    are sized from the checkpoint's metadata first (as the training example does)."""
     fresh = TinyPretrained()
     fresh_state = fresh.state_dict()
-    metadata = dcp.FileSystemReader(tmp_path).read_metadata()
+    metadata = dcp.FileSystemReader(path).read_metadata()
     fsdp_state._add_extra_states(fresh_state, metadata.state_dict_metadata, "model.")
     state = {"model": fresh_state}
-    dcp.load(state, checkpoint_id=tmp_path, no_dist=True)
+    dcp.load(state, checkpoint_id=path, no_dist=True)
     fresh.load_state_dict(state["model"])
-    assert_same_delayed_state(model, fresh)
+    return fresh
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -218,14 +224,7 @@ def test_a_checkpoint_folder_of_the_older_dict_form_loads(tmp_path):
     for name in ("proj", "mlp", "idle"):  # as torchte wrote before: DCP flattens the dicts
         older[f"{name}._extra_state"] = getattr(model, name)._scaling_state()
     dcp.save({"model": older}, checkpoint_id=tmp_path, no_dist=True)
-    fresh = TinyPretrained()
-    fresh_state = fresh.state_dict()
-    metadata = dcp.FileSystemReader(tmp_path).read_metadata()
-    fsdp_state._add_extra_states(fresh_state, metadata.state_dict_metadata, "model.")
-    state = {"model": fresh_state}
-    dcp.load(state, checkpoint_id=tmp_path, no_dist=True)
-    fresh.load_state_dict(state["model"])
-    assert_same_delayed_state(model, fresh)
+    assert_same_delayed_state(model, loaded_into_a_fresh_model(tmp_path))
 
 
 @pytest.mark.gpu
@@ -249,3 +248,24 @@ def test_state_of_a_cuda_module_round_trips_through_the_cpu_tensor():
     with te.autocast(recipe=recipe):
         got = twin(x)
     assert torch.equal(got, want)
+
+
+def test_state_loaded_on_the_meta_device_waits_for_the_parameters():
+    """A module built on the meta device keeps a loaded scaling state until it is real: after
+    to_empty, or after its parameters are replaced in place (as HF's from_pretrained does), the
+    state is the one loaded."""
+    recipe = DelayedScaling(amax_history_len=4)
+    source = te.Linear(32, 32)
+    with te.autocast(recipe=recipe):
+        source(torch.randn(8, 32)).sum().backward()
+    state = source.state_dict()
+    for materialize in ("to_empty", "replace"):
+        with torch.device("meta"):
+            target = te.Linear(32, 32)
+        target.load_state_dict(state, assign=materialize == "replace")
+        assert target.state_dict()["_extra_state"].numel() == state["_extra_state"].numel()
+        if materialize == "to_empty":
+            target.to_empty(device="cpu")
+        assert target.device.type == "cpu" or materialize == "replace"
+        assert torch.equal(target.state_dict()["_extra_state"], state["_extra_state"]), materialize
+        assert target.device.type == "cpu"

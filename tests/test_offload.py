@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import torchte as te
-from torchte.offload import OffloadHandler, SynchronousCopies, _Offloaded
+from torchte.offload import OffloadHandler, SynchronousCopies
 from torchte.recipe import (
     DelayedScaling,
     Float8BlockScaling,
@@ -35,8 +35,24 @@ BLOCK_RECIPES = {
 H = 32
 
 
+def offloaded_tensors(handler) -> list[tuple[torch.dtype, tuple[int, ...]]]:
+    """(dtype, shape) of every saved tensor `handler` takes off the device from now on (what
+    the copies see may be a byte range holding several of them)."""
+    seen = []
+    pack = handler.pack
+
+    def recording(tensor):
+        packed = pack(tensor)
+        if packed is not tensor:
+            seen.append((tensor.dtype, tuple(tensor.shape)))
+        return packed
+
+    handler.pack = recording
+    return seen
+
+
 class Counting(SynchronousCopies):
-    """SynchronousCopies that counts the tensors it moved out (by dtype)."""
+    """SynchronousCopies that counts the copies it made to the host (by dtype)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -92,6 +108,7 @@ def test_offloaded_gradients_are_bit_identical(kind, recipe_name):
         enabled=True, num_layers=2, model_layers=3, min_offload_bytes=0, copies=copies
     )
     fp8 = RECIPES[recipe_name]
+    offloaded = offloaded_tensors(context.handler)
     for step in range(3):
         x = torch.randn(16, H, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(step))
         want = train_step(twins, x, fp8)
@@ -100,7 +117,8 @@ def test_offloaded_gradients_are_bit_identical(kind, recipe_name):
             assert (a is None) == (b is None) and (a is None or torch.equal(a, b)), step
     assert copies.moved, "nothing was offloaded"
     if fp8 is not None:
-        assert any(dtype in (torch.float8_e4m3fn, torch.float8_e5m2) for dtype in copies.moved)
+        fp8_dtypes = (torch.float8_e4m3fn, torch.float8_e5m2)
+        assert any(dtype in fp8_dtypes for dtype, _ in offloaded), offloaded
     assert not any(context.handler.saved.values())  # every offloaded tensor came back
 
 
@@ -116,6 +134,7 @@ def test_block_scaled_storages_offload_bit_identical(kind, recipe_name):
         enabled=True, num_layers=2, model_layers=3, min_offload_bytes=0, copies=copies
     )
     fp8 = BLOCK_RECIPES[recipe_name]
+    offloaded = offloaded_tensors(context.handler)
     for step in range(2):
         x = torch.randn(64, H, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(step))
         torch.manual_seed(step)  # NVFP4's stochastic rounding draws the same bits in both
@@ -125,7 +144,7 @@ def test_block_scaled_storages_offload_bit_identical(kind, recipe_name):
         for a, b in zip(got, want, strict=True):
             assert (a is None) == (b is None) and (a is None or torch.equal(a, b)), step
     quantized = (torch.float8_e4m3fn, torch.float8_e5m2, torch.uint8)
-    assert any(dtype in quantized for dtype in copies.moved), copies.moved
+    assert any(dtype in quantized for dtype, _ in offloaded), offloaded
     assert not any(context.handler.saved.values())
 
 
@@ -146,11 +165,44 @@ def test_what_is_not_offloaded():
     param = torch.nn.Parameter(torch.randn(64))
     marked = torch.randn(64)
     te.offload.mark_not_offload(marked)
-    assert isinstance(handler.pack(big), _Offloaded)
+    assert handler.pack(big) is not big
     for kept in (small, param, marked):
         assert handler.pack(kept) is kept
     handler.begin_layer()  # layer 1: not among the num_layers=1 offloaded ones
     assert handler.pack(torch.randn(64)).__class__ is torch.Tensor
+
+
+def test_tensors_over_the_same_memory_are_copied_once():
+    """Two saved tensors over the same bytes (a tensor and its transposed view, as attention's
+    output and the projection's input are) make one host copy; each comes back as it was
+    saved, and the copy goes once both are back."""
+    copies = Counting()
+    handler = OffloadHandler(1, 1, min_offload_bytes=0, copies=copies)
+    handler.begin_layer()
+    x = torch.randn(8, 6)
+    rows, cols = handler.pack(x), handler.pack(x.t())
+    gapped = handler.pack(x[:, ::2])  # elements with gaps: moved on its own, as it is
+    assert len(copies.moved) == 2 and copies.moved[0] == torch.uint8
+    got = handler.unpack(cols)
+    assert torch.equal(got, x.t()) and got.stride() == x.t().stride()
+    assert handler.saved[0], "the copy stays while a tensor over it is still out"
+    assert torch.equal(handler.unpack(rows), x)
+    assert torch.equal(handler.unpack(gapped), x[:, ::2])
+    assert not handler.saved[0]
+
+
+def test_memory_changed_in_place_between_saves_is_copied_again():
+    copies = Counting()
+    handler = OffloadHandler(1, 1, min_offload_bytes=0, copies=copies)
+    handler.begin_layer()
+    x = torch.randn(8, 6)
+    before = x.clone()
+    first = handler.pack(x)
+    x.mul_(2)
+    second = handler.pack(x)
+    assert len(copies.moved) == 2
+    assert torch.equal(handler.unpack(second), before * 2)
+    assert torch.equal(handler.unpack(first), before)
 
 
 def test_marking_a_storage_marks_its_data():
@@ -323,18 +375,11 @@ def test_weights_and_their_fp8_copies_stay(recipe_name):
     x = torch.randn(16, H, dtype=torch.bfloat16)
     shapes = {tuple(p.shape) for layer in layers for p in layer.parameters()}
     shapes.add((3, H, H))  # the grouped layer's stacked weights
+    offloaded = offloaded_tensors(context.handler)
     for fp8 in (None, RECIPES[recipe_name]):
         moved_before = len(copies.moved)
-        shapes_moved = []
-        original = copies.to_host
-
-        def spy(tensor, host, original=original, shapes_moved=shapes_moved):
-            shapes_moved.append(tuple(tensor.shape))
-            return original(tensor, host)
-
-        copies.to_host = spy
+        offloaded.clear()
         train_step(layers, x, fp8, context, sync)
-        copies.to_host = original
         assert len(copies.moved) > moved_before
-        weights_moved = [s for s in shapes_moved if s in shapes and s != (16, H)]
-        assert not weights_moved, weights_moved
+        weights_moved = [s for _, s in offloaded if s in shapes and s != (16, H)]
+        assert offloaded and not weights_moved, weights_moved

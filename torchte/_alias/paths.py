@@ -42,9 +42,15 @@ _QUANTIZED_TENSOR = (
     "restore_from_saved",
     "restore_from_func_ctx",
 )
-_BLOCKWISE = ("Float8BlockQuantizer", "Float8BlockwiseQTensorStorage")
-_MXFP8 = ("MXFP8Quantizer", "MXFP8TensorStorage")
-_NVFP4 = ("NVFP4Quantizer", "NVFP4TensorStorage")
+# The block formats' quantizers and Storages (Transformer Engine's defaults: internal=False).
+_BLOCK_API = (
+    "Float8BlockQuantizer",
+    "Float8BlockwiseQTensorStorage",
+    "MXFP8Quantizer",
+    "MXFP8TensorStorage",
+    "NVFP4Quantizer",
+    "NVFP4TensorStorage",
+)
 _AVAILABLE = (
     "is_fp8_available",
     "is_mxfp8_available",
@@ -133,27 +139,25 @@ PATHS: dict[str, AliasPath] = {
             **_one("torchte", "Float8Tensor", "QuantizedTensor"),
             **_one(_TE_API, *_FLOAT8, "QuantizedTensorStorage", "Quantizer"),
             **_one(_BLOCK_TENSORS, "Float8BlockwiseQTensor", "MXFP8Tensor", "NVFP4Tensor"),
-            **_one("torchte.quantization.blockwise", *_BLOCKWISE),
-            **_one("torchte.quantization.mxfp8", *_MXFP8),
-            **_one("torchte.quantization.nvfp4", *_NVFP4),
+            **_one(_TE_API, *_BLOCK_API),
         },
         package=True,
     ),
     "transformer_engine.pytorch.tensor.float8_blockwise_tensor": AliasPath(
         names={
-            **_one("torchte.quantization.blockwise", "Float8BlockQuantizer"),
+            **_one(_TE_API, "Float8BlockQuantizer"),
             **_one(_BLOCK_TENSORS, "Float8BlockwiseQTensor"),
         }
     ),
     "transformer_engine.pytorch.tensor.mxfp8_tensor": AliasPath(
         names={
-            **_one("torchte.quantization.mxfp8", "MXFP8Quantizer"),
+            **_one(_TE_API, "MXFP8Quantizer"),
             **_one(_BLOCK_TENSORS, "MXFP8Tensor"),
         }
     ),
     "transformer_engine.pytorch.tensor.nvfp4_tensor": AliasPath(
         names={
-            **_one("torchte.quantization.nvfp4", "NVFP4Quantizer"),
+            **_one(_TE_API, "NVFP4Quantizer"),
             **_one(_BLOCK_TENSORS, "NVFP4Tensor"),
         }
     ),

@@ -136,7 +136,10 @@ class MultiheadAttention(nn.Module):
             "params_dtype": self.params_dtype,
             "device": device,
         }
-        self.q_norm, self.k_norm = _qk_norms(qk_norm_type, qk_norm_eps, shape.head_dim, device)
+        self.q_norm, self.k_norm = _qk_norms(
+            qk_norm_type, qk_norm_eps, shape.head_dim, device, params_dtype,
+            (seq_length, micro_batch_size),
+        )  # fmt: skip
         column = "column" if set_parallel_mode else None
         proj_kw = {"init_method": init_method, "bias": bias, "parallel_mode": column}
         norm_kw = {
@@ -282,7 +285,7 @@ class MultiheadAttention(nn.Module):
             hidden_states, encoder_output, is_first_microbatch
         )
         if self.q_norm is not None and self.qk_norm_before_rope:
-            q, k = self.q_norm(q), self.k_norm(k)
+            q, k = self._normed(q, k, v.dtype)
         if rotary_pos_emb is not None:
             cu_q, cu_kv = (
                 (cu_seqlens_q_padded, cu_seqlens_kv_padded)
@@ -294,7 +297,7 @@ class MultiheadAttention(nn.Module):
                 (cu_q, cu_kv), inference_params,
             )  # fmt: skip
         if self.q_norm is not None and not self.qk_norm_before_rope:
-            q, k = self.q_norm(q), self.k_norm(k)
+            q, k = self._normed(q, k, v.dtype)
         given = {
             "qkv_format": self.qkv_format,
             "attention_mask": attention_mask,
@@ -320,6 +323,18 @@ class MultiheadAttention(nn.Module):
         if self.input_layernorm and self.return_layernorm_output:
             outputs += (norm_out,)
         return outputs if len(outputs) > 1 else outputs[0]
+
+    def _normed(self, q: torch.Tensor, k: torch.Tensor, dtype: torch.dtype):
+        """(q_norm(q), k_norm(k)) in `dtype`, the value's. Each norm computes in torch.autocast's
+        dtype where it is on, else in its parameters' dtype; norms kept in another dtype than
+        the projections (fp32 q_norm / k_norm in a bf16 model) would otherwise hand attention q
+        and k of another dtype than v."""
+        q, k = self.q_norm(q), self.k_norm(k)
+        if q.dtype is not dtype:
+            q = q.to(dtype)
+        if k.dtype is not dtype:
+            k = k.to(dtype)
+        return q, k
 
     def _query_key_value(self, hidden_states, encoder_output, is_first_microbatch):
         """(q (..., np, hn), k, v (..., ng, hn), the input norm's output or None)."""
@@ -348,22 +363,25 @@ class MultiheadAttention(nn.Module):
         return q, k, v, norm_out
 
 
-def _qk_norms(qk_norm_type: str | None, eps: float, head_dim: int, device):
-    """(q_norm, k_norm) over the head dim hn for qk_norm_type, or (None, None)."""
+def _qk_norms(qk_norm_type: str | None, eps: float, head_dim: int, device, params_dtype, sizes):
+    """(q_norm, k_norm) over the head dim hn for qk_norm_type, or (None, None): norms with
+    parameters in params_dtype, as Transformer Engine builds them (its parameter-free
+    L2Normalization is one module under both names; here two, each with its own hooks).
+    sizes: (seq_length, micro_batch_size)."""
     if qk_norm_type is None:
         return None, None
     norms = {"RMSNorm": RMSNorm, "LayerNorm": LayerNorm}
-    if qk_norm_type == "L2Normalization":  # parameter-free, as Transformer Engine's
+    if qk_norm_type == "L2Normalization":
         from torchte.ops import L2Normalization
 
-        return L2Normalization(eps=eps, device=device), L2Normalization(eps=eps, device=device)
+        seq_length, micro_batch_size = sizes
+        l2 = {"eps": eps, "seq_length": seq_length, "micro_batch_size": micro_batch_size}
+        return L2Normalization(**l2, device=device), L2Normalization(**l2, device=device)
     if qk_norm_type not in norms:
         raise ValueError(
             "te.MultiheadAttention: qk_norm_type must be None, 'L2Normalization', 'RMSNorm' or "
             f"'LayerNorm', got {qk_norm_type!r}"
         )
+    kwargs = {"normalized_shape": head_dim, "eps": eps, "device": device}
     cls = norms[qk_norm_type]
-    return (
-        cls(normalized_shape=head_dim, eps=eps, device=device),
-        cls(normalized_shape=head_dim, eps=eps, device=device),
-    )
+    return cls(params_dtype=params_dtype, **kwargs), cls(params_dtype=params_dtype, **kwargs)

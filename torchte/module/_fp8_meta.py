@@ -1,6 +1,7 @@
 """A te module's `fp8_meta`, Transformer Engine's per-module dict of FP8 settings and
 delayed-scaling state, built from torchte's own state when a client reads it (never by a
-forward), and the warning a module gives when its FP8 recipe changes type between forwards.
+forward), a te.ops operation's `_fp8_metas` (the same views, per direction), and the warning a
+module gives when its FP8 recipe changes type between forwards.
 
 Keys: "recipe" (the last FP8 forward's, or what a client or a checkpoint set), "fp8_group",
 "num_gemms", "fp8_checkpoint", "fp8_max_fwd" / "fp8_max_bwd" (the recipe's format), and under a
@@ -21,20 +22,32 @@ import torch
 from torchte.constants import TE_DType
 from torchte.quantization.delayed import DelayedScalingState
 
-__all__ = ["ScalingStateView", "refresh_fp8_meta", "warn_on_recipe_type_change"]
+__all__ = [
+    "ScalingStateView",
+    "refresh_fp8_meta",
+    "refresh_op_fp8_metas",
+    "warn_on_recipe_type_change",
+]
 
 
 class ScalingStateView:
     """fp8_meta["scaling_fwd"] / ["scaling_bwd"]: a view of one DelayedScalingState with
     Transformer Engine's attribute names. `scale` and `amax_history` are the state's tensors
     (assigning one copies into them, same shape only); `scale_inv` is 1 / scale, computed at
-    each read (torchte keeps no scale_inv between steps)."""
+    each read (torchte keeps no scale_inv between steps).
 
-    __slots__ = ("delayed_state", "recipe")
+    `columns` (a te.ops operation's view): the state's columns of the quantizers Transformer
+    Engine counts, in its order; `scale` and `amax_history` are then views of those columns
+    (strided slices of the state's tensors), where they form an evenly spaced run."""
 
-    def __init__(self, delayed_state: DelayedScalingState, recipe) -> None:
+    __slots__ = ("columns", "delayed_state", "recipe")
+
+    def __init__(
+        self, delayed_state: DelayedScalingState, recipe, columns: tuple[int, ...] | None = None
+    ) -> None:
         self.delayed_state = delayed_state
         self.recipe = recipe
+        self.columns = columns
 
     @property
     def mode(self) -> str:
@@ -42,6 +55,8 @@ class ScalingStateView:
 
     @property
     def num_quantizers(self) -> int:
+        if self.columns is not None:
+            return len(self.columns)
         return self.delayed_state.scale.numel()
 
     @property
@@ -77,6 +92,8 @@ class ScalingStateView:
 
     def _tensor(self, name: str) -> torch.Tensor:
         state = self.delayed_state
+        if self.columns is not None:
+            return _columns_view(getattr(state, name), self.columns, name)
         if state.slot_major:
             raise NotImplementedError(
                 f"fp8_meta[...].{name} of te.GroupedLinear: torchte keeps its delayed-scaling "
@@ -100,6 +117,21 @@ class ScalingStateView:
         self.delayed_state.generation += 1  # FP8 weights cached under the old scale are stale
 
 
+def _columns_view(tensor: torch.Tensor, columns: tuple[int, ...], name: str) -> torch.Tensor:
+    """tensor[..., columns] as a view (a strided slice of its last dim): NotImplementedError
+    where the columns are not evenly spaced and increasing (no view holds them)."""
+    start = columns[0]
+    step = columns[1] - columns[0] if len(columns) > 1 else 1
+    if step <= 0 or columns != tuple(range(start, start + step * len(columns), step)):
+        raise NotImplementedError(
+            f"_fp8_metas[...].{name} of te.ops.GroupedLinear's forward: torchte keeps its "
+            "delayed-scaling columns slot by slot (all inputs, then all weights), Transformer "
+            "Engine interleaves them (input, weight of each group), and no view of one is the "
+            "other; get_quantizer('forward', i).scale / .amax are the views of each one"
+        )
+    return tensor[..., start : start + step * (len(columns) - 1) + 1 : step]
+
+
 def refresh_fp8_meta(meta: dict[str, Any], module, recipe, group) -> None:
     """Bring `meta` up to date with the module: recipe-derived keys and the scaling views of
     the state the recipe (a delayed one, or None: the last saved history length) uses."""
@@ -121,6 +153,38 @@ def refresh_fp8_meta(meta: dict[str, Any], module, recipe, group) -> None:
                 del meta[key]
         elif not isinstance(view, ScalingStateView) or view.delayed_state is not state:
             meta[key] = ScalingStateView(state, recipe)
+        else:
+            view.recipe = recipe
+
+
+def refresh_op_fp8_metas(metas: dict[str, Any], op, recipe, recipe_changed: bool) -> None:
+    """Bring a te.ops operation's `_fp8_metas` ({"forward": ..., "backward": ...}) up to date
+    for `recipe` (the last it was set up for): per mode with quantizers, a dict holding
+    "recipe", "fp8_group" and, under delayed scaling, "scaling_fwd" / "scaling_bwd" (a
+    ScalingStateView of the op's quantizer columns, Transformer Engine's order); None for a
+    mode without quantizers. "recipe" and "fp8_group" a client wrote are kept until the op is
+    set up for another recipe (`recipe_changed`)."""
+    history_len = recipe.amax_history_len if recipe.delayed() else None
+    pair = op.__dict__["_delayed_states"].get(history_len)
+    for forward, mode in ((True, "forward"), (False, "backward")):
+        slots = op.quantizer_slots(mode)
+        if not slots:
+            metas[mode] = None
+            continue
+        meta = metas.get(mode)
+        if meta is None:
+            meta = metas[mode] = {"recipe": recipe, "fp8_group": None}
+        elif recipe_changed:
+            meta["recipe"] = recipe
+        key = "scaling_fwd" if forward else "scaling_bwd"
+        state = None if pair is None else pair[0 if forward else 1]
+        view = meta.get(key)
+        if state is None:
+            if isinstance(view, ScalingStateView):
+                del meta[key]
+        elif not isinstance(view, ScalingStateView) or view.delayed_state is not state:
+            columns = tuple(state._index(name, gemm) for name, gemm in slots)
+            meta[key] = ScalingStateView(state, recipe, columns)
         else:
             view.recipe = recipe
 

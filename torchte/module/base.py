@@ -190,12 +190,29 @@ class TransformerEngineBaseModule(TEMetadataMixin, SetattrGuard):
         self.__dict__.update(_plans={}, _last_plan=None)
 
     def _move_state(self, device: torch.device) -> None:
-        """The parameters moved to `device`: the module's device and FP8 state follow."""
+        """The parameters moved to `device`: the module's device and FP8 state follow (with a
+        scaling state loaded while the module was on the meta device)."""
         self.__dict__.update(device=device, _autocast_type=_autocast_type(device), _fp8_setups={})
         for pair in self._delayed_states.values():
             for state in pair:
                 moved_state(state, device)
         self._attach_weight_quantizers()
+        pending = self.__dict__.pop("_pending_scaling_state", None)
+        if pending is not None and device.type != "meta":
+            self._load_scaling_state(pending)
+
+    def _follow_materialized_parameters(self) -> bool:
+        """A module built on the meta device whose parameters were then replaced by real ones
+        without nn.Module.to / to_empty (HF transformers' from_pretrained loads so): its
+        device and FP8 state follow the parameters. Whether that happened."""
+        if self.device.type != "meta":
+            return False
+        devices = {p.device for p in self.parameters(recurse=False)}
+        if len(devices) != 1 or (device := devices.pop()).type == "meta":
+            return False
+        self._move_state(device)
+        self._parameters_replaced()
+        return True
 
     # -- parameters -------------------------------------------------------------------------------
 
@@ -294,6 +311,7 @@ class TransformerEngineBaseModule(TEMetadataMixin, SetattrGuard):
         used history length) as Transformer Engine's uint8 tensor of pickled bytes (1-D, on the
         CPU; see _te_extra_state.py); empty when the module has not run under delayed scaling."""
         name = f"te.{type(self).__name__}"
+        self._follow_materialized_parameters()
         state = self._scaling_state()
         return to_te_extra_state(state, name, self.num_gemms, self._slot_major, None)
 
@@ -308,7 +326,11 @@ class TransformerEngineBaseModule(TEMetadataMixin, SetattrGuard):
 
     def _scaling_state(self) -> dict[str, Any]:
         """The delayed-scaling state as a dict of tensors (copies; see
-        _lifecycle.extra_state_of); {} when the module has not run under delayed scaling."""
+        _lifecycle.extra_state_of); {} when the module has not run under delayed scaling.
+        On the meta device: the state loaded there, kept until the module is materialized."""
+        pending = self.__dict__.get("_pending_scaling_state")
+        if pending is not None:
+            return pending
         length = self._saved_history_len
         return {} if length is None else extra_state_of(length, *self._delayed_states[length])
 
@@ -317,6 +339,9 @@ class TransformerEngineBaseModule(TEMetadataMixin, SetattrGuard):
         name = f"te.{type(self).__name__}"
         state = read_extra_state(state, name)
         if state is None:
+            return
+        if self.device.type == "meta":  # no values here: loaded once the module is real
+            self.__dict__["_pending_scaling_state"] = state
             return
         length = state["amax_history_len"]
         fwd, bwd = self._delayed_state_pair(length)
@@ -473,7 +498,9 @@ class TransformerEngineBaseModule(TEMetadataMixin, SetattrGuard):
                 f"{type(self).__name__}: input dtype {inp.dtype} is not supported; "
                 "use torch.float32, torch.bfloat16 or torch.float16"
             )
-        if inp.device != self.device:
+        if inp.device != self.device and not (
+            self._follow_materialized_parameters() and inp.device == self.device
+        ):
             raise ValueError(
                 f"{type(self).__name__}: input is on {inp.device} but the module's parameters "
                 f"are on {self.device}"

@@ -1,14 +1,19 @@
-"""te.LayerNorm and te.RMSNorm: normalization over the last dimension, Transformer Engine's API.
+"""te.LayerNorm and te.RMSNorm: normalization over the trailing dimensions normalized_shape (the
+last one, or several), Transformer Engine's API.
 
-Legend: x (..., H) input, H = hidden_size, M = prod(...) rows; weight, bias (H,) in
-params_dtype; y (..., H). The compute dtype is torch's autocast dtype when autocast is on, else
-params_dtype, as in Transformer Engine: the input is cast to it and y comes out in it; the
-parameters are used in their own dtype (the kernels read fp32 parameters next to bf16 x).
+Legend: x (..., *S) input, S = normalized_shape, H = hidden_size = prod(S), M = prod(...) rows;
+weight, bias S in params_dtype; y (..., *S). Over the last dimension (S = (H,)) x is seen as its
+(M, H) rows directly; over several, x and the parameters are viewed as (M, H) and (H,) first,
+so that both run the same kernels. The compute dtype is torch's autocast dtype when autocast
+is on, else params_dtype, as in Transformer Engine: the input is cast to it and y comes out in
+it; the parameters are used in their own dtype (the kernels read fp32 parameters next to bf16
+x).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Iterable, Sequence
 
 import torch
 from torch import nn
@@ -23,7 +28,8 @@ __all__ = ["LayerNorm", "RMSNorm"]
 
 
 class _NormFunction(torch.autograd.Function):
-    """LayerNorm / RMSNorm forward and backward on (..., H) inputs; `norm` is the module's."""
+    """LayerNorm / RMSNorm forward and backward on (..., H) inputs (over several trailing
+    dimensions: the (M, H) rows) and (H,) parameters; `norm` is the module's."""
 
     @staticmethod
     def forward(ctx, inp, weight, bias, norm: NormSpec):
@@ -41,20 +47,33 @@ class _NormFunction(torch.autograd.Function):
         return dx.view(grad_out.shape), dw, db, None
 
 
-def _hidden_size(cls: str, hidden_size, normalized_shape) -> int:
-    """The one normalized size from hidden_size or normalized_shape (an int or a 1-sequence)."""
+def _normalized_shape(cls: str, hidden_size, normalized_shape) -> tuple[int, ...]:
+    """The normalized trailing dimensions from hidden_size or normalized_shape (an int, or an
+    iterable of positive ints such as a tuple, a list or a torch.Size)."""
     if (hidden_size is None) == (normalized_shape is None):
         raise TypeError(f"te.{cls}: give exactly one of hidden_size and normalized_shape")
-    size = hidden_size if hidden_size is not None else normalized_shape
-    if isinstance(size, Sequence):
-        if len(size) != 1:
-            raise NotImplementedError(
-                f"te.{cls} normalizes over the last dimension only; got shape {tuple(size)}"
-            )
-        size = size[0]
-    if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
-        raise ValueError(f"te.{cls}: hidden_size must be a positive int, got {size!r}")
-    return size
+    shape = hidden_size if hidden_size is not None else normalized_shape
+    if not isinstance(shape, Iterable):
+        shape = (shape,)
+    dims = tuple(shape)
+    if not dims:
+        raise ValueError(f"te.{cls}: normalized_shape must have at least one dimension, got ()")
+    if len(dims) == 1:
+        size = dims[0]
+        if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
+            raise ValueError(f"te.{cls}: hidden_size must be a positive int, got {size!r}")
+    elif not all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in dims):
+        raise ValueError(f"te.{cls}: normalized_shape must hold positive ints, got {dims}")
+    return dims
+
+
+def _hidden_size(cls: str, hidden_size, normalized_shape) -> int:
+    """The one normalized size from hidden_size or normalized_shape (an int or a 1-sequence):
+    te.ops' norms over the last dimension."""
+    dims = _normalized_shape(cls, hidden_size, normalized_shape)
+    if len(dims) != 1:
+        raise ValueError(f"te.{cls}: expected one normalized dimension, got {dims}")
+    return dims[0]
 
 
 def _params_dtype(cls: str, params_dtype, dtype):
@@ -99,7 +118,9 @@ class _Norm(TransformerEngineBaseModule):
         has_bias: bool,
     ) -> None:
         super().__init__(device, params_dtype)
-        self.hidden_size = _hidden_size(cls, hidden_size, normalized_shape)
+        self.normalized_shape = _normalized_shape(cls, hidden_size, normalized_shape)
+        self.hidden_size = math.prod(self.normalized_shape)
+        self._over_last_dim = len(self.normalized_shape) == 1
         if not eps >= 0:
             raise ValueError(f"te.{cls}: eps must be >= 0, got {eps}")
         self.eps = float(eps)
@@ -108,9 +129,9 @@ class _Norm(TransformerEngineBaseModule):
         # gradients Megatron-style trainers then all-reduce across the tensor-parallel group.
         self.sequence_parallel = bool(sequence_parallel)
         kw = {"dtype": self.params_dtype, "device": self.device}
-        self.weight = nn.Parameter(torch.empty(self.hidden_size, **kw))
+        self.weight = nn.Parameter(torch.empty(self.normalized_shape, **kw))
         if has_bias:
-            self.bias = nn.Parameter(torch.empty(self.hidden_size, **kw))
+            self.bias = nn.Parameter(torch.empty(self.normalized_shape, **kw))
         else:
             self.register_parameter("bias", None)
         for param in self.parameters():
@@ -129,19 +150,51 @@ class _Norm(TransformerEngineBaseModule):
         dtype = self._compute_dtype()
         return inp if inp.dtype is dtype else inp.to(dtype)
 
+    def _check_trailing_dims(self, inp: torch.Tensor) -> None:
+        """ValueError naming both shapes unless inp ends in normalized_shape; then the checks
+        every module makes (a tensor, its dtype, its device)."""
+        shape = self.normalized_shape
+        if isinstance(inp, torch.Tensor) and tuple(inp.shape[-len(shape) :]) != shape:
+            raise ValueError(
+                f"te.{type(self).__name__}: the input's trailing dimensions must be "
+                f"{shape}, got shape {tuple(inp.shape)}"
+            )
+        self._check_input(inp, shape[-1], "normalized_shape[-1]")
+
+    def _forward_over_trailing_dims(self, inp, weight, bias) -> torch.Tensor:
+        """inp (..., *S), checked and cast as in the last-dimension path, through the kernels
+        as its (M, H) rows, with weight and bias viewed as (H,); autograd takes the gradients
+        back to the shapes of inp and S."""
+        self._check_trailing_dims(inp)
+        dtype = self._compute_dtype()
+        x = inp if inp.dtype is dtype else inp.to(dtype)
+        size = self.hidden_size
+        x2d = x.reshape(-1, size)
+        weight = weight.reshape(size)
+        bias = None if bias is None else bias.reshape(size)
+        if torch.is_grad_enabled() and (
+            x2d.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
+        ):
+            y2d = apply(_NormFunction, x2d, weight, bias, self._norm)
+        else:
+            y2d = self._norm.forward(rows_of(x2d), weight, bias)[0]
+        return y2d.view(x.shape)
+
     def extra_repr(self) -> str:
+        shape = self.hidden_size if self._over_last_dim else self.normalized_shape
         return (
-            f"{self.hidden_size}, eps={self.eps}, zero_centered_gamma={self.zero_centered_gamma}"
+            f"{shape}, eps={self.eps}, zero_centered_gamma={self.zero_centered_gamma}"
             f", params_dtype={self.params_dtype}, device={self.device}"
         )
 
 
 class LayerNorm(_Norm):
-    """y = (x - mean) / sqrt(var + eps) * g + b over the last dimension, g = weight (or
-    1 + weight with zero_centered_gamma); Transformer Engine's arguments.
+    """y = (x - mean) / sqrt(var + eps) * g + b over the trailing dimensions normalized_shape
+    (an int: the last one), g = weight (or 1 + weight with zero_centered_gamma); Transformer
+    Engine's arguments.
 
-    x (..., hidden_size) fp32/bf16/fp16 -> y of the same shape, in params_dtype (or torch's
-    autocast dtype). Parameters `weight` and `bias` (hidden_size,).
+    x (..., *normalized_shape) fp32/bf16/fp16 -> y of the same shape, in params_dtype (or
+    torch's autocast dtype). Parameters `weight` and `bias` of shape normalized_shape.
     """
 
     def __init__(
@@ -169,10 +222,12 @@ class LayerNorm(_Norm):
         )  # fmt: skip
 
     def forward(self, inp: torch.Tensor) -> torch.Tensor:
-        """inp (..., hidden_size) -> (..., hidden_size)."""
-        x = self._input(inp)
+        """inp (..., *normalized_shape) -> the same shape."""
         params = self._parameters
         weight, bias = params["weight"], params["bias"]
+        if not self._over_last_dim:
+            return self._forward_over_trailing_dims(inp, weight, bias)
+        x = self._input(inp)
         if torch.is_grad_enabled() and (
             x.requires_grad or weight.requires_grad or bias.requires_grad
         ):
@@ -181,11 +236,12 @@ class LayerNorm(_Norm):
 
 
 class RMSNorm(_Norm):
-    """y = x / sqrt(mean(x^2) + eps) * g over the last dimension, g = weight (or 1 + weight
-    with zero_centered_gamma); Transformer Engine's arguments.
+    """y = x / sqrt(mean(x^2) + eps) * g over the trailing dimensions normalized_shape (an
+    int: the last one), g = weight (or 1 + weight with zero_centered_gamma); Transformer
+    Engine's arguments.
 
-    x (..., hidden_size) fp32/bf16/fp16 -> y of the same shape, in params_dtype (or torch's
-    autocast dtype). Parameter `weight` (hidden_size,).
+    x (..., *normalized_shape) fp32/bf16/fp16 -> y of the same shape, in params_dtype (or
+    torch's autocast dtype). Parameter `weight` of shape normalized_shape.
     """
 
     def __init__(
@@ -207,9 +263,11 @@ class RMSNorm(_Norm):
         )  # fmt: skip
 
     def forward(self, inp: torch.Tensor) -> torch.Tensor:
-        """inp (..., hidden_size) -> (..., hidden_size)."""
-        x = self._input(inp)
+        """inp (..., *normalized_shape) -> the same shape."""
         weight = self._parameters["weight"]
+        if not self._over_last_dim:
+            return self._forward_over_trailing_dims(inp, weight, None)
+        x = self._input(inp)
         if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
             return apply(_NormFunction, x, weight, None, self._norm)
         return self._norm.forward(rows_of(x), weight, None)[0].view(x.shape)

@@ -11,7 +11,8 @@ Inside `ctx`, torch's saved_tensors_hooks see every tensor a layer saves for bac
 values too: torchte's Functions save a Storage's data tensors one by one). The first
 `num_layers` layers of each step offload what they save, unless it is a parameter (or another
 leaf that requires grad, or a view of one), marked with mark_not_offload, smaller than
-`min_offload_bytes`, or not on a GPU. `sync(x)` ends a layer: in
+`min_offload_bytes`, or not on a GPU; tensors a layer saves over the same memory move once
+(spans.py). `sync(x)` ends a layer: in
 backward it starts bringing that layer's tensors back and prefetches the `prefetch_layers`
 layers before it, so their copies overlap the backward of this one.
 
@@ -43,6 +44,7 @@ from collections import defaultdict
 import torch
 
 from .copies import CudaCopies, SynchronousCopies
+from .spans import SavedView, SpanIndex, byte_range, dense_span
 
 __all__ = [
     "CudaCopies",
@@ -82,10 +84,11 @@ class _Offloaded:
     """A saved tensor the handler took: where it is (device tensor, host copy, reloaded copy)
     and the events ending its copies."""
 
-    __slots__ = ("device", "done", "host", "layer", "ready", "reloaded", "tensor")
+    __slots__ = ("device", "done", "host", "layer", "ready", "reloaded", "tensor", "users")
 
     def __init__(self, tensor: torch.Tensor, layer: int) -> None:
         self.tensor: torch.Tensor | None = tensor  # the device tensor, while held
+        self.users = 1  # saved tensors it serves (spans.py: tensors over the same bytes)
         self.device, self.layer = tensor.device, layer
         self.host: torch.Tensor | None = None  # the host copy, once copying out began
         self.done = None  # the event ending the copy out
@@ -127,6 +130,7 @@ class OffloadHandler:
         self._phase = [_ON_DEVICE] * model_layers  # manual synchronization's per-layer state
         # Retained host buffers by (shape, dtype), each with the event after which it is free.
         self._pool: dict[tuple, list[tuple[torch.Tensor, object]]] = defaultdict(list)
+        self._spans = SpanIndex()  # the byte ranges offloaded this step (spans.py)
 
     # -- forward ----------------------------------------------------------------------------
 
@@ -139,6 +143,7 @@ class OffloadHandler:
                 for entry in entries:
                     self._release(entry)
             self.saved.clear()
+            self._spans.clear()
             self._phase = [_ON_DEVICE] * self.model_layers
 
     def abort_layer(self) -> None:
@@ -146,6 +151,7 @@ class OffloadHandler:
         back to the pool, nothing left pending."""
         for entry in self.saved.pop(self.layer, []):
             self._release(entry)
+        self._spans.clear(self.layer)
 
     def offloads(self, tensor: torch.Tensor) -> bool:
         """Whether a saved tensor goes to host memory: not a parameter or another leaf that
@@ -164,16 +170,25 @@ class OffloadHandler:
     def pack(self, tensor: torch.Tensor):
         if not self.offloads(tensor):
             return tensor
-        entry = _Offloaded(tensor, self.layer)
+        if self.manual and self._phase[self.layer] in (_OFFLOADED, _RELOADING):
+            return tensor  # saved after its layer was let go: it stays where it is
+        span = dense_span(tensor)
+        if span is not None:
+            entry = self._spans.find(self.layer, tensor, span)
+            if entry is not None:  # these bytes are moving already
+                entry.users += 1
+                return SavedView(entry, tensor, span[0])
+        entry = _Offloaded(tensor if span is None else byte_range(tensor, span), self.layer)
         if not self.manual:
             self._copy_out(entry)
             entry.tensor = None  # recorded on the copy stream: its memory waits for the copy
-        elif self._phase[self.layer] in (_OFFLOADED, _RELOADING):
-            return tensor  # saved after its layer was let go: it stays where it is
         elif self._phase[self.layer] == _OFFLOADING:
             self._copy_out(entry)
         self.saved[self.layer].append(entry)
-        return entry
+        if span is None:
+            return entry
+        self._spans.add(self.layer, tensor, span, entry)
+        return SavedView(entry, tensor, span[0])
 
     def _copy_out(self, entry: _Offloaded) -> None:
         entry.host = self._host_buffer(entry.tensor)
@@ -191,24 +206,37 @@ class OffloadHandler:
                 )
 
     def unpack(self, packed):
-        if not isinstance(packed, _Offloaded):
+        if isinstance(packed, SavedView):
+            entry = packed.entry
+            tensor = packed.rebuild(self._on_device(entry))
+        elif isinstance(packed, _Offloaded):
+            entry = packed
+            tensor = self._on_device(entry)
+        else:
             return packed
-        tensor = packed.tensor  # still on the device (manual synchronization)
-        if tensor is None:
-            if packed.host is None and packed.reloaded is None:
-                raise RuntimeError(
-                    "an offloaded activation was released before its backward ran: run each "
-                    "forward's backward before the next forward of the model"
-                )
-            if packed.reloaded is None:
-                self.start_reload(packed.layer)
-            tensor, packed.reloaded = packed.reloaded, None
-            self.copies.use(tensor, packed.ready)
-        self._release(packed)
-        entries = self.saved.get(packed.layer)
-        if entries is not None and packed in entries:
-            entries.remove(packed)
+        entry.users -= 1
+        if entry.users == 0:  # the last saved tensor it serves is back: let it go
+            self._release(entry)
+            entries = self.saved.get(entry.layer)
+            if entries is not None and entry in entries:
+                entries.remove(entry)
         return tensor
+
+    def _on_device(self, entry: _Offloaded) -> torch.Tensor:
+        """The entry's tensor on its device: still there (manual synchronization), or copied
+        back (the compute stream waits for the copy)."""
+        tensor = entry.tensor
+        if tensor is not None:
+            return tensor
+        if entry.host is None and entry.reloaded is None:
+            raise RuntimeError(
+                "an offloaded activation was released before its backward ran: run each "
+                "forward's backward before the next forward of the model"
+            )
+        if entry.reloaded is None:
+            self.start_reload(entry.layer)
+        self.copies.use(entry.reloaded, entry.ready)
+        return entry.reloaded
 
     # -- manual synchronization (Transformer Engine's ManualOffloadSynchronizer) -------------
 

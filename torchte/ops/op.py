@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from torchte.autocast import autocast_state
+from torchte.module._fp8_meta import refresh_op_fp8_metas
 from torchte.module.base import SUPPORTED_DTYPES, TransformerEngineBaseModule
 from torchte.recipe import Recipe
 
@@ -315,6 +316,25 @@ class BasicOperation(FusibleOperation, TransformerEngineBaseModule):
         name, gemm = slots[index]
         return getattr(self._fp8_setup(recipe), name)[gemm]
 
+    @property
+    def _fp8_metas(self) -> dict[str, dict[str, Any] | None] | None:
+        """Transformer Engine's per-op FP8 metadata, built when read (never by a call): None
+        before the op is set up for an FP8 recipe or where it has no quantizers; else
+        {"forward": ..., "backward": ...}, each None without quantizers of that mode or a
+        dict (the same dict at each read) of "recipe" (the last recipe the op was set up
+        for), "fp8_group" and, under delayed scaling, "scaling_fwd" / "scaling_bwd": views of
+        the op's scales and amax histories, one column per quantizer in get_quantizer's order
+        (module/_fp8_meta.py)."""
+        setups = self.__dict__.get("_fp8_setups")
+        if not setups or not (self.quantizer_slots("forward") or self.quantizer_slots("backward")):
+            return None
+        recipe = next(reversed(setups))
+        metas = self.__dict__.setdefault("_te_fp8_metas", {})
+        changed = self.__dict__.get("_te_fp8_metas_recipe") is not recipe
+        self.__dict__["_te_fp8_metas_recipe"] = recipe
+        refresh_op_fp8_metas(metas, self, recipe, changed)
+        return metas
+
     def get_input_quantizer(self):
         if self.num_quantizers("forward"):
             return self.get_quantizer("forward", 0)
@@ -376,11 +396,51 @@ def backward_one_by_one(ops: list, ctxs: list, dy, extra_output_grads: list):
     return dy, extras, params
 
 
-class FusedOperation(FusibleOperation):
-    """Stands for consecutive basic ops computed together (made by a fusion, once per setting);
-    it holds the ops, whose parameters stay where the user put them."""
+class FusedOperation(FusibleOperation, torch.nn.Module):
+    """Stands for consecutive basic ops computed together: made by a fusion when a run is
+    planned (once per setting), or built by a user as a module of its own.
+
+    It holds the basic ops as submodules `basic_ops.<i>` (Transformer Engine's state-dict keys),
+    so their parameters are seen once through it, and no state of its own. Put in a
+    te.ops.Sequential or called alone, it runs as its basic ops planned afresh, as in
+    Transformer Engine: the fusions registered for them apply (its own fuser_forward /
+    fuser_backward run where a fusion makes it). A basic op a subclass also keeps under another
+    attribute (`self.linear = linear`) is an alias there, not a second submodule.
+    """
 
     is_fused_op = True
 
     def __init__(self, basic_ops: list[BasicOperation]) -> None:
-        self.basic_ops = list(basic_ops)
+        torch.nn.Module.__init__(self)
+        ops = list(basic_ops)
+        if not ops:
+            raise ValueError("te.ops.FusedOperation needs at least one basic op, got none")
+        self._modules["basic_ops"] = torch.nn.ModuleList(ops)
+        # The plain list, read on the hot path from __dict__ (no nn.Module.__getattr__); the
+        # ModuleList above holds the same ops for parameters(), state_dict() and to().
+        self.__dict__["basic_ops"] = ops
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        ops = self.__dict__.get("basic_ops", ())
+        if isinstance(value, torch.nn.Module) and any(value is op for op in ops):
+            self.__dict__[name] = value  # an alias of a basic op (see the class docstring)
+            return
+        super().__setattr__(name, value)
+
+    def get_input_quantizer(self):
+        return self.basic_ops[0].get_input_quantizer()
+
+    def get_grad_output_quantizer(self):
+        return self.basic_ops[-1].get_grad_output_quantizer()
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        *extra_inputs: torch.Tensor,
+        basic_op_kwargs: list[dict[str, Any]] | None = None,
+    ):
+        """Run the basic ops on their own, as a Sequential of them: x and the extra inputs in
+        op order -> y [, extra outputs]; basic_op_kwargs: keyword arguments per basic op."""
+        from .sequential import Sequential
+
+        return Sequential._run_ops(self.basic_ops, x, extra_inputs, self, basic_op_kwargs)

@@ -4,7 +4,8 @@
                               te.ops.SwiGLU(), te.ops.Linear(5504, 4096), te.ops.AddExtraInput())
     y = block(x, residual)
 
-It holds basic ops, composite ops (te.ops.Linear: BasicLinear then Bias) and plain nn.Modules.
+It holds basic ops, composite ops (te.ops.Linear: BasicLinear then Bias), fused ops (run as
+their basic ops) and plain nn.Modules.
 Each run of consecutive basic ops is one OperationFuser (one autograd Function); a plain module
 runs as itself between runs. Extra inputs are handed to the ops that take them in op order, and
 the call returns y alone, or (y, extra outputs in op order) when some op makes one.
@@ -163,19 +164,32 @@ class Sequential(nn.Module):
         return resolved
 
     @staticmethod
-    def _run_ops(ops: list[BasicOperation], x: torch.Tensor, extra_inputs: tuple):
-        """One op (or a composite op's basic ops) called on its own."""
-        fuser = ops[0].__dict__.get("_own_fuser")
+    def _run_ops(
+        ops: list[BasicOperation],
+        x: torch.Tensor,
+        extra_inputs: tuple,
+        owner: nn.Module | None = None,
+        op_kwargs: list[dict[str, Any]] | None = None,
+    ):
+        """One op (or a composite or fused op's basic ops) called on its own; its fuser is kept
+        on `owner` (default: the first op). op_kwargs: None or a dict per basic op."""
+        owner = ops[0] if owner is None else owner
+        holder, who = owner.__dict__, type(owner).__name__
+        fuser = holder.get("_own_fuser")
         if fuser is None or fuser.ops != ops:
             _check_features(ops)
             fuser = OperationFuser(ops)
-            ops[0].__dict__["_own_fuser"] = fuser
+            holder["_own_fuser"] = fuser
         if len(extra_inputs) != fuser.num_extra_inputs:
             raise ValueError(
-                f"{type(ops[0]).__name__} takes {fuser.num_extra_inputs} extra input(s), "
-                f"got {len(extra_inputs)}"
+                f"{who} takes {fuser.num_extra_inputs} extra input(s), got {len(extra_inputs)}"
             )
-        out = fuser(x, tuple(extra_inputs))
+        if op_kwargs is not None and len(op_kwargs) != len(ops):
+            raise ValueError(
+                f"{who}: basic_op_kwargs needs one dict per basic "
+                f"op ({len(ops)}), got {len(op_kwargs)}"
+            )
+        out = fuser(x, tuple(extra_inputs), op_kwargs)
         return out if len(out) > 1 else out[0]
 
 

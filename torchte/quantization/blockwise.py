@@ -29,6 +29,7 @@ from torchte.kernels.block_layout import BLOCK, block_offsets, host_block_offset
 
 from ._block_common import BlockQuantizerMixin, SavedTensorsStorage
 from .base import GemmOperand, Quantizer
+from .quantizer_te import TEQuantizerMethods
 
 __all__ = ["Float8BlockQuantizer", "Float8BlockwiseQTensorStorage", "GroupedBlockwiseStorage"]
 
@@ -322,7 +323,7 @@ class GroupedBlockwiseStorage(_BlockStorage):
         )
 
 
-class Float8BlockQuantizer(BlockQuantizerMixin, Quantizer):
+class Float8BlockQuantizer(BlockQuantizerMixin, TEQuantizerMethods, Quantizer):
     """Float8BlockScaling's quantizer (Transformer Engine's keywords): FP8 in 1x128 blocks
     (block_scaling_dim=1) or 128x128 blocks (2), each block's scale from its own amax
     (floored at amax_epsilon; a power of two with force_pow_2_scales). No state between calls.
@@ -390,6 +391,14 @@ class Float8BlockQuantizer(BlockQuantizerMixin, Quantizer):
         )  # fmt: skip
         quantizer.amax_reduction = self.amax_reduction
         return quantizer
+
+    def is_quantizable(self, inp: torch.Tensor) -> bool:
+        """Transformer Engine's rule for this format: at least 2-D, the last dim and the
+        product of the others multiples of the block length (128)."""
+        shape = tuple(inp.shape)
+        if len(shape) < 2:
+            return False
+        return shape[-1] % self.block_len == 0 and math.prod(shape[:-1]) % self.block_len == 0
 
     def _usages(self, rowwise: bool | None, columnwise: bool | None) -> tuple[bool, bool]:
         return (

@@ -16,6 +16,7 @@ from torchte.kernels import cast_transpose as ct
 from torchte.kernels.cast_spec import CastSpec
 
 from .base import Quantizer, TwoUsageStorage
+from .quantizer_te import TEQuantizerMethods
 
 __all__ = ["Float8CurrentScalingQuantizer", "Float8Quantizer", "Float8Storage"]
 
@@ -46,6 +47,66 @@ class Float8Storage(TwoUsageStorage):
     @property
     def device(self) -> torch.device:
         return self.scale_inv.device
+
+    # Transformer Engine's names of the fields (Float8TensorStorage), for its clients: the
+    # fields stay torchte's (__slots__), these only map to them.
+
+    @property
+    def _data(self) -> torch.Tensor | None:
+        """The rowwise FP8 bytes (M, N) as a uint8 view; None without rowwise data. Assigning
+        a contiguous uint8 (or FP8) tensor of prod(shape) elements on the storage's device
+        makes its memory the rowwise data (aliased); None drops the rowwise data."""
+        row = self.rowwise_data
+        return None if row is None else row.view(torch.uint8)
+
+    @_data.setter
+    def _data(self, data: torch.Tensor | None) -> None:
+        if data is None:
+            self.rowwise_data = None
+            return
+        from .float8_tensor_te import as_fp8_bytes
+
+        flat = as_fp8_bytes(
+            data, self.fp8_dtype, math.prod(self.shape), "Float8TensorStorage._data", self.device
+        )
+        self.rowwise_data = flat.view(self.num_rows, self.shape[-1])
+
+    @property
+    def _transpose(self) -> torch.Tensor | None:
+        """The transposed FP8 bytes (N, M) as a uint8 view of the columnwise data (whose rows
+        are padded to 16 underneath); None without it. Assigning None drops it; a tensor
+        (N, M) or padded (N, Mp), uint8 or FP8, becomes it (aliased where the layout allows)."""
+        cols = self.columnwise_data
+        return None if cols is None else cols[:, : self.num_rows].view(torch.uint8)
+
+    @_transpose.setter
+    def _transpose(self, transpose: torch.Tensor | None) -> None:
+        if transpose is None:
+            self.columnwise_data = None
+            return
+        from .float8_tensor_te import columnwise_of
+
+        self.columnwise_data = columnwise_of(
+            transpose,
+            self.fp8_dtype,
+            self.num_rows,
+            self.shape[-1],
+            "Float8TensorStorage._transpose",
+        )
+
+    @property
+    def _scale_inv(self) -> torch.Tensor:
+        """scale_inv (1,) fp32 (assignable)."""
+        return self.scale_inv
+
+    @_scale_inv.setter
+    def _scale_inv(self, scale_inv: torch.Tensor) -> None:
+        self.scale_inv = scale_inv
+
+    @property
+    def _fp8_dtype(self):
+        """The FP8 dtype as Transformer Engine's DType tag (fp8_dtype is the torch dtype)."""
+        return TE_DType[self.fp8_dtype]
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The high-precision value (shape `self.shape`, `dtype`)."""
@@ -114,12 +175,13 @@ def fp8_torch_dtype(fp8_dtype) -> torch.dtype:
     return fp8_dtype
 
 
-class _Float8Quantizer(Quantizer):
+class _Float8Quantizer(TEQuantizerMethods, Quantizer):
     """What both per-tensor quantizers share: the cast through cast_transpose with their
     CastSpec, turning what a kernel wrote into a Float8Storage (or Float8Tensor), and
     Transformer Engine's quantizer API: the usages quantize makes when not told
     (`rowwise_usage`, `columnwise_usage`, `set_usage`), `q(x)`, `dtype` (the DType tag),
-    `copy()`, `calibrate(x)`."""
+    `copy()`, `calibrate(x)`, `create_tensor_from_data`, `get_columnwise_shape`, and
+    TEQuantizerMethods' `make_empty` / `update_quantized`."""
 
     __slots__ = ("_specs", "columnwise_usage", "rowwise_usage")
 
@@ -158,6 +220,49 @@ class _Float8Quantizer(Quantizer):
     def calibrate(self, x_hp: torch.Tensor) -> None:
         """Transformer Engine's name: take x_hp's amax as quantizing it would, no cast."""
         self.record_amax(x_hp)
+
+    def create_tensor_from_data(
+        self,
+        data: torch.Tensor,
+        fake_dtype: torch.dtype = torch.float32,
+        requires_grad: bool = False,
+        internal: bool = False,
+    ):
+        """A Float8Tensor (a Float8Storage with `internal`) of data's shape over `data` (FP8
+        bytes as uint8 or this quantizer's FP8 dtype, contiguous: aliased) as rowwise data,
+        of nominal `fake_dtype`, holding this quantizer; scale_inv as _data_scale_inv says."""
+        from .float8_tensor import Float8Tensor
+        from .float8_tensor_te import te_storage
+
+        if not isinstance(data, torch.Tensor) or data.dtype not in (torch.uint8, *_FP8_DTYPES):
+            got = data.dtype if isinstance(data, torch.Tensor) else type(data).__name__
+            raise ValueError(
+                f"create_tensor_from_data: data must hold FP8 bytes (torch.uint8 or an FP8 "
+                f"dtype), got {got}"
+            )
+        if data.dtype in _FP8_DTYPES:
+            data = data.view(torch.uint8)
+        storage = te_storage(
+            tuple(data.shape),
+            data=data,
+            fp8_scale_inv=self._data_scale_inv(data.device),
+            fp8_dtype=self.fp8_dtype,
+            device=data.device,
+        )
+        if internal:
+            return storage
+        return Float8Tensor(storage, fake_dtype, self, requires_grad=requires_grad)
+
+    def _data_scale_inv(self, device: torch.device) -> torch.Tensor:
+        """(1,) fp32: the scale_inv create_tensor_from_data gives its value."""
+        raise NotImplementedError
+
+    @staticmethod
+    def get_columnwise_shape(rowwise_data_shape) -> list[int]:
+        """The columnwise (transposed) data's shape for rowwise data of `rowwise_data_shape`
+        as Transformer Engine states it: [N, *leading dims] (torchte pads the rows to 16)."""
+        shape = list(rowwise_data_shape)
+        return shape[-1:] + shape[:-1]
 
     def _copy_usage_to(self, other: _Float8Quantizer) -> _Float8Quantizer:
         other.rowwise_usage, other.columnwise_usage = self.rowwise_usage, self.columnwise_usage
@@ -302,6 +407,14 @@ class Float8Quantizer(_Float8Quantizer):
     def _new_spec(self, rowwise: bool, columnwise: bool) -> CastSpec:
         return CastSpec(self.fp8_dtype, rowwise, columnwise, self.scale, self.amax)
 
+    def _written_state(self) -> tuple[torch.Tensor, ...]:
+        """quantize max-accumulates into amax."""
+        return (self.amax,)
+
+    def _data_scale_inv(self, device: torch.device) -> torch.Tensor:
+        """1 / scale (a new tensor), as Transformer Engine gives it."""
+        return (1.0 / self.scale.detach()).to(device)
+
     def record_amax(self, x_hp: torch.Tensor) -> None:
         ct.record_amax(_as_2d(x_hp), self.amax)
 
@@ -392,6 +505,10 @@ class Float8CurrentScalingQuantizer(_Float8Quantizer):
             self.amax_reduction_group,
         )
         return self._copy_usage_to(twin)
+
+    def _data_scale_inv(self, device: torch.device) -> torch.Tensor:
+        """Current scaling keeps no scale: 1 (Transformer Engine leaves it uninitialized)."""
+        return torch.ones(1, dtype=torch.float32, device=device)
 
     def _new_spec(self, rowwise: bool, columnwise: bool) -> CastSpec:
         eps, power_2 = self.amax_epsilon, self.power_2_scale

@@ -111,6 +111,8 @@ class Float8Tensor(Float8TensorTENames, QuantizedTensor):
         data_transpose=None, quantizer=None, requires_grad=False, device=None) (te_storage)."""
         if te_arguments or not isinstance(storage, Float8Storage):
             shape = te_arguments.pop("shape", storage)
+            fake_dtype = te_arguments.pop("fake_dtype", None)  # get_metadata's name of dtype
+            dtype = fake_dtype if dtype is None else dtype
             storage = te_storage(shape, **te_arguments)
         if dtype is None:
             dtype = torch.float32
@@ -148,12 +150,18 @@ class Float8Tensor(Float8TensorTENames, QuantizedTensor):
             return _Dequantize.apply(self, dtype)
         return self._storage.dequantize(dtype)
 
-    def quantize_(self, src_hp: torch.Tensor) -> Float8Tensor:
+    def quantize_(
+        self, src_hp: torch.Tensor, *, noop_flag: torch.Tensor | None = None
+    ) -> Float8Tensor:
         """Requantize `src_hp` (broadcastable to self.shape; plain or Float8Tensor) into self.
 
         Uses self's quantizer (current scaling when it has none) and keeps the addresses of
-        the data tensors. Returns self.
+        the data tensors. `noop_flag` (a one-element tensor): where it holds 1 nothing changes
+        (update_quantized; a quantized source is dequantized first). Returns self.
         """
+        if noop_flag is not None:
+            self._get_quantizer().update_quantized(src_hp, self, noop_flag=noop_flag)
+            return self
         with torch.no_grad():
             self._requantize_(src_hp)
         torch.autograd.graph.increment_version(self)

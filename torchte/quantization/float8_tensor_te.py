@@ -29,7 +29,7 @@ from torchte.kernels.cast_transpose import COLUMNWISE_ALIGN
 from .base import Quantizer
 from .float8 import Float8CurrentScalingQuantizer, Float8Storage, fp8_torch_dtype
 
-__all__ = ["Float8TensorTENames", "as_fp8_bytes", "te_storage"]
+__all__ = ["Float8TensorTENames", "as_fp8_bytes", "columnwise_of", "te_storage"]
 
 _NOMINAL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -55,21 +55,26 @@ def as_fp8_bytes(
     return data.detach().view(fp8_dtype).view(-1)
 
 
-def _columnwise_of(
-    transpose: torch.Tensor, fp8_dtype: torch.dtype, rows: int, cols: int
+def columnwise_of(
+    transpose: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    rows: int,
+    cols: int,
+    name: str = "make_like: data_transpose",
 ) -> torch.Tensor:
     """A transpose (N, M) (or already padded (N, Mp)), uint8 or FP8, as columnwise data
-    (N, Mp): the same memory where it is contiguous with Mp columns, else a zero-padded copy."""
+    (N, Mp): the same memory where it is contiguous with Mp columns, else a zero-padded copy.
+    ValueError naming `name` otherwise."""
     rows_p = round_up(rows, COLUMNWISE_ALIGN)
     if not isinstance(transpose, torch.Tensor) or transpose.dtype not in (torch.uint8, fp8_dtype):
         raise ValueError(
-            f"make_like: data_transpose must be torch.uint8 (or {fp8_dtype}), got {transpose.dtype}"
+            f"{name} must be torch.uint8 (or {fp8_dtype}), got "
+            f"{getattr(transpose, 'dtype', type(transpose).__name__)}"
         )
     shape = tuple(transpose.shape)
     if shape not in ((cols, rows), (cols, rows_p)):
         raise ValueError(
-            f"make_like: data_transpose must have shape ({cols}, {rows}) (or ({cols}, {rows_p})"
-            f" padded), got {shape}"
+            f"{name} must have shape ({cols}, {rows}) (or ({cols}, {rows_p}) padded), got {shape}"
         )
     transpose = transpose.detach()
     if shape[1] == rows_p and transpose.is_contiguous():
@@ -119,7 +124,7 @@ def te_storage(
             raise ValueError(f"Float8Tensor: data_transpose must be a tensor on {device}")
         if data_transpose.dim() > 2 and data_transpose.is_contiguous():
             data_transpose = data_transpose.reshape(data_transpose.shape[0], -1)
-        col = _columnwise_of(data_transpose, fp8_dtype, rows, cols)
+        col = columnwise_of(data_transpose, fp8_dtype, rows, cols)
     if row is None and col is None:
         raise ValueError("Float8Tensor: data and data_transpose cannot both be None")
     return Float8Storage(row, col, scale_inv, fp8_dtype, shape)
@@ -169,6 +174,34 @@ class Float8TensorTENames:
     def _fp8_dtype(self):
         """The FP8 dtype as Transformer Engine's DType tag."""
         return TE_DType[self._storage.fp8_dtype]
+
+    def prepare_for_saving(self) -> tuple[list[torch.Tensor | None], Float8TensorTENames]:
+        """Its storage's data tensors (rowwise (M, N), columnwise (N, Mp), scale_inv), and
+        itself with them removed (restore_from_saved gives them back)."""
+        tensors, _ = self._storage.prepare_for_saving()
+        return tensors, self
+
+    def restore_from_saved(self, tensors: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+        """Take back (rowwise, columnwise, scale_inv) from the front of `tensors`; return the
+        rest."""
+        return self._storage.restore_from_saved(tensors)
+
+    def get_metadata(self) -> dict:
+        """Transformer Engine's constructor keywords that rebuild this tensor over the same
+        bytes: `Float8Tensor(shape=t.shape, dtype=t.dtype, **t.get_metadata())`. "data" the
+        rowwise bytes (uint8 view, or None), "data_transpose" the columnwise bytes as torchte
+        holds them (uint8 (N, Mp), rows padded to 16, or None), "fp8_scale_inv" (the same
+        tensor), "fp8_dtype" (DType tag), "quantizer", "fake_dtype" (the nominal dtype)."""
+        storage = self._storage
+        cols = storage.columnwise_data
+        return {
+            "data": self._data,
+            "fp8_scale_inv": storage.scale_inv,
+            "fp8_dtype": self._fp8_dtype,
+            "data_transpose": None if cols is None else cols.view(torch.uint8),
+            "quantizer": self._quantizer,
+            "fake_dtype": self.dtype,
+        }
 
     def _get_quantizer(self) -> Quantizer:
         """The quantizer that requantizes this tensor: its own, else current scaling in its FP8
@@ -259,7 +292,7 @@ class Float8TensorTENames:
         else:
             row = src.rowwise_data.view(rows, cols)
         if data_transpose is not None:
-            col = _columnwise_of(data_transpose, src.fp8_dtype, rows, cols)
+            col = columnwise_of(data_transpose, src.fp8_dtype, rows, cols)
         else:
             col = src.columnwise_data if data is None and same_layout else None
         storage = Float8Storage(row, col, src.scale_inv, src.fp8_dtype, shape)

@@ -28,6 +28,7 @@ from torchte.kernels import mxfp8_cast as mx
 from ._block_common import BlockQuantizerMixin, SavedTensorsStorage
 from .base import GemmOperand, Quantizer
 from .mx_operand import mxfp8_native_operand
+from .quantizer_te import TEQuantizerMethods
 
 __all__ = ["MXFP8Quantizer", "MXFP8TensorStorage"]
 
@@ -192,7 +193,7 @@ def _torch_fp8_dtype(fp8_dtype) -> torch.dtype:
     return fp8_dtype
 
 
-class MXFP8Quantizer(BlockQuantizerMixin, Quantizer):
+class MXFP8Quantizer(BlockQuantizerMixin, TEQuantizerMethods, Quantizer):
     """Quantizes to MXFP8: FP8 values with one E8M0 scale per 32 values, from the values
     themselves (no amax history). Transformer Engine's constructor: fp8_dtype (a torch FP8
     dtype or DType tag), rowwise / columnwise (the usages quantize makes by default),

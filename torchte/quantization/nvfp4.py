@@ -30,6 +30,7 @@ from torchte.kernels.hadamard import hadamard_matrix, rht16_reference, sign_mask
 from ._block_common import BlockQuantizerMixin, SavedTensorsStorage
 from .base import GemmOperand, Quantizer
 from .mx_operand import nvfp4_native_fits, nvfp4_native_operand
+from .quantizer_te import TEQuantizerMethods
 
 __all__ = ["NVFP4Quantizer", "NVFP4TensorStorage"]
 
@@ -216,7 +217,7 @@ def _check_fp4_dtype(fp4_dtype) -> None:
     raise TypeError(f"fp4_dtype must be E2M1 ({FP4_DTYPE} or DType.kFloat4E2M1), got {fp4_dtype}")
 
 
-class NVFP4Quantizer(BlockQuantizerMixin, Quantizer):
+class NVFP4Quantizer(BlockQuantizerMixin, TEQuantizerMethods, Quantizer):
     """Quantizes to NVFP4 with Transformer Engine's keywords and numerics: per-tensor amax
     (all-reduced with amax_reduction when set), E4M3 scales over blocks of 16 (16 x 16 tiles
     with with_2d_quantization), the random Hadamard transform of the columnwise copy

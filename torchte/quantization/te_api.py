@@ -2,12 +2,14 @@
 `transformer_engine.pytorch.quantized_tensor` and `.tensor.float8_tensor` hand out, and the
 top-level `te.Float8Quantizer`, ...).
 
-- `Float8Quantizer`, `Float8CurrentScalingQuantizer`: torchte's per-tensor quantizers with
-  Transformer Engine's defaults: `internal=False`, so `q(x)` gives a Float8Tensor. Any torchte
-  quantizer of the same kind passes `isinstance` against them (a module's quantizers, a
-  Float8Tensor's `_quantizer`): they are the same quantizers, made with other defaults.
+- `Float8Quantizer`, `Float8CurrentScalingQuantizer`, `Float8BlockQuantizer`,
+  `MXFP8Quantizer`, `NVFP4Quantizer`: torchte's quantizers with Transformer Engine's defaults:
+  `internal=False`, so `q(x)` gives a quantized Tensor. Any torchte quantizer of the same kind
+  passes `isinstance` against them (a module's quantizers, a tensor's `_quantizer`): they are
+  the same quantizers, made with other defaults.
 - `QuantizedTensorStorage`: what `isinstance` tells of any quantized value, a Storage or a
-  QuantizedTensor. `Float8TensorStorage` is torchte's Float8Storage.
+  QuantizedTensor. `Float8TensorStorage` is torchte's Float8Storage; the block formats'
+  Storages keep their names.
 - `prepare_for_saving` / `restore_from_saved` / `restore_from_func_ctx`: saving a mix of tensors
   and Storages through `ctx.save_for_backward`, in Transformer Engine's order.
 - `QuantizerRole`: the name of the tensor a quantizer is asked for (module type, tensor type,
@@ -20,14 +22,23 @@ from dataclasses import dataclass
 
 import torch
 
-from . import float8
+from . import blockwise, float8, mxfp8, nvfp4
 from .base import QuantizedStorage, QuantizedTensor, Quantizer
+from .blockwise import Float8BlockwiseQTensorStorage
 from .float8 import Float8Storage
+from .mxfp8 import MXFP8TensorStorage
+from .nvfp4 import NVFP4TensorStorage
 
 __all__ = [
+    "Float8BlockQuantizer",
+    "Float8BlockwiseQTensorStorage",
     "Float8CurrentScalingQuantizer",
     "Float8Quantizer",
     "Float8TensorStorage",
+    "MXFP8Quantizer",
+    "MXFP8TensorStorage",
+    "NVFP4Quantizer",
+    "NVFP4TensorStorage",
     "QuantizedTensorStorage",
     "Quantizer",
     "QuantizerRole",
@@ -79,6 +90,40 @@ class Float8CurrentScalingQuantizer(float8.Float8CurrentScalingQuantizer, metacl
 
     def __init__(self, fp8_dtype, device=None, *, internal: bool = False, **options) -> None:
         super().__init__(fp8_dtype, device, internal=internal, **options)
+
+
+class Float8BlockQuantizer(blockwise.Float8BlockQuantizer, metaclass=_SameQuantizer):
+    """Float8BlockScaling's quantizer with Transformer Engine's constructor `(fp8_dtype, *,
+    rowwise, columnwise, amax_epsilon=0.0, force_pow_2_scales=True, block_scaling_dim=2,
+    all_gather_usage=False)`; q(x) gives a Float8BlockwiseQTensor unless `internal` is set."""
+
+    __slots__ = ()
+
+    def __init__(self, fp8_dtype, *, internal: bool = False, **options) -> None:
+        super().__init__(fp8_dtype, internal=internal, **options)
+
+
+class MXFP8Quantizer(mxfp8.MXFP8Quantizer, metaclass=_SameQuantizer):
+    """MXFP8's quantizer with Transformer Engine's constructor `(fp8_dtype, *, rowwise=True,
+    columnwise=True, with_2d_quantization=False)`; q(x) gives an MXFP8Tensor unless
+    `internal` is set."""
+
+    __slots__ = ()
+
+    def __init__(self, fp8_dtype, *, internal: bool = False, **options) -> None:
+        super().__init__(fp8_dtype, internal=internal, **options)
+
+
+class NVFP4Quantizer(nvfp4.NVFP4Quantizer, metaclass=_SameQuantizer):
+    """NVFP4's quantizer with Transformer Engine's constructor `(fp4_dtype, rowwise,
+    columnwise, with_amax_reduction, amax_reduction_group, with_rht, with_post_rht_amax,
+    with_2d_quantization, stochastic_rounding, ...)`; q(x) gives an NVFP4Tensor unless
+    `internal` is set."""
+
+    __slots__ = ()
+
+    def __init__(self, *args, internal: bool = False, **options) -> None:
+        super().__init__(*args, internal=internal, **options)
 
 
 class _AnyQuantizedValue(type):
