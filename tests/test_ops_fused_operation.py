@@ -8,30 +8,16 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_ops_te_api import restore_registered_fusions  # noqa: F401  (autouse: applies here)
 from tolerances import assert_close, representable
 
 import torchte as te
-from torchte.ops import fuser as fuser_mod
 from torchte.ops.fused.linear_add import ForwardLinearAdd
 
 pytestmark = pytest.mark.usefixtures("cpu_default_device")
 
 IN, OUT, TOKENS = 12, 20, 7
 F32 = torch.float32
-
-
-@pytest.fixture(autouse=True)
-def restore_registered_fusions():
-    """Each test's registered fusions are removed after it."""
-    lists = [
-        fuser_mod.OperationFuser.forward_fusion_functions,
-        fuser_mod.OperationFuser.backward_fusion_functions,
-        fuser_mod.OperationFuser.forward_backward_fusion_functions,
-    ]
-    saved = [list(functions) for functions in lists]
-    yield
-    for functions, old in zip(lists, saved, strict=True):
-        functions[:] = old
 
 
 class LinearBias(te.ops.FusedOperation):
