@@ -3,6 +3,7 @@ activations off the GPU, and many steps of random sizes without a corrupted grad
 
 from __future__ import annotations
 
+import contextlib
 import random
 
 import pytest
@@ -149,3 +150,44 @@ def test_stress_random_sizes_no_corruption():
             want = train_step(twins, x, None)
             got = train_step(layers, x, None, context, sync)
             assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)), step
+
+
+@pytest.mark.parametrize("recipe_name", ["bf16", "current"])
+def test_layers_drawing_dropout_through_the_rng_tracker_offload_bit_identical(recipe_name):
+    """Transformer layers whose attention and hidden dropout draw from the model-parallel RNG
+    tracker: offloading changes nothing the generators see, so outputs and gradients equal the
+    run without offloading (same seeds), and every activation comes back."""
+    fp8 = RECIPES[recipe_name]
+
+    def build():
+        tracker = te.distributed.CudaRNGStatesTracker()
+        tracker.add("model-parallel-rng", 123)
+        torch.manual_seed(0)
+        layers = [
+            te.TransformerLayer(
+                128, 512, 4, hidden_dropout=0.1, attention_dropout=0.1,
+                params_dtype=torch.bfloat16, device="cuda",
+                get_rng_state_tracker=lambda: tracker,
+            )
+            for _ in range(2)
+        ]  # fmt: skip
+        return layers
+
+    def run(layers, context=None, sync=None):
+        torch.manual_seed(7)
+        x = torch.randn(64, 2, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        out = x
+        for layer in layers:
+            offloading = context or contextlib.nullcontext()
+            with offloading, te.autocast(enabled=fp8 is not None, recipe=fp8):
+                out = layer(out)
+            out = sync(out) if sync is not None else out
+        out.float().square().mean().backward()
+        return [out.detach(), x.grad] + [p.grad for layer in layers for p in layer.parameters()]
+
+    context, sync = te.get_cpu_offload_context(enabled=True, num_layers=1, model_layers=2)
+    got = run(build(), context, sync)
+    want = run(build())
+    for i, (a, b) in enumerate(zip(got, want, strict=True)):
+        assert torch.equal(a, b), i
+    assert not any(context.offload_synchronizer.saved.values())
