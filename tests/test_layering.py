@@ -3,6 +3,8 @@
 Read from the source with ast, so that a change importing across a layer fails here:
 - kernels/ import nothing of the package above them (only kernels/ and ground-level helpers);
 - gemm.py imports nothing from module/; quantization/ nothing from module/ or gemm;
+- distributed/collectives.py imports nothing of the package (only ground-level helpers), and
+  quantization/ reaches torchte.distributed only through it, so no import circle runs there;
 - no module file imports an FP8-writing kernel or a scale computation: those are reached
   through quantizers (plain high-precision kernels, norm and activation, stay callable);
 - the code that runs inside autograd Functions reads no autocast state;
@@ -105,6 +107,19 @@ def test_gemm_imports_nothing_from_modules():
 @pytest.mark.parametrize("path", _files("quantization"), ids=lambda p: p.name)
 def test_quantization_imports_no_modules_or_gemm(path):
     assert _crossing(path, ("torchte.module", "torchte.gemm")) == []
+
+
+def test_collectives_import_nothing_of_the_package():
+    own = imported_modules(PACKAGE / "distributed" / "collectives.py")
+    own = {n for n in own if n.startswith("torchte")}
+    assert [n for n in own if not any(n == g or n.startswith(g + ".") for g in GROUND)] == []
+
+
+@pytest.mark.parametrize("path", _files("quantization"), ids=lambda p: p.name)
+def test_quantization_reaches_distributed_only_through_collectives(path):
+    collectives = "torchte.distributed.collectives"
+    crossing = _crossing(path, ("torchte.distributed",))
+    assert [n for n in crossing if n != collectives and not n.startswith(collectives + ".")] == []
 
 
 @pytest.mark.parametrize("path", _files("module") + _files("ops"), ids=lambda p: p.name)

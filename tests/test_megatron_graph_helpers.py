@@ -2,7 +2,7 @@
 reach, on torchte's state: the graph flags and the delayed-scaling snapshot (graphs/state.py),
 FP8GlobalStateManager's buffer, skip flag and quantization_state (fp8.py, fp8_state.py), the
 recompute flags (recompute.py), the collectives' Transformer Engine arguments and the RNG states
-(distributed.py), and the utils (utils.py)."""
+(distributed/), and the utils (utils.py)."""
 
 from __future__ import annotations
 

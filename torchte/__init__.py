@@ -6,8 +6,9 @@ unmodified Transformer Engine code, `import torchte.alias` (or set TORCHTE_ALIAS
 """
 
 import os
+import sys
 
-from . import constants, distributed, fp8, fsdp, offload, ops, optimizers, recipe, utils
+from . import constants, distributed, fp8, offload, ops, optimizers, recipe, utils
 from ._device import (
     get_device_compute_capability,
     is_bf16_available,
@@ -24,6 +25,7 @@ from .autocast import autocast, fp8_autocast
 from .checkpoint_compat import export_transformer_engine_state_dict
 from .constants import DType
 from .cross_entropy import parallel_cross_entropy
+from .distributed import fsdp
 from .graphs import make_graphed_callables
 from .module.fp8_padding import Fp8Padding, Fp8Unpadding
 from .module.grouped_linear import GroupedLinear
@@ -55,6 +57,9 @@ from .quantization.te_api import (
 )
 from .recompute import checkpoint
 from .transformer import TransformerLayer
+
+# te.fsdp is distributed/fsdp.py: `import torchte.fsdp` finds the same module under that name.
+sys.modules[f"{__name__}.fsdp"] = fsdp
 
 __all__ = [
     "DType",

@@ -22,6 +22,8 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from torchte.distributed.collectives import allreduce
+
 from .float8 import Float8CurrentScalingQuantizer, Float8Storage
 
 __all__ = [
@@ -88,9 +90,7 @@ def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy)
 
 def max_over(group) -> Callable[[torch.Tensor], object]:
     """A function all-reducing a tensor in place with MAX over `group`, through
-    te.distributed (the amaxes of a tensor whose rows the ranks hold)."""
-    from torchte.distributed import allreduce  # imported late: it imports the modules
-
+    te.distributed's collectives (the amaxes of a tensor whose rows the ranks hold)."""
     return functools.partial(allreduce, tp_group=group, op=dist.ReduceOp.MAX)
 
 

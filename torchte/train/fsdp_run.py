@@ -26,7 +26,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from torchte import fsdp as te_fsdp
+from torchte.distributed import fsdp as te_fsdp
 
 __all__ = [
     "DataParallel",

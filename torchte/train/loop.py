@@ -33,8 +33,8 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 import torchte as te
-from torchte import fsdp as te_fsdp
 from torchte import recipe as te_recipe
+from torchte.distributed import fsdp as te_fsdp
 
 from . import checkpoint, cuda_graph
 from .config import ModelConfig, RunConfig
