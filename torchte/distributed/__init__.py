@@ -3,8 +3,7 @@
 - `checkpoint`: activation recompute under the forward's FP8 settings and scales
   (torchte/recompute.py; also `te.checkpoint`), with Transformer Engine's recompute flags
   (`activation_recompute_forward`, `is_fp8_activation_recompute_enabled`,
-  `in_fp8_activation_recompute_phase`) for clients that recompute by themselves
-  (activation_recompute.py).
+  `in_fp8_activation_recompute_phase`) for clients that recompute by themselves.
 - `CudaRNGStatesTracker`: named RNG states (Megatron-Core's model-parallel RNG), forked for
   initialization and dropout inside tensor-parallel regions, replayed by `checkpoint`;
   `get_all_rng_states()`: the states of the tracker last added to or set (rng.py).
@@ -22,7 +21,7 @@
 
 from __future__ import annotations
 
-from .activation_recompute import (
+from ..recompute import (
     activation_recompute_forward,
     checkpoint,
     get_activation_recompute_contexts,
