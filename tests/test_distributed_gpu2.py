@@ -33,8 +33,8 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.fsdp import fully_shard
 
 import torchte as te
-import torchte.fsdp as te_fsdp
 from torchte import recipe
+from torchte.distributed import fsdp as te_fsdp
 
 WORLD = 2
 S, B, K, N = 8, 2, 32, 64

@@ -26,8 +26,8 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import torchte as te
-import torchte.fsdp as te_fsdp
 from torchte import recipe
+from torchte.distributed import fsdp as te_fsdp
 from torchte.quantization.float8_tensor import Float8Tensor
 
 WORLD = 2

@@ -9,8 +9,8 @@ import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import torchte as te
-import torchte.fsdp as te_fsdp
 from torchte import recipe
+from torchte.distributed import fsdp as te_fsdp
 from torchte.quantization.float8_tensor import Float8Tensor
 
 pytestmark = pytest.mark.gpu

@@ -27,7 +27,7 @@ from test_train import tiny, write_corpus
 from tolerances import assert_close
 from torch.distributed.tensor import DTensor
 
-from torchte.fsdp import FP8GatheredWeight
+from torchte.distributed.fsdp import FP8GatheredWeight
 from torchte.train import checkpoint, cli, data, fsdp_run, fsdp_state, loop
 from torchte.train.model import scaling_snapshot
 
