@@ -510,9 +510,8 @@ class LinearCore(TransformerEngineBaseModule):
         """The autograd.Function path (FP8, calibration, fused wgrad), exception-safe."""
 
         def run():
-            need_columnwise = self._needs_dgrad(inp) and plan.fp8_backward
             w_fp8 = self._fp8_weight(
-                weight, plan, is_first_microbatch, need_columnwise, self._weight_params()
+                weight, plan, is_first_microbatch, self._needs_dgrad(inp), self._weight_params()
             )
             return self._apply_function(inp, weight, bias, w_fp8, plan)
 

@@ -428,9 +428,12 @@ class TransformerEngineBaseModule(TEMetadataMixin, SetattrGuard):
     def _fp8_weight(self, weight, plan, is_first_microbatch, need_columnwise, params):
         """The FP8 weight of GEMM plan.gemm: a quantized parameter's own storage (Float8Tensor,
         or a block-scaled one), or the cached quantized copy (requantized when one of `params`,
-        the parameters the weight is made of, changed, or the step's scale moved)."""
+        the parameters the weight is made of, changed, or the step's scale moved). The
+        columnwise (transposed) copy is made only where backward runs FP8 GEMMs
+        (plan.fp8_backward: not under a backward_override)."""
         if not plan.fp8:
             return None
+        need_columnwise = need_columnwise and plan.fp8_backward
         if isinstance(weight, QuantizedTensor) and hasattr(weight, "_storage"):
             storage = weight._storage
             if need_columnwise and storage.columnwise_data is None:

@@ -393,10 +393,10 @@ class LayerNormMLP(TransformerEngineBaseModule):
             need_dgrad = grad and (
                 inp.requires_grad or any(t is not None and t.requires_grad for t in params[:2])
             )
-            need_w1t = need_dgrad and plans.fc1.fp8_backward
-            need_w2t = grad and plans.fc2.fp8_backward
-            w1 = self._fp8_weight(params[2], plans.fc1, is_first_microbatch, need_w1t, params[2:3])
-            w2 = self._fp8_weight(params[4], plans.fc2, is_first_microbatch, need_w2t, params[4:5])
+            w1 = self._fp8_weight(
+                params[2], plans.fc1, is_first_microbatch, need_dgrad, params[2:3]
+            )
+            w2 = self._fp8_weight(params[4], plans.fc2, is_first_microbatch, grad, params[4:5])
             if torch.is_grad_enabled():
                 return apply(_LayerNormMLPFunction, inp, *params, w1, w2, plans, self._spec)
             needs = (False, False, False, False)

@@ -174,7 +174,7 @@ class BasicLinear(BasicOperation):
         need_dgrad = settings.requires_grad and ctx.input_requires_grad
         need_wgrad = settings.requires_grad and (weight.requires_grad or plan.main_grad is not None)
         needs = (need_dgrad, need_wgrad)
-        w_fp8 = self._fp8_weight(weight, plan, None, need_dgrad and plan.fp8_backward, [weight])
+        w_fp8 = self._fp8_weight(weight, plan, None, need_dgrad, [weight])
         symmetric = tp.split and _fuses_symmetric(plan, tp)
         if tp.split:
             y, x_saved, w_saved, shape = _split_forward(x, weight, bias, w_fp8, plan, tp, needs)
