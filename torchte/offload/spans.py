@@ -47,18 +47,17 @@ class SavedView:
     """What autograd keeps for a tensor offloaded as a byte range: the entry moving the bytes
     and how to rebuild the tensor over them."""
 
-    __slots__ = ("dtype", "entry", "offset", "size", "stride")
+    __slots__ = ("dtype", "entry", "itemsize", "offset", "size", "stride")
 
     def __init__(self, entry, tensor: torch.Tensor, span_start: int) -> None:
         self.entry = entry
         self.dtype, self.size, self.stride = tensor.dtype, tensor.shape, tensor.stride()
-        itemsize = tensor.element_size()
-        self.offset = tensor.storage_offset() - span_start // itemsize  # within the range
+        self.itemsize = tensor.element_size()
+        self.offset = tensor.storage_offset() - span_start // self.itemsize  # within the range
 
     def rebuild(self, data: torch.Tensor) -> torch.Tensor:
         """The tensor over `data` (the range's bytes on the device, 1-D uint8)."""
-        itemsize = torch.empty(0, dtype=self.dtype).element_size()
-        start = data.storage_offset() // itemsize + self.offset
+        start = data.storage_offset() // self.itemsize + self.offset
         out = torch.empty(0, dtype=self.dtype, device=data.device)
         return out.set_(data.untyped_storage(), start, self.size, self.stride)
 
