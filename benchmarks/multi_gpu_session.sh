@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On a machine with 2 GPUs (NCCL): the 2-GPU run, all of it or the phases named, a short table
 # last (benchmarks/multi_gpu_summary.py).
-#   bash benchmarks/multi_gpu_session.sh [tests] [tp] [fsdp] [train]   # none named: all four
+#   bash benchmarks/multi_gpu_session.sh [tests] [tp] [fsdp] [ep] [cp] [train]   # none: all
 # 1. tests: the gpu-marked distributed tests at world size 2 and the NCCL ones of one rank;
 # 2. tp: benchmarks/tensor_parallel.py over 2 ranks (LayerNormMLP TP=2 + SP, bf16 and FP8; the
 #    te.Linear pair with te's collectives and with symmetric memory; each against its one-GPU
@@ -9,9 +9,17 @@
 # 3. fsdp: benchmarks/fsdp.py over 2 ranks, bf16 (parameters gathered in bf16 and in fp32) and
 #    FP8 with and without the FP8 all-gather (each row against one GPU running one rank's share
 #    unsharded, in the same run), at each batch of FSDP_BATCH sequences per rank;
+# 3b. ep: benchmarks/expert_parallel.py over 2 ranks (MoELayer EP=2, 8 experts top-2, 16K
+#    tokens a rank; bf16, FP8 current and delayed; shared-expert overlap on and off; against
+#    one GPU holding all experts on one rank's tokens, measured in the same run);
+# 3c. cp: benchmarks/context_parallel.py over 2 ranks (te.DotProductAttention causal, 32K
+#    tokens, 32 heads x 128, bf16, forward + backward; p2p, a2a and all_gather against one GPU
+#    doing the whole attention, measured in the same run; efficiency = (1-GPU time / 2) / CP);
 # 4. train: the training example for TRAIN_STEPS steps, the runs of TRAIN_RUNS: on one GPU
 #    (1gpu_a, 1gpu_b, ...: their spread is the run-to-run spread), with --fsdp (fsdp2) and with
-#    --tp 2 --sequence-parallel (tp2) over 2 GPUs.
+#    --tp 2 --sequence-parallel (tp2) over 2 GPUs; ep2 (asked for in TRAIN_RUNS): an MoE model
+#    with --experts 8 --ep 2 over 2 GPUs (1moe_*: the same model on one GPU); cp2 (asked for in TRAIN_RUNS): --cp 2 over 2 GPUs
+#    (each rank its load-balanced share of every sequence).
 # Logs and results go to WORK (default ./out/multi_gpu); the small ones (logs, JSON,
 # losses.csv) are packed into $OUT/multi_gpu.tgz with the table in $OUT/summary.txt, so that
 # they come back from a machine that returns only a few files. Each phase has a time limit,
@@ -33,8 +41,9 @@ TESTS_LIMIT=${TESTS_LIMIT:-240}       # seconds per phase before it is stopped
 BENCH_LIMIT=${BENCH_LIMIT:-200}
 TRAIN_LIMIT=${TRAIN_LIMIT:-90}
 TESTS=(tests/test_distributed_gpu2.py tests/test_tensor_parallel_gpu.py tests/test_fsdp_gpu.py)
+TESTS+=(tests/test_context_parallel.py tests/test_expert_parallel.py tests/test_tp_overlap.py)
 PHASES=("$@")
-((${#PHASES[@]})) || PHASES=(tests tp fsdp train)
+((${#PHASES[@]})) || PHASES=(tests tp fsdp ep cp train)
 mkdir -p "$WORK"
 START=$SECONDS
 
@@ -69,14 +78,24 @@ if wanted fsdp; then
       --batch "$batch" --json "$WORK/fsdp2_b$batch.json" >"$WORK/fsdp2_b$batch.log" 2>&1
   done
 fi
+if wanted ep; then
+  run2 "$BENCH_LIMIT" benchmarks/expert_parallel.py --json "$WORK/ep2.json" >"$WORK/ep2.log" 2>&1
+fi
+if wanted cp; then
+  run2 "$BENCH_LIMIT" benchmarks/context_parallel.py --json "$WORK/cp2.json" >"$WORK/cp2.log" 2>&1
+fi
 if wanted train; then
   TRAIN=(-m torchte.train --size "$TRAIN_SIZE" --steps "$TRAIN_STEPS" --recipe "$TRAIN_RECIPE")
   for run in $TRAIN_RUNS; do
     case $run in
       1gpu_*) timeout "$(limit "$TRAIN_LIMIT")" python "${TRAIN[@]}" --out "$WORK/train_$run" ;;
+      1moe_*) timeout "$(limit "$TRAIN_LIMIT")" python "${TRAIN[@]}" --experts 8 \
+        --out "$WORK/train_$run" ;;
       fsdp2) run2 "$TRAIN_LIMIT" "${TRAIN[@]}" --fsdp --out "$WORK/train_$run" ;;
       tp2) run2 "$TRAIN_LIMIT" "${TRAIN[@]}" --tp 2 --sequence-parallel --out "$WORK/train_$run" ;;
-      *) echo "unknown training run $run (1gpu_*, fsdp2 or tp2)" ;;
+      ep2) run2 "$TRAIN_LIMIT" "${TRAIN[@]}" --experts 8 --ep 2 --out "$WORK/train_$run" ;;
+      cp2) run2 "$TRAIN_LIMIT" "${TRAIN[@]}" --cp 2 --out "$WORK/train_$run" ;;
+      *) echo "unknown training run $run (1gpu_*, 1moe_*, fsdp2, tp2, ep2 or cp2)" ;;
     esac >"$WORK/train_$run.log" 2>&1
   done
 fi
@@ -88,7 +107,7 @@ fi
     echo "== gpu distributed tests"
     grep -E "^(FAILED|ERROR)|passed|failed|pytest exit" "$WORK/pytest_gpu2.log" | tail -15
   fi
-  for log in "$WORK"/tp2.log "$WORK"/fsdp2_b*.log; do
+  for log in "$WORK"/tp2.log "$WORK"/fsdp2_b*.log "$WORK"/ep2.log "$WORK"/cp2.log; do
     [[ -f $log ]] || continue
     echo "== $(basename "$log")"
     tail -n 12 "$log"

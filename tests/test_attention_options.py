@@ -234,16 +234,19 @@ def test_context_parallel_group_of_one_rank(tmp_path):
 
 
 def _cp_rank(rank: int) -> str:
+    module = te.DotProductAttention(4, D, cp_group=dist.group.WORLD)
+    assert module._cp.size == 2 and module._cp.rank == rank
     try:
-        te.DotProductAttention(4, D, cp_group=dist.group.WORLD)
+        te.DotProductAttention(4, D, cp_group=dist.group.WORLD, cp_comm_type="a2a+p2p")
     except NotImplementedError as error:
         return str(error)
     return "no error"
 
 
-def test_context_parallel_group_of_two_ranks_is_refused(tmp_path):
+def test_context_parallel_group_of_two_ranks(tmp_path):
+    """Two ranks work (tests/test_context_parallel.py); the hierarchical a2a+p2p is refused."""
     for message in on_ranks(_cp_rank, 2, tmp_path):
-        assert "context parallelism" in message
+        assert "a2a+p2p" in message
 
 
 def test_window_rule_of_transformer_engine():

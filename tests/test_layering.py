@@ -3,8 +3,9 @@
 Read from the source with ast, so that a change importing across a layer fails here:
 - kernels/ import nothing of the package above them (only kernels/ and ground-level helpers);
 - gemm.py imports nothing from module/; quantization/ nothing from module/ or gemm;
-- distributed/collectives.py imports nothing of the package (only ground-level helpers), and
-  quantization/ reaches torchte.distributed only through it, so no import circle runs there;
+- _collectives.py imports nothing of the package (only ground-level helpers), and
+  quantization/, autocast.py and recompute.py import nothing of torchte.distributed (which
+  imports them): no import circle runs there;
 - no module file imports an FP8-writing kernel or a scale computation: those are reached
   through quantizers (plain high-precision kernels, norm and activation, stay callable);
 - the code that runs inside autograd Functions reads no autocast state;
@@ -22,7 +23,13 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "torchte"
-GROUND = ("torchte._sizes", "torchte._group_splits", "torchte._device", "torchte._nvtx")
+GROUND = (
+    "torchte._sizes",
+    "torchte._group_splits",
+    "torchte._device",
+    "torchte._nvtx",
+    "torchte._collectives",
+)
 FP8_KERNELS = (
     "torchte.kernels.cast_transpose",
     "torchte.kernels.grouped_cast",
@@ -44,7 +51,14 @@ RECIPE_CLASSES = {
     "NVFP4BlockScaling",
 }
 # Module files whose functions run inside autograd Functions' forward and backward.
-INSIDE_FUNCTIONS = ("_linear_core.py", "_grouped_fp8.py", "_norm_spec.py", "_common.py")
+INSIDE_FUNCTIONS = (
+    "_linear_core.py",
+    "_linear_backward.py",
+    "_tp_gemm.py",
+    "_grouped_fp8.py",
+    "_norm_spec.py",
+    "_common.py",
+)
 
 
 def _files(folder: str = "") -> list[Path]:
@@ -110,16 +124,19 @@ def test_quantization_imports_no_modules_or_gemm(path):
 
 
 def test_collectives_import_nothing_of_the_package():
-    own = imported_modules(PACKAGE / "distributed" / "collectives.py")
+    own = imported_modules(PACKAGE / "_collectives.py")
     own = {n for n in own if n.startswith("torchte")}
     assert [n for n in own if not any(n == g or n.startswith(g + ".") for g in GROUND)] == []
 
 
-@pytest.mark.parametrize("path", _files("quantization"), ids=lambda p: p.name)
-def test_quantization_reaches_distributed_only_through_collectives(path):
-    collectives = "torchte.distributed.collectives"
-    crossing = _crossing(path, ("torchte.distributed",))
-    assert [n for n in crossing if n != collectives and not n.startswith(collectives + ".")] == []
+BELOW_DISTRIBUTED = [*_files("quantization"), PACKAGE / "autocast.py", PACKAGE / "recompute.py"]
+
+
+@pytest.mark.parametrize("path", BELOW_DISTRIBUTED, ids=lambda p: p.name)
+def test_no_import_circle_through_distributed(path):
+    """torchte.distributed imports recompute, autocast and quantization: none of those imports
+    torchte.distributed back (the collectives they need are torchte/_collectives.py)."""
+    assert _crossing(path, ("torchte.distributed",)) == []
 
 
 @pytest.mark.parametrize("path", _files("module") + _files("ops"), ids=lambda p: p.name)

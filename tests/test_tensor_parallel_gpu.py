@@ -76,14 +76,14 @@ def test_symmetric_memory_gemms_of_one_rank(nccl_group):
     """te.distributed's fused symmetric-memory GEMMs run on the device (torch's ops, where this
     torch has them) and equal the GEMM of the whole tensor."""
     from torchte import distributed as te_dist
-    from torchte.distributed.symmetric_memory import _symmetric_group
+    from torchte.distributed.symmetric_memory import symmetric_group
 
     gen = torch.Generator(device="cuda").manual_seed(3)
     a = torch.randint(-2, 3, (256, 512), device="cuda", generator=gen).to(torch.bfloat16)
     b = torch.randint(-2, 3, (512, 384), device="cuda", generator=gen).to(torch.bfloat16)
     previous = te_dist.use_symmetric_memory(True)
     try:
-        fused = _symmetric_group(a, nccl_group)
+        fused = symmetric_group(a, nccl_group)
         gathered, product = te_dist.all_gather_matmul(a, b, nccl_group)
         scattered = te_dist.matmul_reduce_scatter(a, b, nccl_group)
     finally:

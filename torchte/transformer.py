@@ -217,7 +217,8 @@ class TransformerLayer(nn.Module):
                 module.set_tensor_parallel_group(tp_group)
 
     def set_context_parallel_group(self, cp_group, cp_global_ranks, cp_stream, cp_comm_type="p2p"):
-        """Context parallelism: not implemented (NotImplementedError) unless cp_group is None."""
+        """Context parallelism of the self-attention block (te.MultiheadAttention's: its core
+        attention's group and RoPE at this rank's positions)."""
         self.self_attention.set_context_parallel_group(
             cp_group, cp_global_ranks, cp_stream, cp_comm_type
         )

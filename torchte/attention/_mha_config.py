@@ -167,10 +167,13 @@ def check_inference(inference_params, core_attention) -> None:
         inference_params.allocate_memory(core_attention.layer_number)
 
 
-def rotate(q, k, rotary_pos_emb, qkv_format: str, interleaved: bool, cu_seqlens, inference=None):
+def rotate(
+    q, k, rotary_pos_emb, qkv_format: str, interleaved: bool, cu_seqlens, inference=None, cp=(1, 0)
+):
     """(q, k) with rotary position embeddings applied: rotary_pos_emb one tensor of
     frequencies for both, or a (q, k) pair; cu_seqlens (for q, for kv) under "thd". With
-    inference params, each sequence's positions start at its length before the step."""
+    inference params, each sequence's positions start at its length before the step. cp:
+    (cp_size, cp_rank) of context parallelism (the rank's load-balanced positions)."""
     from .rope import apply_rotary_pos_emb  # written beside this package
 
     if not isinstance(rotary_pos_emb, tuple):
@@ -186,6 +189,8 @@ def rotate(q, k, rotary_pos_emb, qkv_format: str, interleaved: bool, cu_seqlens,
     out = []
     for t, freqs, cu in zip((q, k), rotary_pos_emb, cu_seqlens, strict=True):
         kwargs = {"interleaved": interleaved, "fused": True}  # the Triton kernel on CUDA
+        if cp[0] > 1:
+            kwargs["cp_size"], kwargs["cp_rank"] = cp
         if cu is not None:
             kwargs["cu_seqlens"] = cu
         if start is not None:

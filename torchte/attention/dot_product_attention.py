@@ -23,8 +23,10 @@ from typing import Any
 import torch
 
 from .._device import default_device
+from ..distributed import context_parallel as cp_attention
 from ..module._setattr_guard import SetattrGuard
 from ..recompute import checkpoint
+from ._cp_call import check_cp_call, cp_group_for, group_size
 from ._sinks import SOFTMAX_TYPES
 from .backends import (
     AttentionInputs,
@@ -53,27 +55,6 @@ from .packed import packed_attention
 __all__ = ["DotProductAttention"]
 
 _BIAS_TYPES = ("no_bias", "pre_scale_bias", "post_scale_bias", "alibi")
-_CP_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
-
-
-# Plain attributes torch itself sets on a module after construction.
-def _group_size(group) -> int:
-    """Ranks of a process group, or the product over a list of groups (1 without one)."""
-    if group is None or not torch.distributed.is_initialized():
-        return 1
-    if isinstance(group, list | tuple):
-        return math.prod(torch.distributed.get_world_size(g) for g in group)
-    return torch.distributed.get_world_size(group)
-
-
-def _check_cp(cp_group, cp_comm_type: str) -> None:
-    if cp_comm_type not in _CP_COMM_TYPES:
-        raise ValueError(f"cp_comm_type must be one of {_CP_COMM_TYPES}, got {cp_comm_type!r}")
-    if _group_size(cp_group) > 1:
-        raise NotImplementedError(
-            "DotProductAttention: context parallelism (a cp_group of more than one rank) is "
-            "not implemented in torchte yet"
-        )
 
 
 def _channels(kv_channels) -> tuple[int, int]:
@@ -136,7 +117,7 @@ class DotProductAttention(SetattrGuard):
         self.num_attention_heads = num_attention_heads
         self.num_gqa_groups = num_attention_heads if num_gqa_groups is None else num_gqa_groups
         self.tp_group = tp_group
-        self.tp_size = tp_size if tp_group is None else _group_size(tp_group)
+        self.tp_size = tp_size if tp_group is None else group_size(tp_group)
         self._check_heads()
         self.num_attention_heads_per_partition = num_attention_heads // self.tp_size
         self.num_gqa_groups_per_partition = self.num_gqa_groups // self.tp_size
@@ -153,7 +134,7 @@ class DotProductAttention(SetattrGuard):
         self.layer_number = 1 if layer_number is None else layer_number
         self._layer_number_given = layer_number is not None  # the KV cache needs it given
         self.sequence_parallel = sequence_parallel
-        _check_cp(cp_group, cp_comm_type)
+        self._cp = cp_group_for(cp_group, cp_comm_type, cp_stream)
         self.cp_group, self.cp_global_ranks = cp_group, cp_global_ranks
         self.cp_stream, self.cp_comm_type = cp_stream, cp_comm_type
         self.softmax_scale = (
@@ -229,9 +210,9 @@ class DotProductAttention(SetattrGuard):
     def set_context_parallel_group(
         self, cp_group, cp_global_ranks: list[int] | None, cp_stream, cp_comm_type: str = "p2p"
     ) -> None:
-        """Transformer Engine's context-parallel setup: a group of one rank (or None) is
-        accepted; more than one rank raises NotImplementedError."""
-        _check_cp(cp_group, cp_comm_type)
+        """Transformer Engine's context-parallel setup: the inputs of forward are then this
+        rank's load-balanced share of each sequence (torchte.distributed.context_parallel)."""
+        self._fast_setattr("_cp", cp_group_for(cp_group, cp_comm_type, cp_stream))
         for key, value in (
             ("cp_group", cp_group),
             ("cp_global_ranks", cp_global_ranks),
@@ -242,9 +223,9 @@ class DotProductAttention(SetattrGuard):
 
     def set_tensor_parallel_group(self, tp_group) -> None:
         """Set the tensor-parallel group (its size must be the tp_size the heads were split by)."""
-        if tp_group is not None and _group_size(tp_group) != self.tp_size:
+        if tp_group is not None and group_size(tp_group) != self.tp_size:
             raise ValueError(
-                f"tp_group has {_group_size(tp_group)} ranks but the module was built for "
+                f"tp_group has {group_size(tp_group)} ranks but the module was built for "
                 f"tp_size={self.tp_size}"
             )
         self._fast_setattr("tp_group", tp_group)
@@ -321,6 +302,17 @@ class DotProductAttention(SetattrGuard):
         bias, slopes = self._check_bias(
             core_attention_bias_type, core_attention_bias, alibi_slopes, shapes, query_layer
         )
+        if self._cp is not None:
+            return self._forward_cp(
+                (query_layer, key_layer, value_layer),
+                fmt,
+                (mask_type, window, core_attention_bias_type),
+                (cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded),
+                (attention_mask, inference_params),
+                dropout_p,
+                checkpoint_core_attention,
+                forced,
+            )
         if self.return_max_logit and (inference_params is not None or fmt == "thd"):
             where = "a KV cache" if inference_params is not None else "qkv_format='thd'"
             raise NotImplementedError(
@@ -356,17 +348,29 @@ class DotProductAttention(SetattrGuard):
                 checkpoint_core_attention,
                 forced,
             )
-        plan = dense_plan(
-            mask_type,
-            window,
+        return self._forward_dense(
+            (query_layer, key_layer, value_layer),
+            fmt,
             shapes,
-            attention_mask,
-            cu_seqlens_q,
-            cu_seqlens_kv,
-            max_seqlen_q,
-            max_seqlen_kv,
-            bottom_right_diagonal,
-            query_layer.device,
+            (mask_type, window, bottom_right_diagonal, core_attention_bias_type),
+            (attention_mask, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv),
+            (bias, slopes),
+            dropout_p,
+            checkpoint_core_attention,
+            forced,
+        )
+
+    def _forward_dense(
+        self, qkv, fmt, shapes, mask, padding, biases, dropout_p, recompute, forced
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """sbhd / bshd: qkv as forward's, mask (mask type, window, bottom_right_diagonal, bias
+        type), padding (attention_mask, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q,
+        max_seqlen_kv), biases (the post-scale bias, ALiBi slopes) -> forward's output."""
+        query_layer, key_layer, value_layer = qkv
+        mask_type, window, bottom_right_diagonal, core_attention_bias_type = mask
+        bias, slopes = biases
+        plan = dense_plan(
+            mask_type, window, shapes, *padding, bottom_right_diagonal, query_layer.device
         )
         q, k, v = (to_bhsd(x, fmt) for x in (query_layer, key_layer, value_layer))
         sink = self._sink(shapes.h, query_layer)
@@ -393,10 +397,50 @@ class DotProductAttention(SetattrGuard):
         )
         inputs = self._inputs(backend, plan, bias, slopes, dropout_p, sink)
         attend = partial(run_backend, backend, inputs=inputs)
-        out = from_bhsd(self._attend(attend, q, k, v, dropout_p, checkpoint_core_attention), fmt)
+        out = from_bhsd(self._attend(attend, q, k, v, dropout_p, recompute), fmt)
         if self.return_max_logit:
             return out, max_logits(q, k, inputs)
         return out
+
+    def _forward_cp(
+        self, qkv, fmt, mask, cu_seqlens, others, dropout_p, recompute, forced
+    ) -> torch.Tensor:
+        """Context parallelism (torchte/distributed/context_parallel.py): qkv this rank's
+        load-balanced rows, cu_seqlens those of the whole sequences (thd); mask (mask type,
+        window, bias type); others (attention_mask, inference_params) must be None."""
+        cp = self._cp
+        mask_type, window, _ = mask
+        check_cp_call(self, cp, qkv, fmt, mask, cu_seqlens, others, dropout_p)
+        local = partial(self._cp_local, mask_type, window, dropout_p, recompute, forced)
+        q, k, v = qkv
+        cu = cu_seqlens if fmt == "thd" else None
+        return cp_attention.context_parallel_attention(
+            q, k, v, cp, fmt, "causal" in mask_type, self.softmax_scale, cu, local
+        )
+
+    def _cp_local(self, given_mask, window, dropout_p, recompute, forced, q, k, v, mask_type, cu):
+        """One rank's attention for all_gather / a2a: q [N, b, h, d] (sbhd) or [N, h, d] (thd,
+        cu = (cu_q, cu_kv, cu_q_padded, cu_kv_padded)) -> [N, b, h dv] or [N, h dv]."""
+        if mask_type != given_mask:
+            window = (-1, 0) if "causal" in mask_type else (-1, -1)
+        if cu is not None:
+            return self._forward_thd(
+                q, k, v, mask_type, window, None, cu, (None, None), dropout_p, recompute, forced
+            )
+        shapes = Shapes(
+            q.shape[1], q.shape[0], k.shape[0], q.shape[2], k.shape[2], *self.kv_channels
+        )
+        return self._forward_dense(
+            (q, k, v),
+            "sbhd",
+            shapes,
+            (mask_type, window, None, "no_bias"),
+            (None, None, None, None, None),
+            (None, None),
+            dropout_p,
+            recompute,
+            forced,
+        )
 
     def _check_call(self, inference_params, fp8_output, core_attention_bias_type) -> None:
         if inference_params is not None and not isinstance(inference_params, InferenceParams):

@@ -124,6 +124,7 @@ class MultiheadAttention(nn.Module):
         self.qkv_weight_interleaved = qkv_weight_interleaved and fuse_qkv_params
         self.rotary_pos_interleaved = rotary_pos_interleaved
         self.qk_norm_before_rope = qk_norm_before_rope
+        self.__dict__["_cp_size_rank"] = (1, 0)  # context parallelism's (cp_size, cp_rank)
         self.softmax_type, self.name = softmax_type, name
         init_method = init_method or default_init_method
         output_layer_init_method = output_layer_init_method or default_init_method
@@ -240,12 +241,13 @@ class MultiheadAttention(nn.Module):
                 module.set_tensor_parallel_group(tp_group)
 
     def set_context_parallel_group(self, cp_group, cp_global_ranks, cp_stream, cp_comm_type="p2p"):
-        """Context parallelism: not implemented (NotImplementedError) unless cp_group is None."""
-        if cp_group is not None:
-            raise NotImplementedError(
-                "te.MultiheadAttention.set_context_parallel_group: context parallelism is not "
-                "implemented in torchte yet"
-            )
+        """Context parallelism: the core attention's group (see te.DotProductAttention), and
+        RoPE at this rank's positions (cp_size / cp_rank of the group)."""
+        self.core_attention.set_context_parallel_group(
+            cp_group, cp_global_ranks, cp_stream, cp_comm_type
+        )
+        cp = self.core_attention._cp
+        self.__dict__["_cp_size_rank"] = (1, 0) if cp is None else (cp.size, cp.rank)
 
     def forward(
         self,
@@ -294,7 +296,7 @@ class MultiheadAttention(nn.Module):
             )
             q, k = config.rotate(
                 q, k, rotary_pos_emb, self.qkv_format, self.rotary_pos_interleaved,
-                (cu_q, cu_kv), inference_params,
+                (cu_q, cu_kv), inference_params, self._cp_size_rank,
             )  # fmt: skip
         if self.q_norm is not None and not self.qk_norm_before_rope:
             q, k = self._normed(q, k, v.dtype)

@@ -1,7 +1,7 @@
 """`gather_along_first_dim`: Transformer Engine's all-gather of tensor and sequence
 parallelism, aware of torchte's quantized values.
 
-High-precision inputs go through the plain gather of collectives.py; a torchte per-tensor
+High-precision inputs go through the plain gather of torchte/_collectives.py; a torchte per-tensor
 quantizer casts the rows with a scale the ranks agree on and the FP8 bytes are gathered, and a
 Float8Storage has its bytes gathered with its scale_inv. The gathers and all-reduces made here
 go through te.distributed's names, as every caller's do, so that wrapping those (tests and
@@ -21,7 +21,7 @@ from torchte.quantization._block_common import BlockQuantizerMixin
 from torchte.quantization.base import QuantizedTensor
 from torchte.quantization.float8 import Float8Storage
 
-from .collectives import DoneHandle, gather_rows, world_size
+from .._collectives import DoneHandle, gather_rows, world_size
 
 __all__ = ["gather_along_first_dim"]
 

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from torchte import distributed as te_dist
 
-from .collectives import is_native
+from .._collectives import is_native
 
 __all__ = [
     "all_gather_matmul",
@@ -49,7 +49,7 @@ def symmetric_memory_enabled() -> bool:
     return _SYMMETRIC["enabled"]
 
 
-def _symmetric_group(t: torch.Tensor, group) -> str | None:
+def symmetric_group(t: torch.Tensor, group) -> str | None:
     """The name of `group` when t's GEMM can fuse its collective through symmetric memory (set
     up on first use), else None."""
     if not (_SYMMETRIC["enabled"] and t.is_cuda and is_native(group)):
@@ -73,7 +73,7 @@ def _symmetric_group(t: torch.Tensor, group) -> str | None:
 def all_gather_matmul(a_shard: torch.Tensor, b: torch.Tensor, process_group=None):
     """(a, a @ b): a_shard (M, K) on every rank gathered along dim 0 into a (W M, K), and its
     product with b (K, N); fused through symmetric memory when use_symmetric_memory is on."""
-    name = _symmetric_group(a_shard, process_group)
+    name = symmetric_group(a_shard, process_group)
     if name is not None:
         a, (out,) = torch.ops.symm_mem.fused_all_gather_matmul(a_shard, [b], 0, name)
         return a, out
@@ -85,7 +85,7 @@ def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, process_group=None) 
     """This rank's rows of the sum over ranks of a @ b: a (W M, K), b (K, N) -> (M, N), rank r
     gets rows [r M, (r + 1) M); fused through symmetric memory when use_symmetric_memory is
     on."""
-    name = _symmetric_group(a, process_group)
+    name = symmetric_group(a, process_group)
     if name is not None:
         return torch.ops.symm_mem.fused_matmul_reduce_scatter(a, b, "sum", 0, name)
     return te_dist.reduce_scatter_along_first_dim(torch.mm(a, b), process_group)[0]

@@ -16,8 +16,13 @@ def to_device_async(values, dtype: torch.dtype, device: torch.device) -> torch.T
     reuse)."""
     if isinstance(values, torch.Tensor):
         host = values.to(dtype)
-    else:
-        host = torch.tensor(values, dtype=dtype)
-    if torch.device(device).type != "cuda" or torch.cuda.is_current_stream_capturing():
+    else:  # on the CPU whatever torch's default device is
+        host = torch.tensor(values, dtype=dtype, device="cpu")
+    on_host = host.device.type == "cpu"
+    if (
+        torch.device(device).type != "cuda"
+        or not on_host
+        or torch.cuda.is_current_stream_capturing()
+    ):
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)

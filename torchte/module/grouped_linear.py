@@ -79,6 +79,7 @@ from ._grouped_params import (
     unpack_parameters,
 )
 from ._lifecycle import ParameterInit, fill
+from ._linear_backward import gemm_record, linear_backward
 from ._linear_core import (
     LinearPlan,
     cast_to,
@@ -86,8 +87,6 @@ from ._linear_core import (
     check_unknown,
     default_init_method,
     gemm_plan,
-    gemm_record,
-    linear_backward,
     linear_forward,
 )
 from ._te_compat import SaveOriginalInputMixin

@@ -23,18 +23,17 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
+from . import _tp_gemm as tp_gemm
 from ._common import absent_output, restore_saved, save_for_backward
 from ._functorch import apply
 from ._lifecycle import ParameterInit, norm_inits
+from ._linear_backward import gemm_record, linear_backward, zero_grad_output
 from ._linear_core import (
     LinearCore,
     LinearPlan,
     cast_to,
     check_unknown,
-    gemm_record,
-    linear_backward,
     linear_forward,
-    zero_grad_output,
 )
 from ._norm_spec import NormSpec
 from ._tensor_parallel import check_divides, forked_init, tensor_parallel
@@ -55,7 +54,11 @@ def _ln_linear_forward(
         inp, ln_weight, ln_bias, plan.dtype, None if gather else quantizer, columnwise
     )
     if gather:  # under FP8 the gathered z moves as FP8 bytes (unless it is handed out)
-        z_in, z = tp.gather_gemm_input(z, quantizer, columnwise, norm.keep_output)
+        gemm, needs = (weight, bias, w_fp8, plan), (need_dgrad, need_wgrad)
+        y, z, z_saved, w_saved, _ = tp_gemm.gather_then_forward(
+            tp, z, quantizer, columnwise, norm.keep_output, gemm, needs
+        )
+        return y, z, (x2d, mean, rstd, z_saved, w_saved)
     y, z_saved, w_saved = linear_forward(z_in, weight, bias, w_fp8, plan, need_dgrad, need_wgrad)
     return y, z, (x2d, mean, rstd, z_saved, w_saved)
 

@@ -25,23 +25,23 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from torchte.distributed.overlap import RowsInFlight
 from torchte.kernels import activation as act_kernels
 from torchte.quantization.fused import activation_grad_to_fp8, activation_to_fp8
 from torchte.quantization.model_init import make_fp8_parameter, model_init_settings
 
+from . import _tp_gemm as tp_gemm
 from ._common import absent_output, restore_saved, save_for_backward
 from ._functorch import apply
 from ._lifecycle import ParameterInit, fill, norm_inits
+from ._linear_backward import GemmRecord, gemm_record, linear_backward
 from ._linear_core import (
-    GemmRecord,
     LinearPlan,
     cast_to,
     check_unknown,
     default_init_method,
     fprop,
     gemm_plan,
-    gemm_record,
-    linear_backward,
     linear_forward,
 )
 from ._norm_spec import NormSpec
@@ -112,20 +112,28 @@ def _mlp_forward(inp, params, w_fp8, plans: MLPPlan, spec: MLPSpec, needs):
     x2d, z_in, z, mean, rstd = spec.norm.run(
         inp, ln_weight, ln_bias, fc1.dtype, None if gather else quantizer, columnwise
     )
+    needs1 = (need_d1 or keep, need_w1 or keep)
     if gather:  # under FP8 the gathered z moves as FP8 bytes (unless it is handed out)
-        z_in, z = tp.gather_gemm_input(z, quantizer, columnwise, spec.norm.keep_output)
-    h, z_saved, w1_saved = linear_forward(
-        z_in, fc1_weight, fc1_bias, w_fp8[0], plans.fc1, need_d1 or keep, need_w1 or keep, keep
-    )
+        gemm = (fc1_weight, fc1_bias, w_fp8[0], fc1)
+        h, z, z_saved, w1_saved, _ = tp_gemm.gather_then_forward(
+            tp, z, quantizer, columnwise, spec.norm.keep_output, gemm, needs1, keep
+        )
+    else:
+        h, z_saved, w1_saved = linear_forward(
+            z_in, fc1_weight, fc1_bias, w_fp8[0], fc1, *needs1, keep
+        )
     h2d = h.reshape(-1, h.shape[-1])
     a_shape = (*h.shape[:-1], fc2_weight.shape[1])
     a = spec.activate(h2d, plans.fc2.input_quantizer(), need_w2 and plans.fc2.fp8_backward, a_shape)
     split = tp.split  # fc2 row-parallel: its bias goes in once, after the reduction
+    scatter = tp_gemm.overlapped_scatter(tp, plans.fc2) if split else None
     y, a_saved, w2_saved = linear_forward(
-        a, fc2_weight, None if split else fc2_bias, w_fp8[1], plans.fc2, need_d2, need_w2
-    )
+        a, fc2_weight, None if split else fc2_bias, w_fp8[1], plans.fc2, need_d2, need_w2,
+        scatter=scatter,
+    )  # fmt: skip
     if split:
-        y = tp.reduce_partial(y)
+        if scatter is None:
+            y = tp.reduce_partial(y)
         if fc2_bias is not None:
             y = y + cast_to(fc2_bias, y.dtype)
     saved = (x2d, mean, rstd, z_saved, w1_saved, None if keep else h2d, a_saved, w2_saved)
@@ -179,9 +187,12 @@ def _mlp_backward(ctx, grad_y, grad_z):
     db2 = None
     if ctx.split_bias_grad:  # this rank's rows (a partial sum under sequence parallelism)
         db2 = grad_y.reshape(-1, grad_y.shape[-1]).sum(0).to(ctx.plans.fc2.dtype)
+    dy_fp8 = made = None
     if tp.split and tp.sequence_parallel:
-        grad_y = tp.gather_sequence(grad_y)
-    da, dw2, db2_gemm = linear_backward(ctx.gemm2, grad_y, a_saved, w2_saved)
+        grad_y = tp_gemm.start_gather_grad(tp, grad_y, ctx.gemm2, ctx.plans.fc2)
+        if isinstance(grad_y, RowsInFlight):  # fc2's dgrad GEMM under the gather
+            made, grad_y, dy_fp8 = tp_gemm.dgrad_gathered(grad_y, ctx.gemm2, w2_saved)
+    da, dw2, db2_gemm = linear_backward(ctx.gemm2, grad_y, a_saved, w2_saved, dy_fp8, dgrad=made)
     db2 = db2_gemm if db2 is None else db2
     dx = d_ln_w = d_ln_b = dw1 = db1 = None
     if da is not None:

@@ -19,18 +19,19 @@ import torch.nn.functional as F
 
 from torchte import distributed as te_dist
 from torchte.autocast import autocast_state
+from torchte.distributed.overlap import RowsInFlight
 from torchte.quantization.float8_tensor import Float8Tensor
 
+from . import _tp_gemm as tp_gemm
 from ._common import restore_saved, save_for_backward
 from ._functorch import apply
+from ._linear_backward import gemm_record, linear_backward
 from ._linear_core import (
     LinearCore,
     LinearPlan,
     cast_to,
     check_save_original_input,
     check_unknown,
-    gemm_record,
-    linear_backward,
     linear_forward,
 )
 from ._te_compat import SaveOriginalInputMixin
@@ -48,15 +49,20 @@ def _split_forward(inp, weight, bias, w_fp8, plan: LinearPlan, tp, needs):
     need_dgrad, need_wgrad = needs
     if _fuses_symmetric(plan, tp):
         return _symmetric_forward(inp, weight, bias, plan, tp, needs)
-    x = inp
     if tp.gathers_sequence:
-        quantizer = plan.input_quantizer()
         columnwise = need_wgrad and plan.fp8_backward
-        x = tp.gather_gemm_input(inp, quantizer, columnwise, keep_output=False)[0]
-    y, x_saved, w_saved = linear_forward(x, weight, bias, w_fp8, plan, need_dgrad, need_wgrad)
-    if tp.mode == "row":
+        gemm = (weight, bias, w_fp8, plan)
+        y, _, x_saved, w_saved, shape = tp_gemm.gather_then_forward(
+            tp, inp, plan.input_quantizer(), columnwise, False, gemm, needs
+        )
+        return y, x_saved, w_saved, shape
+    scatter = tp_gemm.overlapped_scatter(tp, plan) if tp.mode == "row" else None
+    y, x_saved, w_saved = linear_forward(
+        inp, weight, bias, w_fp8, plan, need_dgrad, need_wgrad, scatter=scatter
+    )
+    if tp.mode == "row" and scatter is None:
         y = tp.reduce_partial(y)
-    return y, x_saved, w_saved, x.shape
+    return y, x_saved, w_saved, inp.shape
 
 
 def _fuses_symmetric(plan: LinearPlan, tp) -> bool:
@@ -132,10 +138,13 @@ class _LinearFunction(torch.autograd.Function):
             dgrad, grad_out = _symmetric_dgrad(tp, grad_out, w_saved, ctx.inp_shape)
         elif tp is not None:
             if tp.mode == "row" and tp.sequence_parallel:  # the output was reduce-scattered
-                grad_out = tp.gather_sequence(grad_out)
+                grad_out = tp_gemm.start_gather_grad(tp, grad_out, ctx.gemm, ctx.gemm.plan)
             reduction = tp.input_grad_reduction()  # column: overlaps the wgrad GEMM
+        dy_fp8 = made = None
+        if isinstance(grad_out, RowsInFlight):  # the dgrad GEMM under the gather
+            made, grad_out, dy_fp8 = tp_gemm.dgrad_gathered(grad_out, ctx.gemm, w_saved)
         gemm_dgrad, wgrad, dbias = linear_backward(
-            ctx.gemm, grad_out, x_saved, w_saved, start_reduction=reduction
+            ctx.gemm, grad_out, x_saved, w_saved, dy_fp8, start_reduction=reduction, dgrad=made
         )
         return gemm_dgrad if dgrad is None else dgrad, wgrad, dbias, None, None
 

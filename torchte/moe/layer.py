@@ -18,6 +18,14 @@ router logits for NaN) or on the device (an integer tensor; nothing in a call wa
 device, so a CUDA graph can capture a step). With device splits the buffer has the most rows
 any routing can need, T k + E (EXPERT_ALIGN - 1), the spare ones (zero rows, probability 0)
 given to the last expert.
+
+Expert parallelism (ep_group of P ranks): this rank holds experts [r E / P, (r + 1) E / P) of
+the E (its grouped MLP has E / P groups); its T tokens are routed over all E experts, their k
+copies sent with their probabilities to the ranks holding their experts by an all-to-all (the
+counts exchanged first, read on the host once a call), grouped by local expert and padded
+there, run through the local experts and sent back by the inverse all-to-all, where each
+token's k rows are summed (torchte/distributed/expert_parallel.py). With a shared expert on
+NCCL, its MLP runs while the dispatch all-to-all is in flight (ep_overlap).
 """
 
 from __future__ import annotations
@@ -31,6 +39,16 @@ from torch import nn
 
 from .._device import default_device
 from .._group_splits import group_splits
+from ..distributed.expert_parallel import (
+    DispatchPlan,
+    ExpertParallel,
+    combine,
+    dispatch,
+    exchange_counts,
+    overlaps,
+    pad_rows,
+    unpad_rows,
+)
 from ..kernels.activation import is_gated
 from ..kernels.permutation import mask_row_id_map
 from ..module.norm import LayerNorm, RMSNorm
@@ -105,7 +123,13 @@ class MoELayer(nn.Module):
     experts' compute dtype), the experts' FP8 input is cast straight from the tokens by the
     permutation's gather (_fused_permute.py), the permuted rows never written in high
     precision; the same bits as without (default False: on an H200 at the large training
-    example's shape a layer step took 1.5% longer fused, docs/benchmarks.md).
+    example's shape a layer step took 1.5% longer fused, docs/benchmarks.md); ep_group: a
+    process group over which the experts are split (expert parallelism, above; P must divide
+    E; host split sizes only: device_splits=True with more than one rank raises); ep_overlap:
+    under expert parallelism on NCCL, the shared expert runs while the dispatch all-to-all is
+    in flight (default True). Expert parameters carry Megatron-Core's `allreduce` attribute
+    (False under expert parallelism: their gradients are not reduced over the data-parallel
+    ranks of the dense parameters) and `tensor_model_parallel` = False.
 
     Router logits with NaN raise a ValueError naming the layer wherever the split sizes are
     read on the host (every CPU call, GPU calls with host splits). With device splits on a GPU
@@ -143,6 +167,8 @@ class MoELayer(nn.Module):
         normalization: str | None = None,
         single_grouped_weight: bool = False,
         fuse_permute_cast: bool = False,
+        ep_group=None,
+        ep_overlap: bool = True,
     ) -> None:
         super().__init__()
         _check_args(
@@ -160,6 +186,9 @@ class MoELayer(nn.Module):
         self.aux_loss_coeff, self.router_dtype = float(aux_loss_coeff), router_dtype
         self.device_splits, self.bias = device_splits, bool(bias)
         self.fuse_permute_cast = bool(fuse_permute_cast)
+        self._ep = _expert_parallel(ep_group, num_experts, device_splits)
+        self.ep_group, self.ep_overlap = ep_group, bool(ep_overlap)
+        local_experts = num_experts if self._ep is None else self._ep.num_local
         self.norm = None
         if normalization is not None:
             if normalization not in ("LayerNorm", "RMSNorm"):
@@ -185,9 +214,12 @@ class MoELayer(nn.Module):
                 f"MoELayer: single_grouped_weight must be a bool, got {single_grouped_weight!r}"
             )
         self.experts = _expert_mlp(
-            num_experts, hidden_size, ffn_hidden_size, activation, dtype, device,
+            local_experts, hidden_size, ffn_hidden_size, activation, dtype, device,
             init_method, output_layer_init_method, self.bias, single_grouped_weight,
         )  # fmt: skip
+        for param in self.experts.parameters():  # what Megatron-Core's DDP and optimizer read
+            param.allreduce = self._ep is None
+            param.tensor_model_parallel = False
         self.shared_experts = None
         if shared_expert_ffn_hidden_size is not None:
             self.shared_experts = _shared_mlp(
@@ -223,8 +255,12 @@ class MoELayer(nn.Module):
             with torch.no_grad():
                 self.local_tokens_per_expert.add_(counts_E)
         on_device = x.is_cuda if self.device_splits is None else bool(self.device_splits)
+        on_device = on_device and self._ep is None  # expert parallelism: host splits
         checked = not on_device or not x.is_cuda
-        if on_device:
+        shared_TH = None
+        if self._ep is not None:
+            y_TH, shared_TH = self._experts_parallel(x_TH, probs_TE, map_TE, counts_E, logits_TE)
+        elif on_device:
             x_PH, probs_P, row_id_map, pad_offsets, m_splits = self._permute_on_device(
                 x_TH, probs_TE, map_TE, counts_E, logits_TE if checked else None
             )
@@ -232,16 +268,15 @@ class MoELayer(nn.Module):
             x_PH, probs_P, row_id_map, pad_offsets, m_splits = self._permute_on_host(
                 x_TH, probs_TE, map_TE, counts_E, logits_TE
             )
-        # fc2's bias (with bias=True) is scaled by the probability too (scale_bias)
-        extra = (probs_P,) if self.bias else ()
-        y_PH = self.experts(x_PH, m_splits, probs_P, m_splits, *extra)
-        # the probabilities were applied inside the MLP: a plain sum of each token's rows
-        y_TH = moe_unpermute(y_PH, row_id_map, None, None, "mask", None, pad_offsets)
+        if self._ep is None:
+            y_PH = self._run_experts(x_PH, probs_P, m_splits)
+            # the probabilities were applied inside the MLP: a plain sum of each token's rows
+            y_TH = moe_unpermute(y_PH, row_id_map, None, None, "mask", None, pad_offsets)
         if not checked:
             bad_T1 = torch.isnan(logits_TE).any(dim=-1, keepdim=True)
             y_TH = torch.where(bad_T1, torch.full_like(y_TH, float("nan")), y_TH)
         if self.shared_experts is not None:
-            y_TH = y_TH + self.shared_experts(x_TH)
+            y_TH = y_TH + (self.shared_experts(x_TH) if shared_TH is None else shared_TH)
         self._set_aux_loss(logits_TE)
         return y_TH.to(x.dtype).view(x.shape)
 
@@ -251,6 +286,35 @@ class MoELayer(nn.Module):
         """(T, E) router logits in router_dtype, outside torch.autocast (they choose)."""
         with torch.autocast(x_TH.device.type, enabled=False):
             return F.linear(x_TH.to(self.router_dtype), self.router.weight)
+
+    def _run_experts(self, x_PH, probs_P, m_splits) -> torch.Tensor:
+        """y (P, H): the grouped MLP on the padded rows; fc2's bias (with bias=True) is scaled
+        by the probability too (scale_bias)."""
+        extra = (probs_P,) if self.bias else ()
+        return self.experts(x_PH, m_splits, probs_P, m_splits, *extra)
+
+    def _experts_parallel(self, x_TH, probs_TE, map_TE, counts_E, logits_TE):
+        """(y_TH, the shared expert's output or None): the routed experts' sum with the experts
+        split over ep_group (the module's docstring); the shared expert runs under the
+        dispatch all-to-all where that overlaps (NCCL), else the caller runs it."""
+        ep = self._ep
+        nan_flag = torch.isnan(logits_TE).any()
+        counts, received, bad = exchange_counts(counts_E, ep, nan_flag)
+        if bad:  # on every rank alike: the flags travel with the counts
+            raise self._nan_error()
+        plan = DispatchPlan.make(counts, received, ep, EXPERT_ALIGN, x_TH.device)
+        routes = x_TH.shape[0] * self.top_k
+        x_NH, row_id_map, probs_N = MaskPermute.apply(
+            x_TH, map_TE, probs_TE, None, Plan(num_out_tokens=routes)
+        )
+        overlap = self.ep_overlap and self.shared_experts is not None and overlaps(ep.group)
+        x_RH, probs_R, pending = dispatch(x_NH, probs_N, plan, async_op=overlap)
+        shared_TH = self.shared_experts(x_TH) if overlap else None
+        pending.wait()
+        y_PH = self._run_experts(pad_rows(x_RH, plan), pad_rows(probs_R, plan), plan.m_splits)
+        y_NH = combine(unpad_rows(y_PH, plan), plan)
+        y_TH = moe_unpermute(y_NH, row_id_map, None, None, "mask", None, None)
+        return y_TH, shared_TH
 
     def _nan_error(self) -> ValueError:
         return ValueError(
@@ -380,6 +444,24 @@ def _shared_mlp(hidden, ffn, activation, dtype, device, init, out_init, bias) ->
             if fn is not None:
                 fn(getattr(mlp, name).weight)
     return mlp
+
+
+def _expert_parallel(group, num_experts: int, device_splits) -> ExpertParallel | None:
+    """The experts' split over `group` (None without one, or with one rank); ValueError
+    unless its ranks divide num_experts, or with device_splits=True over several ranks."""
+    if group is None:
+        return None
+    ep = ExpertParallel.of(group, num_experts)
+    if ep.size == 1:
+        return None
+    if device_splits:
+        raise ValueError(
+            "MoELayer: expert parallelism exchanges the experts' row counts on the host (one "
+            "synchronization a call): device_splits=True with an ep_group of "
+            f"{ep.size} ranks is not supported (an all-to-all with device split sizes needs "
+            "torch's NVSHMEM all_to_all_vdev); pass device_splits=False or None"
+        )
+    return ep
 
 
 def _check_positive(name: str, value) -> None:

@@ -294,15 +294,25 @@ class _Float8Quantizer(TEQuantizerMethods, Quantizer):
         columnwise. reduce_max(t) all-reduces t in place with MAX over the ranks; gather(t)
         all-gathers t along dim 0 (uint8 here). The same bytes as quantizing the gathered
         tensor: see _group_scale."""
+        _, local_bytes, make_whole = self.cast_for_gather(x_hp, reduce_max)
+        return make_whole(gather(local_bytes), columnwise)
+
+    def cast_for_gather(self, x_hp, reduce_max):
+        """quantize_gathered in parts, for a gather the caller runs (asynchronously): (this
+        rank's rows as a Float8Storage (rowwise), their bytes uint8 of x_hp's shape to gather,
+        make_whole(gathered bytes (P M, ..., N), columnwise) -> the whole Float8Storage)."""
         data, _, scale_inv = self._cast_agreed(_as_2d(x_hp), reduce_max, True, False)
-        gathered = gather(data.view(torch.uint8).view(x_hp.shape)).view(self.fp8_dtype)
-        shape = tuple(gathered.shape)
-        storage = Float8Storage(
-            gathered.reshape(-1, shape[-1]), None, scale_inv, self.fp8_dtype, shape
-        )
-        if columnwise:
-            storage.update_usage(columnwise_usage=True)
-        return storage
+        local = Float8Storage(data, None, scale_inv, self.fp8_dtype, tuple(x_hp.shape))
+
+        def make_whole(gathered: torch.Tensor, columnwise: bool) -> Float8Storage:
+            shape = tuple(gathered.shape)
+            rows = gathered.view(self.fp8_dtype).reshape(-1, shape[-1])
+            storage = Float8Storage(rows, None, scale_inv, self.fp8_dtype, shape)
+            if columnwise:
+                storage.update_usage(columnwise_usage=True)
+            return storage
+
+        return local, data.view(torch.uint8).view(x_hp.shape), make_whole
 
     def _cast_agreed(self, x2d, reduce_max, rowwise: bool, columnwise: bool):
         """(rowwise, columnwise, scale_inv) of x2d cast with the scale the ranks agree on

@@ -22,7 +22,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from torchte.distributed.collectives import allreduce
+from torchte._collectives import allreduce
 
 from .float8 import Float8CurrentScalingQuantizer, Float8Storage
 

@@ -26,8 +26,9 @@ from .config import (
     RunConfig,
 )
 from .cuda_graph import CUDA_GRAPH_MODES, resolve_cuda_graph
+from .ep_run import check_ep
 from .fsdp_run import check_fsdp, data_parallel_ranks
-from .parallel import check_launch
+from .parallel import check_launch, launch_mismatch
 from .precision import choose_compute_dtype
 
 __all__ = ["DESCRIPTION", "build_parser", "parse_args"]
@@ -131,6 +132,22 @@ def build_parser() -> argparse.ArgumentParser:
         help="tensor-parallel ranks (launch with torchrun --nproc-per-node N; default 1)",
     )
     p.add_argument(
+        "--ep",
+        type=int,
+        default=1,
+        help="expert-parallel ranks (with --experts E, N dividing E; launch with torchrun "
+        "--nproc-per-node N): each rank holds E / N experts of every MoE layer and trains on "
+        "its share of every batch (default 1)",
+    )
+    p.add_argument(
+        "--cp",
+        type=int,
+        default=1,
+        help="context-parallel ranks (launch with torchrun --nproc-per-node N): every rank "
+        "trains on the same rows of each batch, each on its load-balanced share of every "
+        "sequence (--seq-len a multiple of 2 N; dense models, not --packed; default 1)",
+    )
+    p.add_argument(
         "--sequence-parallel",
         action="store_true",
         help="with --tp: each rank keeps its rows of the batch between the split layers",
@@ -208,6 +225,31 @@ def _fp8_supported(args: argparse.Namespace, recipes: tuple[str, ...]) -> tuple[
     )
 
 
+def check_cp(args) -> str | None:
+    """Why `--cp N` cannot run with these arguments (None when it can)."""
+    if args.cp < 1:
+        return f"--cp must be at least 1, got {args.cp}"
+    if args.cp == 1:
+        return None
+    for flag, on in (
+        ("--tp", args.tp > 1),
+        ("--fsdp", args.fsdp),
+        ("--experts", bool(args.experts)),
+        ("--packed", args.packed),
+        ("--ep", args.ep > 1),
+    ):
+        if on:
+            return f"--cp {args.cp} with {flag} is not implemented (--cp trains a dense model)"
+    preset = SIZES[args.size or ("large" if args.device == "cuda" else "tiny")]
+    seq_len = preset.seq_len if args.seq_len is None else args.seq_len
+    if seq_len % (2 * args.cp):
+        return (
+            f"--cp {args.cp} cuts each sequence in {2 * args.cp} chunks: --seq-len {seq_len} "
+            f"must be a multiple of {2 * args.cp}"
+        )
+    return launch_mismatch("--cp", args.cp)
+
+
 def parse_args(argv: list[str] | None = None) -> tuple[ModelConfig, RunConfig]:
     """The model and run configurations of the command line (SystemExit on bad values)."""
     p = build_parser()
@@ -219,9 +261,15 @@ def parse_args(argv: list[str] | None = None) -> tuple[ModelConfig, RunConfig]:
     preset = SIZES[args.size or ("large" if args.device == "cuda" else "tiny")]
     steps = preset.steps if args.steps is None else args.steps
     recipes = _recipes(p, args)
-    why = check_launch(args.tp, args.fsdp)
+    why = check_ep(args) or check_cp(args) or check_launch(args.tp, args.fsdp)
     if why is None and args.tp > 1 and args.experts:
         why = f"--tp {args.tp} with --experts is not implemented yet"
+    batch = preset.batch_size if args.batch_size is None else args.batch_size
+    if why is None and args.ep > 1 and batch % args.ep:
+        why = (
+            f"--ep {args.ep} splits each batch over its ranks: --batch-size {batch} must be a "
+            f"multiple of {args.ep}"
+        )
     if why is None and args.sequence_parallel and args.tp == 1:
         why = "--sequence-parallel needs --tp N with N > 1"
     if why is None:
@@ -256,6 +304,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[ModelConfig, RunConfig]:
         graphs, graphs_reason = resolve_cuda_graph(
             args.cuda_graph, args.device, args.tp, args.fsdp, args.packed, bool(args.experts)
         )
+        if args.cp > 1 and graphs and args.cuda_graph == "auto":  # several processes
+            graphs, graphs_reason = False, "auto: not with --cp"
+        if args.ep > 1 and graphs and args.cuda_graph == "auto":  # several processes
+            graphs, graphs_reason = False, "auto: not with --ep, which reads row counts"
         config = RunConfig(
             recipes=recipes,
             device=args.device,
@@ -276,6 +328,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[ModelConfig, RunConfig]:
             stop_at=args.stop_at,
             tp=args.tp,
             sequence_parallel=args.sequence_parallel,
+            ep=args.ep,
+            cp=args.cp,
             fsdp=args.fsdp,
             fp8_all_gather=args.fp8_all_gather,
             fsdp_gather_dtype=args.fsdp_gather_dtype,
@@ -292,7 +346,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[ModelConfig, RunConfig]:
         p.error("--fp8-all-gather gathers FP8 weights: it needs --recipe delayed or current")
     if config.fp8_all_gather and set(config.recipes) - per_tensor - {"bf16"}:
         p.error("--fp8-all-gather with a block-scaled --recipe is not implemented yet")
-    ranks = data_parallel_ranks(config.fsdp, config.tp)  # each trains on batch / ranks rows
+    # each trains on batch / ranks rows
+    ranks = data_parallel_ranks(config.fsdp, config.tp) * config.ep
     if config.sequence_parallel and (config.batch_size // ranks) % config.tp:
         p.error(
             f"--sequence-parallel splits each rank's rows of the batch over the {config.tp} "

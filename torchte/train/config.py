@@ -179,6 +179,13 @@ class RunConfig:
     """Tensor-parallel ranks (processes started by torchrun)."""
     sequence_parallel: bool = False
     """With tp > 1: each rank holds its rows of the batch between the split layers."""
+    cp: int = 1
+    """Context-parallel ranks (processes started by torchrun): every rank trains on the same
+    rows of each batch, each on its load-balanced share of every sequence (chunks r and
+    2 cp - 1 - r of 2 cp); the weights stay whole on every rank, their gradients summed."""
+    ep: int = 1
+    """Expert-parallel ranks (processes started by torchrun): each holds its share of every
+    MoE layer's experts and trains on its share of every batch (ep_run.py)."""
     fsdp: bool = False
     """Sharded data parallelism (FSDP2) over the processes torchrun started; checkpoints are
     torch.distributed.checkpoint folders."""
@@ -226,10 +233,10 @@ class RunConfig:
             )
         if self.max_bytes < 1:
             raise ValueError(f"--max-bytes must be positive, got {self.max_bytes}")
-        if self.cuda_graph and (self.tp > 1 or self.fsdp):
+        if self.cuda_graph and (self.tp > 1 or self.fsdp or self.ep > 1 or self.cp > 1):
             raise ValueError(
-                "--cuda-graph on captures one process's blocks: it does not go with --tp or "
-                "--fsdp; use --cuda-graph off"
+                "--cuda-graph on captures one process's blocks: it does not go with --tp, "
+                "--ep, --cp or --fsdp; use --cuda-graph off"
             )
         if self.fsdp_gather_dtype not in GATHER_DTYPES:
             raise ValueError(

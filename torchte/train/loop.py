@@ -35,10 +35,12 @@ from torch.distributed.tensor import DTensor
 import torchte as te
 from torchte import recipe as te_recipe
 from torchte.distributed import fsdp as te_fsdp
+from torchte.distributed.context_parallel import split_for_cp_rank
 
 from . import checkpoint, cuda_graph
 from .config import ModelConfig, RunConfig
 from .data import BatchSampler, Corpus, validation_batches
+from .ep_run import is_expert, reduce_dense_grads, shard_experts_from
 from .fsdp_run import DataParallel, local_rows, shard_model
 from .fsdp_state import load_sharded, read_position, save_sharded
 from .model import GPT, restore_scaling, scaling_snapshot, shard_from
@@ -113,7 +115,8 @@ def clip_grad_norm(params: list, max_norm: float, tp_group, dp_group=None) -> No
         return
     with_grad = [p for p in params if p.grad is not None]
     grads = [_local(p.grad) for p in with_grad]
-    is_split = [getattr(p, "tensor_model_parallel", False) for p in with_grad]
+    # split over tp_group: tensor-parallel pieces, or (expert parallelism) this rank's experts
+    is_split = [getattr(p, "tensor_model_parallel", False) or is_expert(p) for p in with_grad]
     split = [g for g, s in zip(grads, is_split, strict=True) if s]
     whole = [g for g, s in zip(grads, is_split, strict=True) if not s]
     zero = torch.zeros((), dtype=torch.float32, device=grads[0].device)
@@ -148,12 +151,14 @@ class Trainer:
         corpus: Corpus,
         tp_group=None,
         dp: DataParallel | None = None,
+        ep_group=None,
     ) -> None:
         """tp_group: tensor parallelism over its ranks (each draws the same batches; the model
         starts from the one-rank model's weights of the seed); with config.sequence_parallel
         each rank computes the loss of its rows of the batch (see _backward). dp: the model
         sharded by FSDP over its ranks (fsdp_run.py), each training on its rows of the batch;
-        the delayed-scaling amaxes are reduced over them."""
+        the delayed-scaling amaxes are reduced over them. ep_group: the MoE layers' experts
+        split over its ranks (ep_run.py), each training on its rows of the batch."""
         self.name, self.config, self.corpus = name, config, corpus
         self.label = config.label(name)
         self.device = torch.device(config.device)
@@ -177,10 +182,23 @@ class Trainer:
             shard_from(
                 self.model, whole, dist.get_rank(self.tp_group), dist.get_world_size(self.tp_group)
             )
+        self.ep_group, self.ep_ranks = None, 1
+        if ep_group is not None and dist.get_world_size(ep_group) > 1:
+            whole = self.model
+            self.ep_group, self.ep_ranks = ep_group, dist.get_world_size(ep_group)
+            self.model = GPT(model_config, PARAMS_DTYPE, self.device, ep_group=ep_group)
+            shard_experts_from(self.model, whole, dist.get_rank(ep_group), self.ep_ranks)
         self.dp = dp
+        # context parallelism (config.cp, torchrun's processes): each rank its share of every
+        # sequence, the weights whole on every rank
+        self.cp_group, self.cp_ranks = None, config.cp
+        if config.cp > 1:
+            self.cp_group = dist.group.WORLD
+            self.model.set_context_parallel_group(self.cp_group)
         # The loss is divided by every rank its batch is split over before backward (see
         # _backward), and the data-parallel ranks' gradients are summed.
-        self.loss_parts = self.sp_ranks * (dp.size if dp is not None else 1)
+        self.loss_parts = self.sp_ranks * self.ep_ranks * (dp.size if dp is not None else 1)
+        self.loss_parts *= self.cp_ranks
         if dp is not None:
             fp8_gather = config.fp8_all_gather and self.recipe is not None
             shard_model(self.model, dp.mesh, fp8_gather, config.fsdp_gather_dtype)
@@ -217,10 +235,16 @@ class Trainer:
         if self.sp_ranks > 1:  # this rank's rows of the batch
             rank = dist.get_rank(self.tp_group)
             batch = tuple(local_rows(t, rank, self.sp_ranks) for t in batch)
+        if self.ep_ranks > 1:  # this rank's rows of the batch
+            rank = dist.get_rank(self.ep_group)
+            batch = tuple(local_rows(t, rank, self.ep_ranks) for t in batch)
+        if self.cp_ranks > 1:  # this rank's share of every sequence
+            rank = dist.get_rank(self.cp_group)
+            batch = tuple(split_for_cp_rank(t, self.cp_ranks, rank, 1) for t in batch)
         inputs, targets, *doc_starts = (t.to(self.device, non_blocking=True) for t in batch)
         # Delayed scaling's amaxes: over every rank (the data-parallel copies of a tensor and
         # its tensor-parallel pieces).
-        amax_group = None if self.dp is None else dist.group.WORLD
+        amax_group = None if self.dp is None and self.ep_group is None else dist.group.WORLD
         fp8 = te.autocast(
             self.recipe is not None, recipe=self.recipe, amax_reduction_group=amax_group
         )
@@ -243,11 +267,12 @@ class Trainer:
         loss = self._loss(*self.sampler.next())
         self.optimizer.zero_grad(set_to_none=True)
         self._backward(loss)
-        if self.tp_group is None and self.dp is None:  # every gradient whole on this process
+        split_group = self.tp_group if self.ep_group is None else self.ep_group
+        if split_group is None and self.dp is None:  # every gradient whole on this process
             self.optimizer.clip_and_step(GRAD_CLIP, torch.nn.utils.clip_grad_norm_)
         else:
             dp_group = self.dp.group if self.dp is not None else None
-            clip_grad_norm(list(self.model.parameters()), GRAD_CLIP, self.tp_group, dp_group)
+            clip_grad_norm(list(self.model.parameters()), GRAD_CLIP, split_group, dp_group)
             self.optimizer.step()
         if self.dp is not None:  # FP8-gathered weights: their scales in one all-reduce
             te_fsdp.precompute_fp8_scales(self.model)
@@ -282,6 +307,12 @@ class Trainer:
             loss.backward()
             return
         (loss / self.loss_parts).backward()
+        if self.ep_group is not None:  # the dense parts summed; the experts' are whole
+            reduce_dense_grads(self.model, self.ep_group)
+        if self.cp_group is not None:  # each rank's sequence shares' partial sums
+            for p in self.model.parameters():
+                if p.grad is not None:
+                    dist.all_reduce(_local(p.grad), group=self.cp_group)
         if self.sp_ranks == 1:
             return
         whole = [
@@ -297,6 +328,10 @@ class Trainer:
         or data parallelism, whose row counts are equal)."""
         if self.sp_ranks > 1:
             loss = _mean_over(loss, self.tp_group, self.sp_ranks)
+        if self.ep_ranks > 1:
+            loss = _mean_over(loss, self.ep_group, self.ep_ranks)
+        if self.cp_ranks > 1:
+            loss = _mean_over(loss, self.cp_group, self.cp_ranks)
         if self.dp is not None and self.dp.size > 1:
             loss = _mean_over(loss, self.dp.group, self.dp.size)
         return loss
@@ -398,7 +433,7 @@ class Trainer:
             model, optim = self.model.state_dict(), self.optimizer.state_dict()
             if self.tp_group is not None:  # the whole model's, written by rank 0 (tp_state.py)
                 model, optim = whole_state(self.model, self.optimizer, self.tp_group)
-            if self.tp_group is None or dist.get_rank(self.tp_group) == 0:
+            if (self.tp_group is None and self.cp_group is None) or dist.get_rank() == 0:
                 state = {**self._position(), "model": model, "optimizer": optim}
                 checkpoint.save_checkpoint(path, state)
         self.saved = (path, self.step)

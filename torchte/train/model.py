@@ -43,6 +43,7 @@ import torch.distributed as dist
 from torch import nn
 
 import torchte as te
+from torchte.distributed.context_parallel import split_for_cp_rank
 from torchte.kernels.activation import is_gated
 from torchte.module.base import TransformerEngineBaseModule
 
@@ -100,9 +101,15 @@ class MoEBlock(nn.Module):
     x (B, S, H), or (T, H) packed -> the same shape."""
 
     def __init__(
-        self, config: ModelConfig, number: int, kw: dict, device_splits: bool | None = None
+        self,
+        config: ModelConfig,
+        number: int,
+        kw: dict,
+        device_splits: bool | None = None,
+        ep_group=None,
     ) -> None:
-        """device_splits: MoEMLP's (None: the example's default)."""
+        """device_splits: MoEMLP's (None: the example's default); ep_group: its experts split
+        over these ranks (expert parallelism)."""
         super().__init__()
         out_std = INIT_STD / math.sqrt(2 * config.layers)
         qkv_format, mask = _format(config)
@@ -121,7 +128,7 @@ class MoEBlock(nn.Module):
         self.mlp = MoEMLP(
             config.hidden, config.ffn, config.experts, config.top_k,
             kw["params_dtype"], kw["device"], _normal(INIT_STD), _normal(out_std),
-            config.normalization, config.activation, device_splits,
+            config.normalization, config.activation, device_splits, ep_group,
         )  # fmt: skip
 
     def forward(self, x: torch.Tensor, **attention: object) -> torch.Tensor:
@@ -142,9 +149,11 @@ class GPT(nn.Module):
         tp_group=None,
         sequence_parallel: bool = False,
         moe_device_splits: bool | None = None,
+        ep_group=None,
     ) -> None:
         """moe_device_splits: where the MoE layers keep their experts' row counts (True: on the
-        device, as CUDA graphs need; None: moe.DEVICE_SPLITS)."""
+        device, as CUDA graphs need; None: moe.DEVICE_SPLITS); ep_group: the MoE layers'
+        experts split over its ranks (expert parallelism, ep_run.py)."""
         super().__init__()
         self.config = config
         tp = {}
@@ -161,6 +170,7 @@ class GPT(nn.Module):
         kw = {"params_dtype": dtype, "device": device}
         self.tok_emb = nn.Embedding(config.vocab, config.hidden, device=device, dtype=dtype)
         nn.init.normal_(self.tok_emb.weight, mean=0.0, std=INIT_STD)
+        self.cp_positions = None  # context parallelism: this rank's positions (S / cp,)
         if config.rope:  # (S, 1, 1, hd) fp32 angles, not saved: they follow from the config
             freqs = te.RotaryPositionEmbedding(config.head_dim)(config.seq_len)
             self.register_buffer("rope_freqs", freqs.to(device), persistent=False)
@@ -168,7 +178,7 @@ class GPT(nn.Module):
             self.pos_emb = nn.Embedding(config.seq_len, config.hidden, device=device, dtype=dtype)
             nn.init.normal_(self.pos_emb.weight, mean=0.0, std=INIT_STD)
         self.blocks = nn.ModuleList(
-            MoEBlock(config, i + 1, kw, moe_device_splits)
+            MoEBlock(config, i + 1, kw, moe_device_splits, ep_group)
             if config.experts
             else dense_block(config, i + 1, kw, tp)
             for i in range(config.layers)
@@ -177,6 +187,17 @@ class GPT(nn.Module):
         norm = te.RMSNorm if config.normalization == "RMSNorm" else te.LayerNorm
         self.norm = norm(config.hidden, sequence_parallel=split_rows, **kw)
         self.head = te.Linear(config.hidden, config.vocab, init_method=_normal(INIT_STD), **kw)
+
+    def set_context_parallel_group(self, cp_group) -> None:
+        """Context parallelism over cp_group: every block's self-attention attends over the
+        ranks' shares of each sequence (RoPE at this rank's positions), and the learned
+        position embeddings take this rank's positions."""
+        ranks = list(range(dist.get_world_size(cp_group)))
+        for block in self.blocks:
+            block.set_context_parallel_group(cp_group, ranks, None, "p2p")
+        cp, rank = len(ranks), dist.get_rank(cp_group)
+        whole = torch.arange(self.config.seq_len)
+        self.cp_positions = split_for_cp_rank(whole, cp, rank, 0)
 
     def forward(
         self, tokens_BS: torch.Tensor, doc_starts_BS: torch.Tensor | None = None
@@ -195,6 +216,8 @@ class GPT(nn.Module):
             )  # fmt: skip
         if not self.config.rope:
             positions = torch.arange(s, device=tokens_BS.device)
+            if self.cp_positions is not None:  # this rank's share of each sequence
+                positions = self.cp_positions.to(tokens_BS.device)
             if self.config.packed:
                 positions = packing.positions(doc_starts_BS.to(tokens_BS.device))
             x = x + self.pos_emb(positions)

@@ -48,14 +48,16 @@ class MoEMLP(MoELayer):
         normalization: str = "LayerNorm",
         activation: str = "gelu",
         device_splits: bool | None = None,
+        ep_group=None,
     ) -> None:
         """device_splits: the row counts on the device (True) or the host (False); None:
-        DEVICE_SPLITS as it is now."""
+        DEVICE_SPLITS as it is now. ep_group: the experts split over its ranks (expert
+        parallelism, ep_run.py; host row counts)."""
         if device_splits is None:
             device_splits = DEVICE_SPLITS
         super().__init__(
             hidden, ffn, num_experts, top_k, activation=activation, params_dtype=dtype,
             device=device, init_method=init, output_layer_init_method=out_init, bias=True,
             device_splits=device_splits, normalization=normalization,
-            single_grouped_weight=True,
+            single_grouped_weight=True, ep_group=ep_group,
         )  # fmt: skip

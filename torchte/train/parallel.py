@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
-__all__ = ["check_launch", "launched_run", "tensor_parallel_run"]
+__all__ = ["check_launch", "launch_mismatch", "launched_run", "tensor_parallel_run"]
 
 
 def check_launch(tp: int, fsdp: bool = False) -> str | None:
@@ -25,14 +25,20 @@ def check_launch(tp: int, fsdp: bool = False) -> str | None:
         return f"--tp must be at least 1, got {tp}"
     if tp == 1 or fsdp:
         return None
+    return launch_mismatch("--tp", tp)
+
+
+def launch_mismatch(option: str, ranks: int, flags: str = "") -> str | None:
+    """Why `option ranks` cannot run in this process: unless torchrun started `ranks`
+    processes, the message with the command that does (flags: other options it needs)."""
     world = os.environ.get("WORLD_SIZE")
-    if world != str(tp):
-        found = "not under torchrun" if world is None else f"WORLD_SIZE={world}"
-        return (
-            f"--tp {tp} trains over {tp} processes ({found}): launch it with torchrun "
-            f"--nproc-per-node {tp} -m torchte.train --tp {tp} ..."
-        )
-    return None
+    if world == str(ranks):
+        return None
+    found = "not under torchrun" if world is None else f"WORLD_SIZE={world}"
+    return (
+        f"{option} {ranks} trains over {ranks} processes ({found}): launch it with torchrun "
+        f"--nproc-per-node {ranks} -m torchte.train {flags}{option} {ranks} ..."
+    )
 
 
 @contextlib.contextmanager

@@ -80,12 +80,22 @@ def train(argv: list[str] | None = None) -> list[RunResult]:
     if config.fsdp:
         with launched_run(config.device) as group:
             return _train(model_config, config, group, data_parallel(config.device, config.tp))
+    if config.cp > 1:  # context parallelism over torchrun's processes (the Trainer's group)
+        with launched_run(config.device):
+            return _train(model_config, config, None)
+    if config.ep > 1:  # expert parallelism (ep_run.py) over torchrun's processes
+        with launched_run(config.device) as group:
+            return _train(model_config, config, None, ep_group=group)
     with tensor_parallel_run(config.tp, config.device) as group:
         return _train(model_config, config, group)
 
 
 def _train(
-    model_config: ModelConfig, config: RunConfig, group, dp: DataParallel | None = None
+    model_config: ModelConfig,
+    config: RunConfig,
+    group,
+    dp: DataParallel | None = None,
+    ep_group=None,
 ) -> list[RunResult]:
     check_outputs(config)
     corpus = load_corpus(config.data, config.max_bytes, model_config.seq_len)
@@ -106,8 +116,8 @@ def _train(
         f"{'on' if config.cuda_graph else 'off'} ({config.cuda_graph_reason})",
         flush=True,
     )
-    results, summaries = run_recipes(model_config, config, corpus, starts, group, dp)
-    if summaries and (group is None or dist.get_rank(group) == 0):
+    results, summaries = run_recipes(model_config, config, corpus, starts, group, dp, ep_group)
+    if summaries and (group is None or dist.get_rank(group) == 0) and _rank0(ep_group):
         write_outputs(model_config, config, results, summaries)
     if len(results) < len(config.recipes) or results[-1].interrupted:
         print(interruption_report(results, config), flush=True)
@@ -122,17 +132,18 @@ def run_recipes(
     starts: list[int],
     group=None,
     dp: DataParallel | None = None,
+    ep_group=None,
 ) -> tuple[list[RunResult], list[Summary]]:
     """Train each recipe in turn (from its step in `starts`) and summarize it; stops after
     a run that Ctrl-C interrupted, or at a recipe whose setup it interrupted. group: the
-    tensor-parallel ranks (without dp); dp: FSDP's."""
+    tensor-parallel ranks (without dp); dp: FSDP's; ep_group: expert parallelism's."""
     device = torch.device(config.device)
     results, summaries = [], []
     for i, name in enumerate(config.recipes):
         later = sum(config.last_step - min(s, config.last_step) for s in starts[i + 1 :])
         try:
             tp_group = dp.tp_group if dp else group
-            trainer = Trainer(name, model_config, config, corpus, tp_group, dp)
+            trainer = Trainer(name, model_config, config, corpus, tp_group, dp, ep_group)
             if not results:
                 parameters = count_parameters(trainer.model)
                 line = describe_model(model_config, parameters, config.compute_dtype)
@@ -142,6 +153,8 @@ def run_recipes(
                     line += f", sharded over {dp.size} ranks (FSDP)"
                 elif group is not None:
                     line += f", on each of {config.tp} tensor-parallel ranks"
+                elif ep_group is not None:
+                    line += f", experts split over {config.ep} expert-parallel ranks"
                 print(line, flush=True)
             if config.resume is not None:
                 trainer.resume(config.resume)
@@ -169,3 +182,8 @@ def run_recipes(
         if result.interrupted:
             break
     return results, summaries
+
+
+def _rank0(group) -> bool:
+    """Whether this process writes the outputs: rank 0 of `group`, or any without one."""
+    return group is None or dist.get_rank(group) == 0

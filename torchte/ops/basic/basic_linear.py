@@ -23,11 +23,10 @@ import torch
 from torch import nn
 
 from torchte.module._lifecycle import ParameterInit
+from torchte.module._linear_backward import gemm_record, linear_backward
 from torchte.module._linear_core import (
     default_init_method,
     gemm_plan,
-    gemm_record,
-    linear_backward,
     linear_forward,
 )
 from torchte.module._tensor_parallel import check_divides

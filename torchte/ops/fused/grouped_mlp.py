@@ -93,7 +93,7 @@ class GroupedMLP(FusedOperation):
         name, limit, alpha = act.activation()
         need = (need_ds, bool(ctx1.num_bias and ctx1.bias_grad))
         dh_fp8, ds, dbias = scaled_activation_grad_to_grouped_fp8(
-            quantizer, da.reshape(h.shape[0], -1), h, s, name, limit, alpha,
+            quantizer, da.reshape(h.shape[0], da.shape[-1]), h, s, name, limit, alpha,
             ctx1.splits, usage, need,
         )  # fmt: skip
         dx, grads1 = fc1.gemm_backward(ctx1, dh_fp8, dbias)

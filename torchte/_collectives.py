@@ -6,8 +6,10 @@ NCCL gets torch's tensor collectives (one preallocated output), other backends (
 lacks reduce_scatter_tensor on some builds) one fallback: all_gather into a list, or all_reduce
 and this rank's slice.
 
-This module imports nothing of torchte, so that any layer (quantization/ included) can reach
-the collectives at import time.
+This module imports nothing of torchte and sits outside torchte/distributed/ (whose package
+imports recompute, autocast and quantization), so that any layer (quantization/ included)
+reaches the collectives at import time without an import circle; torchte.distributed
+re-exports its public names.
 """
 
 from __future__ import annotations
@@ -15,7 +17,13 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-__all__ = ["allreduce", "gather_rows", "reduce_scatter_along_first_dim"]
+__all__ = [
+    "all_to_all_split",
+    "allreduce",
+    "exchange",
+    "gather_rows",
+    "reduce_scatter_along_first_dim",
+]
 
 
 def world_size(group) -> int:
@@ -57,6 +65,15 @@ def gather_rows(
         return out, handle
     dist.all_gather(list(out.chunk(world)), inp, group=group)
     return out, DoneHandle() if async_op else None
+
+
+def exchange(send: torch.Tensor, to: int, recv: torch.Tensor, source: int, group) -> list:
+    """Send `send` to global rank `to` while `recv` is received from global rank `source`
+    (contiguous tensors); returns the handles to wait on."""
+    if is_native(group):
+        ops = [dist.P2POp(dist.isend, send, to, group), dist.P2POp(dist.irecv, recv, source, group)]
+        return dist.batch_isend_irecv(ops)
+    return [dist.isend(send, to, group=group), dist.irecv(recv, source, group=group)]
 
 
 def _gather_output(inp: torch.Tensor, world: int, given: torch.Tensor | None) -> torch.Tensor:
@@ -122,3 +139,67 @@ def allreduce(
         return inp, None
     handle = dist.all_reduce(inp, op=op, group=tp_group, async_op=async_op)
     return inp, handle
+
+
+def all_to_all_split(
+    inp: torch.Tensor,
+    out_splits: list[int],
+    in_splits: list[int],
+    group,
+    async_op: bool = False,
+) -> tuple[torch.Tensor, object | None]:
+    """(the rows received from every rank, handle): inp (sum(in_splits), ...) of which rows
+    [sum(in_splits[:r]), sum(in_splits[:r + 1])) go to rank r -> (sum(out_splits), ...), rank
+    r's rows at [sum(out_splits[:r]), ...) (the all-to-all with row split sizes held on the
+    host). NCCL moves the tensor itself; other backends (gloo) move its bytes as uint8 rows,
+    so that any dtype (bf16, FP8) crosses, synchronously (the handle is then done)."""
+    inp = inp.contiguous()
+    out = inp.new_empty((sum(out_splits), *inp.shape[1:]))
+    if is_native(group):
+        handle = dist.all_to_all_single(out, inp, out_splits, in_splits, group, async_op)
+        return out, handle
+    dist.all_to_all_single(_as_bytes(out), _as_bytes(inp), out_splits, in_splits, group)
+    return out, DoneHandle() if async_op else None
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous (N, ...) tensor's bytes as (N, row bytes) uint8 (a view)."""
+    width = 1
+    for size in t.shape[1:]:
+        width *= size
+    return t.reshape(t.shape[0], width).view(torch.uint8)
+
+
+def send_recv(
+    sends: list[torch.Tensor], recvs: list[torch.Tensor], dst: int, src: int, group
+) -> list:
+    """Post the sends of `sends` to global rank `dst` and the receives into `recvs` from global
+    rank `src` as one batch (NCCL runs them in one group, so two ranks that exchange with each
+    other cannot deadlock); returns the works to wait on. The tensors must be contiguous and
+    left untouched until the works are waited on."""
+    ops = [dist.P2POp(dist.isend, x, dst, group) for x in sends]
+    ops += [dist.P2POp(dist.irecv, x, src, group) for x in recvs]
+    return dist.batch_isend_irecv(ops)
+
+
+def wait_all(works: list | None) -> None:
+    """Wait on each work of a send_recv (None: nothing posted)."""
+    for work in works or ():
+        work.wait()
+
+
+def all_to_all_rows(inp: torch.Tensor, group, world: int) -> torch.Tensor:
+    """All-to-all along dim 0: inp (W, ...) on each of the W ranks -> out (W, ...) where out[i]
+    is rank i's inp[this rank]. A backend without all_to_all_single gets all_gather and the
+    rows meant for this rank."""
+    inp = inp.contiguous()
+    out = torch.empty_like(inp)
+    try:
+        dist.all_to_all_single(out, inp, group=group)
+    except RuntimeError as err:  # a backend without alltoall: gather everything, keep ours
+        if "alltoall" not in str(err).lower() and "all_to_all" not in str(err).lower():
+            raise
+        gathered = torch.empty((world, *inp.shape), dtype=inp.dtype, device=inp.device)
+        dist.all_gather(list(gathered.unbind(0)), inp, group=group)
+        out.copy_(gathered[:, dist.get_rank(group)])
+    return out

@@ -1,0 +1,88 @@
+"""The training example with expert parallelism: `torchrun --nproc-per-node N -m torchte.train
+--experts E --ep N` splits each MoE layer's E experts over the N ranks (rank r holds experts
+[r E / N, (r + 1) E / N); te.moe.MoELayer(ep_group=...) sends each token to the ranks of its
+experts and back). Everything else (attention, norms, routers, embeddings, head) is whole on
+every rank and trained data-parallel: every rank draws the same batch from the seed and trains
+on its share of the rows (rank r the r-th of N equal slices), back-propagating its loss / N.
+
+The gradients then have the one-process run's values: a dense parameter's are this rank's part
+of the sum, all-reduced (summed) over the ranks (reduce_dense_grads); an expert's are already
+whole, since every rank's tokens for that expert reached it through the all-to-all (Megatron-
+Core's `allreduce` = False marks them, as MoELayer sets it). The gradient norm for clipping
+counts each dense gradient once and sums the experts' over the ranks (loop.clip_grad_norm).
+
+The model starts from the one-process model's weights of the seed (shard_experts_from), so that
+`--ep N` trains as one process does on the whole batch, within rounding. Not yet with --tp
+(the example's MoE blocks have no tensor-parallel split), --fsdp, --save or --resume.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .parallel import launch_mismatch
+
+__all__ = ["check_ep", "is_expert", "reduce_dense_grads", "shard_experts_from"]
+
+
+def check_ep(args) -> str | None:
+    """Why the --ep options cannot run in this process (None when they can)."""
+    ep = args.ep
+    if ep < 1:
+        return f"--ep must be at least 1, got {ep}"
+    if ep == 1:
+        return None
+    if not args.experts:
+        return f"--ep {ep} splits the experts over {ep} ranks: it needs --experts E"
+    if args.experts % ep:
+        return f"--ep {ep} must divide --experts ({args.experts}): each rank holds E / N experts"
+    refused = {
+        "--tp": args.tp > 1,
+        "--fsdp": args.fsdp,
+        "--save": args.save is not None,
+        "--resume": args.resume is not None,
+    }
+    for option, given in refused.items():
+        if given:
+            why = (
+                "the example's MoE blocks have no tensor-parallel split"
+                if option == "--tp"
+                else "not implemented yet"
+            )
+            return f"--ep with {option} is not supported ({why})"
+    return launch_mismatch("--ep", ep, f"--experts {args.experts} ")
+
+
+def is_expert(param: nn.Parameter) -> bool:
+    """Whether `param` belongs to the experts held by this rank (Megatron-Core's marker)."""
+    return not getattr(param, "allreduce", True)
+
+
+@torch.no_grad()
+def shard_experts_from(model: nn.Module, whole: nn.Module, rank: int, size: int) -> None:
+    """Copy a whole (one-rank) model's weights into `model`, whose MoE layers hold their
+    experts' slice of rank `rank` of `size`: the experts' (E / size, ...) rows of each
+    (E, ...) grouped weight and bias, everything else whole."""
+    wholes = dict(whole.named_parameters())
+    for name, param in model.named_parameters():
+        source = wholes[name]
+        if is_expert(param):
+            local = param.shape[0]
+            source = source[rank * local : (rank + 1) * local]
+        param.copy_(source)
+
+
+def reduce_dense_grads(model: nn.Module, group) -> None:
+    """Sum the dense parameters' gradients over `group` (each rank holds its part of the
+    batch's); the experts' are left as they are (whole already), in one all-reduce."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None and not is_expert(p)]
+    if not grads or dist.get_world_size(group) == 1:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()
