@@ -39,6 +39,7 @@ from linear import device_s
 import torchte as te
 from torchte import distributed as te_dist
 from torchte import recipe
+from torchte.module import _tp_gemm as tp_gemm
 
 RECIPES = {
     "bf16": None,
@@ -91,14 +92,31 @@ def make_step(module, tokens_local: int, batch: int, hidden: int, fp8_recipe, ba
     return step
 
 
+# mode: (overlap_tp_comm, use_symmetric_memory, fc2's ring reduce-scatter)
+MODES = {
+    "overlap": (True, False, True),
+    "plain": (False, False, False),
+    "symmetric": (True, True, True),
+    "gathers only": (True, False, False),
+}
+_SCATTER = tp_gemm.overlapped_scatter
+
+
+def _no_scatter(tp, plan):
+    return None
+
+
 def measure(args, world: int, group) -> dict:
     """{config: step ms, bytes, baseline ms}: each recipe with the collectives under the GEMMs
-    (te.distributed.overlap_tp_comm, the default), without ("plain"), and through torch's
-    symmetric-memory fused GEMMs ("symmetric")."""
+    (te.distributed.overlap_tp_comm, the default), without ("plain"), through torch's
+    symmetric-memory fused GEMMs ("symmetric"), and with only the gathers overlapped ("gathers
+    only")."""
     seq, batch, hidden, ffn = args.seq, args.batch, args.hidden, args.ffn
     kw = {"params_dtype": torch.bfloat16, "device": "cuda", "activation": "gelu"}
     results = {}
     for name, make in RECIPES.items():
+        if args.recipes and name not in args.recipes:
+            continue
         fp8 = make() if make else None
         baseline = te.LayerNormMLP(hidden, ffn // world, **kw)
         base_ms = device_s(make_step(baseline, seq, batch, hidden, fp8), 3, 5, "cuda") * 1e3
@@ -107,10 +125,13 @@ def measure(args, world: int, group) -> dict:
             hidden, ffn, set_parallel_mode=True, sequence_parallel=True, tp_group=group, **kw
         )
         step = make_step(parallel, seq // world, batch, hidden, fp8)
-        modes = (("overlap", True, False), ("plain", False, False), ("symmetric", True, True))
-        for mode, overlapped, symmetric in modes:
+        for mode, (overlapped, symmetric, ring) in MODES.items():
+            if args.modes and mode not in args.modes:
+                continue
             previous = te_dist.overlap_tp_comm(overlapped, fp8=overlapped)
             previous_symmetric = te_dist.use_symmetric_memory(symmetric)
+            if not ring:  # the gathers overlapped, fc2's reduce-scatter plain
+                tp_gemm.overlapped_scatter = _no_scatter
             try:
                 ms = device_s(step, 3, 5, "cuda") * 1e3
                 with ByteCounter() as counter:
@@ -123,6 +144,7 @@ def measure(args, world: int, group) -> dict:
             finally:
                 te_dist.overlap_tp_comm(previous, fp8=False)
                 te_dist.use_symmetric_memory(previous_symmetric)
+                tp_gemm.overlapped_scatter = _SCATTER
             torch.cuda.synchronize()
             gathered = forward.bytes.get("gather_along_first_dim", 0)
             total = sum(counter.bytes.values())
@@ -183,6 +205,9 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=8192)
     parser.add_argument("--ffn", type=int, default=28672)
     parser.add_argument("--json", type=Path, help="also write the results to this file")
+    parser.add_argument("--recipes", nargs="*", choices=list(RECIPES), help="(default: all)")
+    parser.add_argument("--modes", nargs="*", choices=list(MODES), help="(default: all)")
+    parser.add_argument("--no-pair", action="store_true", help="skip the te.Linear pair")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/tensor_parallel.py needs CUDA GPUs")
@@ -199,7 +224,7 @@ def main() -> None:
         results = measure(args, world, dist.group.WORLD)
         if rank == 0:  # kept should the pair's run not finish
             write_json(args, world, results, {})
-        pair = measure_symmetric(args, world, dist.group.WORLD)
+        pair = {} if args.no_pair else measure_symmetric(args, world, dist.group.WORLD)
         if rank == 0:
             write_json(args, world, results, pair)
             report(args, world, results, pair)
@@ -223,7 +248,11 @@ def report(args, world: int, results: dict, pair: dict) -> None:
     print(
         f"{torch.cuda.get_device_name()}, torch {torch.__version__}: te.LayerNormMLP "
         f"{args.hidden} -> {args.ffn} -> {args.hidden}, {tokens} tokens, TP={world} + sequence "
-        "parallel, te's collectives (dgrad reduce-scatter overlapping the wgrad GEMM)"
+        "parallel. overlap: the sequence-parallel collectives under the GEMMs "
+        "(te.distributed.overlap_tp_comm; MB sent then leaves out fc2's ring reduce-scatter); "
+        "plain: the collective, then the GEMM; symmetric: torch's symmetric-memory fused GEMMs; "
+        "gathers only: the all-gathers overlapped, fc2's reduce-scatter plain (the backward's "
+        "dgrad reduce-scatter overlaps the wgrad GEMM in every mode)"
     )
     head = ("config", "step ms", "1 GPU, 1/P work", "efficiency", "MB sent", "fwd gather MB")
     print(f"{head[0]:22s} {head[1]:>9s} {head[2]:>16s} {head[3]:>11s} {head[4]:>9s} {head[5]:>14s}")
@@ -233,14 +262,16 @@ def report(args, world: int, results: dict, pair: dict) -> None:
             f"{name:22s} {r['ms']:9.2f} {r['baseline_ms']:16.2f} {efficiency:10.1%} "
             f"{r['bytes'] / 2**20:9.1f} {r['gather_bytes'] / 2**20:14.1f}"
         )
-    bf16 = results["bf16, plain"]["gather_bytes"]
-    fp8 = results["fp8 current, plain"]["gather_bytes"]
-    if bf16:
-        print(f"FP8 forward all-gather bytes / bf16's: {fp8 / bf16:.2f}")
-    base = pair.pop("1 GPU, 1/P work")
-    print(f"bf16 te.Linear pair (column + SP, GELU, row + SP); 1 GPU, 1/P work: {base:.2f} ms")
-    for name, ms in pair.items():
-        print(f"  {name:18s} {ms:9.2f} ms  efficiency {base / ms:6.1%}")
+    if "bf16, plain" in results and "fp8 current, plain" in results:
+        bf16 = results["bf16, plain"]["gather_bytes"]
+        fp8 = results["fp8 current, plain"]["gather_bytes"]
+        if bf16:
+            print(f"FP8 forward all-gather bytes / bf16's: {fp8 / bf16:.2f}")
+    if pair:
+        base = pair.pop("1 GPU, 1/P work")
+        print(f"bf16 te.Linear pair (column + SP, GELU, row + SP); 1 GPU, 1/P work: {base:.2f} ms")
+        for name, ms in pair.items():
+            print(f"  {name:18s} {ms:9.2f} ms  efficiency {base / ms:6.1%}")
     print("efficiency: one GPU's step time on 1/P of the work / the parallel step time")
 
 

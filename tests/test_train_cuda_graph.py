@@ -110,8 +110,8 @@ def test_every_conflict_is_named() -> None:
 
 def test_run_config_refuses_graphs_over_several_processes() -> None:
     _, config = cli.parse_args(["--device", "cpu"])
-    for extra in ({"tp": 2}, {"fsdp": True}):
-        with pytest.raises(ValueError, match="does not go with --tp or --fsdp"):
+    for extra in ({"tp": 2}, {"fsdp": True}, {"ep": 2}, {"cp": 2}):
+        with pytest.raises(ValueError, match="does not go with --tp, --ep, --cp or --fsdp"):
             dataclasses.replace(config, cuda_graph=True, **extra)
     assert dataclasses.replace(config, cuda_graph=True).cuda_graph  # one process: allowed
 

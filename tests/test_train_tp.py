@@ -82,15 +82,17 @@ def _steps(args, tp_group, steps: int, save=None, resume=None) -> list[float]:
     if resume is not None:
         trainer.resume(resume)
         if tp_group is not None:  # the pieces put together again are the saved whole, exactly
-            _check_whole(trainer, checkpoint.load_checkpoint(resume), tp_group)
+            check_whole(trainer, checkpoint.load_checkpoint(resume), tp_group)
     losses = [trainer.train_step().item() for _ in range(steps)]
     if save is not None:
         trainer.save(0.0)
     return losses
 
 
-def _check_whole(trainer: loop.Trainer, saved: dict, tp_group) -> None:
-    model, optim = tp_state.whole_state(trainer.model, trainer.optimizer, tp_group)
+def check_whole(trainer: loop.Trainer, saved: dict, group, *index) -> None:
+    """The ranks' pieces put together (tp_state.whole_state, with its `index` where given)
+    equal the saved whole model and AdamW state, exactly."""
+    model, optim = tp_state.whole_state(trainer.model, trainer.optimizer, group, *index)
     for name, value in saved["model"].items():
         if isinstance(value, torch.Tensor):
             assert torch.equal(model[name], value), name

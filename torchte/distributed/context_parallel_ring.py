@@ -237,7 +237,8 @@ def _pick(x, rows):
 def _exchange(plan: RingPlan, tensors: list[torch.Tensor]):
     """Post the send of `tensors` to the next rank and the receive of the previous rank's
     into new buffers: (buffers, works)."""
-    recvs = [torch.empty_like(x) for x in tensors]
+    tensors = [x.contiguous() for x in tensors]  # (a no-op for the ring's own buffers)
+    recvs = [torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in tensors]
     cp = plan.cp
     works = collectives.send_recv(tensors, recvs, cp.next_rank, cp.prev_rank, cp.group)
     return recvs, works
@@ -267,9 +268,7 @@ def _ring_forward(q, k, v, plan: RingPlan):
     """(out fp32 [b, s, h, dv], lse fp32 [b, h, s], the flash kernels' aux or None) of the
     whole ring."""
     cp = plan.cp
-    b, s, h = q.shape[:3]
-    out = torch.zeros(b, s, h, v.shape[-1], dtype=torch.float32, device=q.device)
-    lse = torch.full((b, h, s), float("-inf"), dtype=torch.float32, device=q.device)
+    out = lse = None  # the first block (the rank's own, every query row) starts them
     kv, aux = [k, v], None
     for step in range(cp.size):
         source = (cp.rank - step) % cp.size
@@ -288,8 +287,8 @@ def _ring_forward(q, k, v, plan: RingPlan):
                 plan.flash,
             )
             if step == 0:  # the first block covers every query row
-                out.copy_(o_i)
-                lse.copy_(lse_i)
+                out = o_i.to(torch.float32, memory_format=torch.contiguous_format)
+                lse = lse_i.float()
             else:
                 _merge(out, lse, q_rows, o_i, lse_i)
         collectives.wait_all(works)
@@ -301,14 +300,14 @@ def _ring_forward(q, k, v, plan: RingPlan):
 def _ring_backward(dout, q, k, v, out, lse, plan: RingPlan, aux):
     """(dq, dk, dv) of the ring, dk / dv back at their owner; fp32."""
     cp = plan.cp
-    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    dq = None  # the first block's (every query row) starts it
     kv, dkv, dkv_works = [k, v], None, None
     for step in range(cp.size):
         source = (cp.rank - step) % cp.size
         kv_works = None
         if step < cp.size - 1:
             nxt, kv_works = _exchange(plan, kv)
-        part = [torch.zeros(x.shape, dtype=torch.float32, device=x.device) for x in kv]
+        part = [None, None]  # dk, dv of this block's keys (started by the first section)
         for q_rows, k_rows, causal in _sections(plan, step, source):
             allowed = _allowed(plan, source, q_rows, k_rows, q.device)
             dq_i, dk_i, dv_i = block_backward(
@@ -323,9 +322,11 @@ def _ring_backward(dout, q, k, v, out, lse, plan: RingPlan, aux):
                 plan.scale,
                 aux,
             )
-            _accumulate(dq, q_rows, dq_i)
-            _accumulate(part[0], k_rows, dk_i)
-            _accumulate(part[1], k_rows, dv_i)
+            dq = _accumulate(dq, q_rows, dq_i, q.shape)
+            part = [
+                _accumulate(acc, k_rows, d, x.shape)
+                for acc, d, x in zip(part, (dk_i, dv_i), kv, strict=True)
+            ]
         if dkv is not None:
             collectives.wait_all(dkv_works)
             part = [a + p for a, p in zip(dkv, part, strict=True)]
@@ -343,11 +344,18 @@ def _lse_rows(lse: torch.Tensor, rows) -> torch.Tensor:
     return lse[:, :, rows] if isinstance(rows, slice) else lse.index_select(2, rows)
 
 
-def _accumulate(acc: torch.Tensor, rows, value: torch.Tensor) -> None:
+def _accumulate(acc: torch.Tensor | None, rows, value: torch.Tensor, shape) -> torch.Tensor:
+    """acc (fp32 of `shape`, None before the first value) with value added at `rows` (None:
+    all rows, value then whole)."""
+    if acc is None:
+        if rows is None:  # contiguous: the sums are sent to the next rank
+            return value.to(torch.float32, memory_format=torch.contiguous_format)
+        acc = torch.zeros(shape, dtype=torch.float32, device=value.device)
     if rows is None:
         acc += value
     else:
         _add_rows(acc, rows, value)
+    return acc
 
 
 class _RingAttention(torch.autograd.Function):

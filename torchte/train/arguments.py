@@ -137,7 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=1,
         help="expert-parallel ranks (with --experts E, N dividing E; launch with torchrun "
         "--nproc-per-node N): each rank holds E / N experts of every MoE layer and trains on "
-        "its share of every batch (default 1)",
+        "its share of every batch; --save / --resume in the one-process format (default 1)",
     )
     p.add_argument(
         "--cp",

@@ -12,8 +12,10 @@ Core's `allreduce` = False marks them, as MoELayer sets it). The gradient norm f
 counts each dense gradient once and sums the experts' over the ranks (loop.clip_grad_norm).
 
 The model starts from the one-process model's weights of the seed (shard_experts_from), so that
-`--ep N` trains as one process does on the whole batch, within rounding. Not yet with --tp
-(the example's MoE blocks have no tensor-parallel split), --fsdp, --save or --resume.
+`--ep N` trains as one process does on the whole batch, within rounding. `--save` writes the
+one-process format (rank 0, every expert gathered: tp_state.expert_index), which `--resume`
+loads in one process or over any `--ep`. Not yet with --tp (the example's MoE blocks have no
+tensor-parallel split) or --fsdp.
 """
 
 from __future__ import annotations
@@ -38,12 +40,7 @@ def check_ep(args) -> str | None:
         return f"--ep {ep} splits the experts over {ep} ranks: it needs --experts E"
     if args.experts % ep:
         return f"--ep {ep} must divide --experts ({args.experts}): each rank holds E / N experts"
-    refused = {
-        "--tp": args.tp > 1,
-        "--fsdp": args.fsdp,
-        "--save": args.save is not None,
-        "--resume": args.resume is not None,
-    }
+    refused = {"--tp": args.tp > 1, "--fsdp": args.fsdp}
     for option, given in refused.items():
         if given:
             why = (

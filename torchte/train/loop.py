@@ -47,7 +47,7 @@ from .model import GPT, restore_scaling, scaling_snapshot, shard_from
 from .optimizer import ClippedAdamW
 from .progress import Progress
 from .throughput import Throughput
-from .tp_state import split_state, whole_state
+from .tp_state import expert_index, split_state, whole_state
 
 # fp32 master weights and AdamW state; the model computes in RunConfig.compute_dtype: bf16
 # under torch.autocast, or fp32 with autocast off (te modules then compute in their parameters'
@@ -433,7 +433,10 @@ class Trainer:
             model, optim = self.model.state_dict(), self.optimizer.state_dict()
             if self.tp_group is not None:  # the whole model's, written by rank 0 (tp_state.py)
                 model, optim = whole_state(self.model, self.optimizer, self.tp_group)
-            if (self.tp_group is None and self.cp_group is None) or dist.get_rank() == 0:
+            if self.ep_group is not None:  # every expert, written by rank 0
+                model, optim = whole_state(self.model, self.optimizer, self.ep_group, expert_index)
+            parallel = (self.tp_group, self.cp_group, self.ep_group)
+            if all(group is None for group in parallel) or dist.get_rank() == 0:
                 state = {**self._position(), "model": model, "optimizer": optim}
                 checkpoint.save_checkpoint(path, state)
         self.saved = (path, self.step)
@@ -466,6 +469,10 @@ class Trainer:
             model, optim = state["model"], state["optimizer"]
             if self.tp_group is not None:  # this rank's pieces of the whole model's state
                 model, optim = split_state(self.model, self.optimizer, model, optim, self.tp_group)
+            if self.ep_group is not None:  # this rank's experts
+                model, optim = split_state(
+                    self.model, self.optimizer, model, optim, self.ep_group, expert_index
+                )
             self.model.load_state_dict(model)
             self.optimizer.load_state_dict(optim)
         self.sampler.set_state(checkpoint.restore_rng(state["rng"]))

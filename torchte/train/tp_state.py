@@ -1,7 +1,7 @@
-"""Checkpoints of a tensor-parallel run in the one-process format: whatever the number of ranks
-that saved it, a checkpoint holds the whole model's state_dict and AdamW state, so it resumes in
-one process or over any `--tp` (model.shard_index says which piece of each parameter a rank
-holds).
+"""Checkpoints of a tensor- or expert-parallel run in the one-process format: whatever the number
+of ranks that saved it, a checkpoint holds the whole model's state_dict and AdamW state, so it
+resumes in one process or over any `--tp` / `--ep` (model.shard_index says which piece of each
+parameter a tensor-parallel rank holds; expert_index the experts an expert-parallel rank holds).
 
 whole_state gathers the pieces on every rank (rank 0 writes the file); split_state takes this
 rank's pieces out of a whole state. AdamW's state is indexed by the parameters' order in its
@@ -11,21 +11,43 @@ whose amaxes the ranks reduce; AdamW's step counts) is the same on every rank an
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 
 from .model import GPT, shard_index
 
-__all__ = ["split_state", "whole_state"]
+__all__ = ["expert_index", "split_state", "whole_state"]
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
-def whole_state(model: GPT, optimizer: torch.optim.Optimizer, group) -> tuple[dict, dict]:
-    """(the whole model's state_dict, the whole AdamW state_dict), on every rank."""
+def _tensor_parallel_index(model: GPT, name: str, rank: int, size: int) -> tuple:
+    return shard_index(name, model.config, rank, size)
+
+
+def expert_index(model: GPT, name: str, rank: int, size: int) -> tuple:
+    """Where rank `rank`'s piece of parameter `name` sits in the whole one under expert
+    parallelism over `size` ranks: its E / size experts' rows of an expert weight or bias
+    (Megatron-Core's `allreduce` = False marks those), everything else whole."""
+    param = model.get_parameter(name)
+    if getattr(param, "allreduce", True):
+        return (slice(None),)
+    local = param.shape[0]
+    return (slice(rank * local, (rank + 1) * local),)
+
+
+def whole_state(
+    model: GPT, optimizer: torch.optim.Optimizer, group, index=_tensor_parallel_index
+) -> tuple[dict, dict]:
+    """(the whole model's state_dict, the whole AdamW state_dict), on every rank; index(model,
+    name, rank, size): where a rank's piece of a parameter sits (tensor parallelism's by
+    default, expert_index for expert parallelism)."""
+    where = functools.partial(index, model)
     state = model.state_dict()
     for name, _ in model.named_parameters():
-        state[name] = _whole(state[name], name, model, group)
+        state[name] = _whole(state[name], name, where, group)
     optim = optimizer.state_dict()
     # state_dict() hands out AdamW's own per-parameter dicts: replaced, not written into, so
     # that training goes on with this rank's pieces after a save
@@ -33,23 +55,25 @@ def whole_state(model: GPT, optimizer: torch.optim.Optimizer, group) -> tuple[di
     names = _optimizer_order(model, optimizer)
     for index, moments in optim["state"].items():
         for key in _MOMENTS:
-            moments[key] = _whole(moments[key], names[index], model, group)
+            moments[key] = _whole(moments[key], names[index], where, group)
     return state, optim
 
 
 def split_state(
-    model: GPT, optimizer: torch.optim.Optimizer, state: dict, optim: dict, group
-) -> tuple[dict, dict]:
-    """(model state_dict, AdamW state_dict) of this rank, from whole ones."""
+    model: GPT, optimizer: torch.optim.Optimizer, state: dict, optim: dict, group,
+    index=_tensor_parallel_index,
+) -> tuple[dict, dict]:  # fmt: skip
+    """(model state_dict, AdamW state_dict) of this rank, from whole ones (index: as in
+    whole_state)."""
     rank, size = dist.get_rank(group), dist.get_world_size(group)
     state = dict(state)
     for name, _ in model.named_parameters():
-        state[name] = state[name][shard_index(name, model.config, rank, size)]
+        state[name] = state[name][index(model, name, rank, size)]
     names = _optimizer_order(model, optimizer)
     pieces = {}
-    for index, moments in optim["state"].items():
-        where = shard_index(names[index], model.config, rank, size)
-        pieces[index] = {k: v[where] if k in _MOMENTS else v for k, v in moments.items()}
+    for number, moments in optim["state"].items():
+        where = index(model, names[number], rank, size)
+        pieces[number] = {k: v[where] if k in _MOMENTS else v for k, v in moments.items()}
     return state, {"state": pieces, "param_groups": optim["param_groups"]}
 
 
@@ -59,10 +83,11 @@ def _optimizer_order(model: GPT, optimizer: torch.optim.Optimizer) -> list[str]:
     return [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
 
 
-def _whole(piece: torch.Tensor, name: str, model: GPT, group) -> torch.Tensor:
-    """The whole parameter (or AdamW moment) from every rank's piece of it."""
+def _whole(piece: torch.Tensor, name: str, index, group) -> torch.Tensor:
+    """The whole parameter (or AdamW moment) from every rank's piece of it (index(name, rank,
+    size): where a rank's piece sits)."""
     size = dist.get_world_size(group)
-    where = [shard_index(name, model.config, r, size) for r in range(size)]
+    where = [index(name, r, size) for r in range(size)]
     if where[0] == (slice(None),):  # not split: the same on every rank
         return piece
     pieces = [torch.empty_like(piece) for _ in range(size)]
