@@ -82,7 +82,7 @@ def gather_then_forward(tp, z, quantizer, columnwise: bool, keep_output: bool, g
     weight, bias, w_fp8, plan = gemm
     name = None if keep_output else _symmetric(tp, z, quantizer, plan)
     if name is not None:  # torch's fused all-gather-matmul (copy engines, symmetric memory)
-        return _symmetric_forward(name, tp, z, quantizer, columnwise, gemm, needs, keep_rowwise)
+        return _symmetric_forward(name, tp, z, gemm, needs)
     pending = None if keep_output else start_gather_input(tp, z, quantizer, plan)
     if pending is None:
         z_in, z_out = tp.gather_gemm_input(z, quantizer, columnwise, keep_output)
@@ -97,46 +97,26 @@ def gather_then_forward(tp, z, quantizer, columnwise: bool, keep_output: bool, g
 
 def _symmetric(tp, x, quantizer, plan: LinearPlan) -> str | None:
     """The symmetric-memory group name where torch's fused sequence-parallel GEMMs take this
-    one (te.distributed.use_symmetric_memory on, CUDA, NCCL; per-tensor FP8 or high
-    precision), else None."""
-    if not (_overlaps(tp, plan) and symmetric_memory_enabled()) or isinstance(x, QuantizedTensor):
+    one (te.distributed.use_symmetric_memory on, CUDA, NCCL, high precision), else None. FP8
+    GEMMs keep te's own paths: torch's scaled fused ops measured slower than the plain path on
+    2 H100s and are not checked against it here."""
+    if plan.fp8 or not (_overlaps(tp, plan) and symmetric_memory_enabled()):
         return None
-    if plan.fp8 and not hasattr(quantizer, "cast_for_gather"):
-        return None
-    return symmetric_group(x, tp.group_or_raise())
+    return None if isinstance(x, QuantizedTensor) else symmetric_group(x, tp.group_or_raise())
 
 
-def _symmetric_forward(name, tp, z, quantizer, columnwise, gemm, needs, keep_rowwise):
-    """gather_then_forward through torch's fused all-gather-matmul (FP8: its scaled form over
-    the bytes each rank cast with the agreed scale)."""
-    weight, bias, w_fp8, plan = gemm
+def _symmetric_forward(name, tp, z, gemm, needs):
+    """gather_then_forward through torch's fused all-gather-matmul (high precision)."""
+    weight, bias, _, plan = gemm
     need_dgrad, need_wgrad = needs
-    bias = cast_to(bias, plan.dtype)
     shape = torch.Size((z.shape[0] * tp.size, *z.shape[1:]))
-    if plan.fp8:
-        group = tp.group_or_raise()
-        reduce_max = functools.partial(te_dist.allreduce, tp_group=group, op=dist.ReduceOp.MAX)
-        local, _, make_whole = quantizer.cast_for_gather(z, reduce_max)
-        w = w_fp8
-        gathered, (y,) = torch.ops.symm_mem.fused_all_gather_scaled_matmul(
-            local.rowwise_data, [w.rowwise_data.t()], local.scale_inv, [w.scale_inv], 0, name,
-            [bias], [None], [plan.dtype], [True],
-        )  # fmt: skip
-        whole = make_whole(gathered.view(torch.uint8).view(shape), columnwise=False)
-    else:
-        w = cast_to(weight, plan.dtype)
-        x2d = cast_to(z.reshape(-1, z.shape[-1]), plan.dtype)
-        whole, (y,) = torch.ops.symm_mem.fused_all_gather_matmul(x2d, [w.t()], 0, name)
-        if bias is not None:
-            y = y + bias
+    w = cast_to(weight, plan.dtype)
+    x2d = cast_to(z.reshape(-1, z.shape[-1]), plan.dtype)
+    whole, (y,) = torch.ops.symm_mem.fused_all_gather_matmul(x2d, [w.t()], 0, name)
+    if bias is not None:
+        y = y + cast_to(bias, plan.dtype)
     x_saved = whole if need_wgrad else None
-    if plan.fp8 and x_saved is not None:
-        if columnwise:
-            whole.update_usage(columnwise_usage=True)
-        if not keep_rowwise:
-            whole.update_usage(rowwise_usage=False)
-    n = w.shape[0]
-    return as_output(y, (*shape[:-1], n)), None, x_saved, w if need_dgrad else None, shape
+    return as_output(y, (*shape[:-1], w.shape[0])), None, x_saved, w if need_dgrad else None, shape
 
 
 def _rows_2d(gathered: torch.Tensor) -> torch.Tensor:
@@ -184,20 +164,13 @@ def overlapped_scatter(tp, plan: LinearPlan):
 
 
 def _symmetric_scatter(group, plan: LinearPlan, x, w, bias) -> torch.Tensor | None:
-    """scatter_gemm through torch's fused matmul-reduce-scatter (use_symmetric_memory on), or
-    None where it does not apply."""
-    if not symmetric_memory_enabled() or (plan.fp8 and type(x) is not Float8Storage):
+    """scatter_gemm through torch's fused matmul-reduce-scatter (use_symmetric_memory on, high
+    precision, no bias), or None where it does not apply."""
+    if plan.fp8 or bias is not None or not symmetric_memory_enabled():
         return None
-    name = symmetric_group(w.rowwise_data if plan.fp8 else x, group)
-    if name is None:
+    if symmetric_group(x, group) is None:
         return None
-    if not plan.fp8:
-        return te_dist.matmul_reduce_scatter(x, w.t(), group) if bias is None else None
-    rows = x.rowwise_data.shape[0]
-    return torch.ops.symm_mem.fused_scaled_matmul_reduce_scatter(
-        x.rowwise_data, w.rowwise_data.t(), x.scale_inv, w.scale_inv, "sum", 0, 0, name,
-        [rows, w.shape[0]], bias, None, plan.dtype, True,
-    )  # fmt: skip
+    return te_dist.matmul_reduce_scatter(x, w.t(), group)
 
 
 def scatter_gemm(group, plan: LinearPlan, x, w, bias) -> torch.Tensor:
