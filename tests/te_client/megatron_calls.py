@@ -132,6 +132,14 @@ def check_blockwise_fp8_params() -> None:
     buffer = torch.zeros(weight.numel(), dtype=torch.uint8)
     utils.replace_raw_data(weight, buffer)
     master = weight.dequantize().float().reshape(-1) * 0.5
+    # Each call below stands for one rank and, with no group, scales a tile by the amax of its
+    # own piece: the two halves of every 128x128 tile are given the same amax, as Megatron's
+    # ranks agree on it through their all-reduce (otherwise the second call's scale would read
+    # the first call's bytes wherever the halves' amaxes fall in different binades).
+    grid = master.view(128, 256)
+    for cols in (slice(0, 128), slice(128, 256)):
+        peak = grid[:, cols].abs().max()
+        grid[0, cols.start] = grid[64, cols.start] = peak
     half = master.numel() // 2
     for start in (0, half):  # two "ranks'" slices, each cut inside a 128x128 tile
         piece = master[start : start + half]
