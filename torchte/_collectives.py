@@ -20,7 +20,6 @@ import torch.distributed as dist
 __all__ = [
     "all_to_all_split",
     "allreduce",
-    "exchange",
     "gather_rows",
     "reduce_scatter_along_first_dim",
 ]
@@ -65,15 +64,6 @@ def gather_rows(
         return out, handle
     dist.all_gather(list(out.chunk(world)), inp, group=group)
     return out, DoneHandle() if async_op else None
-
-
-def exchange(send: torch.Tensor, to: int, recv: torch.Tensor, source: int, group) -> list:
-    """Send `send` to global rank `to` while `recv` is received from global rank `source`
-    (contiguous tensors); returns the handles to wait on."""
-    if is_native(group):
-        ops = [dist.P2POp(dist.isend, send, to, group), dist.P2POp(dist.irecv, recv, source, group)]
-        return dist.batch_isend_irecv(ops)
-    return [dist.isend(send, to, group=group), dist.irecv(recv, source, group=group)]
 
 
 def _gather_output(inp: torch.Tensor, world: int, given: torch.Tensor | None) -> torch.Tensor:

@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from torchte import distributed as te_dist
 
-from .._collectives import exchange, world_size
+from .._collectives import send_recv, world_size
 
 __all__ = [
     "RowsInFlight",
@@ -135,6 +135,6 @@ def gemm_reduce_scatter(
         if step == world - 1:  # every send was waited on with its step's receive
             return part
         received = torch.empty_like(part)
-        pending = (received, exchange(part, to_next, received, from_prev, group))
+        pending = (received, send_recv([part], [received], to_next, from_prev, group))
         sent.append(part)
     raise AssertionError("unreachable")
