@@ -20,7 +20,6 @@ from __future__ import annotations
 import functools
 
 import torch
-import torch.distributed as dist
 
 from torchte import distributed as te_dist
 from torchte.distributed.overlap import (
@@ -39,9 +38,9 @@ from ._linear_core import LinearPlan, cast_to, linear_forward, quantized_gemm
 __all__ = [
     "dgrad_gathered",
     "forward_gathered",
+    "gather_grad_output",
     "gather_then_forward",
     "overlapped_scatter",
-    "start_gather_grad",
     "start_gather_input",
 ]
 
@@ -56,18 +55,23 @@ def _overlaps(tp, plan: LinearPlan) -> bool:
 def start_gather_input(tp, z: torch.Tensor, quantizer, plan: LinearPlan) -> RowsInFlight | None:
     """Column + SP forward: the gather of the GEMM input z (M, ..., K) started (per-tensor FP8:
     cast first with the ranks' agreed scale, its bytes gathered), or None where the plain path
-    runs."""
+    runs. The transpose for the wgrad GEMM is made by forward_gathered, after the GEMMs."""
     if not _overlaps(tp, plan) or isinstance(z, QuantizedTensor):
         return None
-    group = tp.group_or_raise()
-    if quantizer is None:
-        z = z.contiguous()
-        return gather_in_flight(z, group, z.reshape(-1, z.shape[-1]), _rows_2d)
-    if not hasattr(quantizer, "cast_for_gather"):
+    if quantizer is not None and not hasattr(quantizer, "cast_for_gather"):
         return None
-    reduce_max = functools.partial(te_dist.allreduce, tp_group=group, op=dist.ReduceOp.MAX)
-    local, local_bytes, make_whole = quantizer.cast_for_gather(z, reduce_max)
-    # the transpose for the wgrad GEMM is made by forward_gathered, after the GEMMs
+    return _start_gather(tp, z, quantizer)
+
+
+def _start_gather(tp, t: torch.Tensor, quantizer) -> RowsInFlight:
+    """t (M, ..., N) gathered along dim 0 over tp's group, started: as it is (quantizer None),
+    or as the FP8 bytes each rank casts with the scale the ranks agree on (a per-tensor
+    quantizer's cast_for_gather)."""
+    group = tp.group_or_raise()
+    t = t.contiguous()
+    if quantizer is None:
+        return gather_in_flight(t, group, t.reshape(-1, t.shape[-1]), _rows_2d)
+    local, local_bytes, make_whole = quantizer.cast_for_gather(t, tp.reduce_max)
     whole = functools.partial(make_whole, columnwise=False)
     return gather_in_flight(local_bytes, group, local, whole)
 
@@ -189,23 +193,24 @@ def scatter_gemm(group, plan: LinearPlan, x, w, bias) -> torch.Tensor:
     return gemm_reduce_scatter(gemm, rows, w.shape[0], plan.dtype, w.device, group)
 
 
-def start_gather_grad(tp, grad: torch.Tensor, record, plan: LinearPlan):
-    """Row + SP backward: the output gradient (M, ..., N) gathered along the sequence: a
-    RowsInFlight where dgrad_gathered can run its GEMM under the gather, else the gathered
-    tensor."""
+def gather_grad_output(tp, grad: torch.Tensor, record, w_saved):
+    """Row + SP backward: the output gradient (M, ..., N) gathered along the sequence, as
+    linear_backward takes it: (grad_out, dy_fp8, dgrad). Where the overlap applies, the dgrad
+    GEMM (of w_saved) of this rank's rows runs under the gather (dgrad_gathered) and comes back
+    made, with
+    the gathered gradient in high precision (grad_out) or FP8 (dy_fp8); else (the gathered
+    tensor, None, None)."""
+    plan: LinearPlan = record.plan
     if not (_overlaps(tp, plan) and record.need_dgrad):
-        return tp.gather_sequence(grad)
-    group = tp.group_or_raise()
-    grad = grad.contiguous()
-    if not plan.fp8_backward:
-        return gather_in_flight(grad, group, grad.reshape(-1, grad.shape[-1]), _rows_2d)
-    quantizer = plan.setup.grad_output[plan.gemm]
-    if record.bias_requires_grad or not hasattr(quantizer, "cast_for_gather"):
-        return tp.gather_sequence(grad)
-    reduce_max = functools.partial(te_dist.allreduce, tp_group=group, op=dist.ReduceOp.MAX)
-    local, local_bytes, make_whole = quantizer.cast_for_gather(grad, reduce_max)
-    whole = functools.partial(make_whole, columnwise=False)
-    return gather_in_flight(local_bytes, group, local, whole)
+        return tp.gather_sequence(grad), None, None
+    quantizer = None
+    if plan.fp8_backward:
+        quantizer = plan.setup.grad_output[plan.gemm]
+        if record.bias_requires_grad or not hasattr(quantizer, "cast_for_gather"):
+            return tp.gather_sequence(grad), None, None
+    pending = _start_gather(tp, grad, quantizer)
+    dgrad, grad_out, dy_fp8 = dgrad_gathered(pending, record, w_saved)
+    return grad_out, dy_fp8, dgrad
 
 
 def dgrad_gathered(grad: RowsInFlight, record, w_saved):

@@ -25,7 +25,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from torchte.distributed.overlap import RowsInFlight
 from torchte.kernels import activation as act_kernels
 from torchte.quantization.fused import activation_grad_to_fp8, activation_to_fp8
 from torchte.quantization.model_init import make_fp8_parameter, model_init_settings
@@ -188,10 +187,8 @@ def _mlp_backward(ctx, grad_y, grad_z):
     if ctx.split_bias_grad:  # this rank's rows (a partial sum under sequence parallelism)
         db2 = grad_y.reshape(-1, grad_y.shape[-1]).sum(0).to(ctx.plans.fc2.dtype)
     dy_fp8 = made = None
-    if tp.split and tp.sequence_parallel:
-        grad_y = tp_gemm.start_gather_grad(tp, grad_y, ctx.gemm2, ctx.plans.fc2)
-        if isinstance(grad_y, RowsInFlight):  # fc2's dgrad GEMM under the gather
-            made, grad_y, dy_fp8 = tp_gemm.dgrad_gathered(grad_y, ctx.gemm2, w2_saved)
+    if tp.split and tp.sequence_parallel:  # (fc2's dgrad GEMM under the gather where it can)
+        grad_y, dy_fp8, made = tp_gemm.gather_grad_output(tp, grad_y, ctx.gemm2, w2_saved)
     da, dw2, db2_gemm = linear_backward(ctx.gemm2, grad_y, a_saved, w2_saved, dy_fp8, dgrad=made)
     db2 = db2_gemm if db2 is None else db2
     dx = d_ln_w = d_ln_b = dw1 = db1 = None

@@ -19,7 +19,6 @@ import torch.nn.functional as F
 
 from torchte import distributed as te_dist
 from torchte.autocast import autocast_state
-from torchte.distributed.overlap import RowsInFlight
 from torchte.quantization.float8_tensor import Float8Tensor
 
 from . import _tp_gemm as tp_gemm
@@ -134,15 +133,14 @@ class _LinearFunction(torch.autograd.Function):
     def backward(ctx, grad_out):
         x_saved, w_saved = restore_saved(ctx)
         tp, reduction, dgrad = ctx.tp, None, None
+        dy_fp8 = made = None
         if ctx.symmetric and w_saved is not None:
             dgrad, grad_out = _symmetric_dgrad(tp, grad_out, w_saved, ctx.inp_shape)
         elif tp is not None:
             if tp.mode == "row" and tp.sequence_parallel:  # the output was reduce-scattered
-                grad_out = tp_gemm.start_gather_grad(tp, grad_out, ctx.gemm, ctx.gemm.plan)
+                # (where it overlaps, the dgrad GEMM runs under the gather: `made`)
+                grad_out, dy_fp8, made = tp_gemm.gather_grad_output(tp, grad_out, ctx.gemm, w_saved)
             reduction = tp.input_grad_reduction()  # column: overlaps the wgrad GEMM
-        dy_fp8 = made = None
-        if isinstance(grad_out, RowsInFlight):  # the dgrad GEMM under the gather
-            made, grad_out, dy_fp8 = tp_gemm.dgrad_gathered(grad_out, ctx.gemm, w_saved)
         gemm_dgrad, wgrad, dbias = linear_backward(
             ctx.gemm, grad_out, x_saved, w_saved, dy_fp8, start_reduction=reduction, dgrad=made
         )
