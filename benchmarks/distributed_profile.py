@@ -4,8 +4,9 @@ training step (benchmarks/fsdp.py's) or the tensor-parallel te.LayerNormMLP step
 
     torchrun --nproc-per-node 2 benchmarks/distributed_profile.py fsdp:bf16:fp32 tp:fp8 ...
 
-A case is fsdp:RECIPE:GATHER[:noprefetch] (RECIPE bf16, delayed or current; GATHER fp32, bf16
-or fp8; noprefetch: without the blocks' explicit all-gather prefetch, FSDP2's default order) or
+A case is fsdp:RECIPE:GATHER[:noprefetch][:keep] (RECIPE bf16, delayed or current; GATHER fp32,
+bf16 or fp8; noprefetch: without the blocks' explicit all-gather prefetch, FSDP2's default
+order; keep: --fsdp-keep-gathered, no all-gather in the backward) or
 tp:PRECISION (bf16 or fp8, current scaling). Per case and rank: the step's wall time (median
 of 10, synchronized), GPU time in the step as the union of kernel intervals (all streams), that
 of the compute kernels, that of the NCCL kernels and the part of it no compute kernel overlaps
@@ -116,7 +117,7 @@ def summarise(step, label: str) -> dict:
 def fsdp_step(recipe_name: str, gather: str, *variant: str, dp, corpus, batch: int):
     preset = SIZES["large"]
     model_config = ModelConfig(preset.hidden, preset.layers, preset.heads, preset.ffn, 1024)
-    config = run_config(recipe_name, batch * dp.size, True, gather)
+    config = run_config(recipe_name, batch * dp.size, True, gather, keep="keep" in variant)
     prefetch = "noprefetch" not in variant
     loop.shard_model = functools.partial(shard_model, prefetch=prefetch)
     try:

@@ -7,6 +7,7 @@ one rank's share of the work.
     torchrun --nproc-per-node 8 benchmarks/fsdp.py [--json out.json]   # on 8 GPUs (NCCL)
     PYTHONPATH=. python benchmarks/fsdp.py --single                    # one GPU: checks it runs
     ... --fp8-all-gather   # also the FP8 recipes with their weights gathered as FP8
+    ... --variants reshard keep torch-step   # which ways of sharding each row runs (below)
 
 Model: torchte.train's GPT at --size large (~355M parameters: 7 blocks of width 2048, FFN 8192,
 sequence 1024), fp32 master weights, bf16 compute (torch.autocast), AdamW. A step is the
@@ -17,13 +18,18 @@ Rows: bf16 with the parameters all-gathered as they are (fp32) and cast to bf16 
 (MixedPrecisionPolicy, gradients reduced in fp32); the FP8 recipes with the bf16 gather; with
 --fp8-all-gather, the FP8 recipes again with the te modules' weights gathered as FP8
 (torchte.fsdp.enable_fp8_all_gather before fully_shard; the other parameters in bf16).
+Each row in each of --variants: "reshard" (the example's default: every block gathered for its
+forward and again for its backward), "keep" (--fsdp-keep-gathered: a block keeps its gathered
+weights from its forward to its backward) and "torch-step" (reshard, the optimizer step taken
+by torch's clip_grad_norm_ and AdamW over the DTensors instead of ClippedAdamW's sharded fused
+step: what the step cost before that).
 Step time: median of 5 x 3 steps after 3 warmup steps (CUDA events). Tokens/s: the global
 batch's tokens over the step time. Bytes: the collectives FSDP calls in one step, counted by
 wrapping torch.distributed's all-gather and reduce-scatter (the whole gathered parameters and
 the whole gradients reduced: the larger tensor of each call). Baseline: the same model unsharded
-on one GPU training one rank's --batch (no communication); efficiency = baseline time / FSDP
-time. --single: one GPU, an NCCL group of one rank, --size medium, to check the script. Rank 0
-prints a table last; nothing here asserts.
+on one GPU training one rank's --batch (no communication), measured once per recipe;
+efficiency = baseline time / FSDP time. --single: one GPU, an NCCL group of one rank, --size
+medium, to check the script. Rank 0 prints a table last; nothing here asserts.
 """
 
 from __future__ import annotations
@@ -88,15 +94,21 @@ def random_corpus() -> Corpus:
     return Corpus(stream[: -(2**20)], stream[-(2**20) :], "random bytes", 0, 0, False)
 
 
-def run_config(recipe: str, batch: int, fsdp: bool, gather: str = "fp32") -> RunConfig:
+VARIANTS = ("reshard", "keep", "torch-step")
+
+
+def run_config(
+    recipe: str, batch: int, fsdp: bool, gather: str = "fp32", keep: bool = False
+) -> RunConfig:
     """A run of `recipe` on the GPU, `batch` sequences a step (the global batch under fsdp),
     the parameters all-gathered as `gather` ("fp32", "bf16", or "fp8": the te modules' weights
-    as FP8, the rest in bf16)."""
+    as FP8, the rest in bf16), kept from forward to backward where `keep`."""
     return RunConfig(
         recipes=(recipe,), device="cuda", steps=1000, batch_size=batch, lr=2e-4, warmup=10,
         seed=0, log_every=1000, eval_every=1000, eval_batches=1, data=None, max_bytes=2**24,
         out=Path("."), fsdp=fsdp, fp8_all_gather=gather == "fp8",
         fsdp_gather_dtype="fp32" if gather == "fp32" else "bf16", compute_dtype="bf16",
+        fsdp_keep_gathered=keep,
     )  # fmt: skip
 
 
@@ -104,11 +116,15 @@ def step_seconds(trainer: Trainer) -> float:
     return device_s(trainer.train_step, 3, 5, "cuda")
 
 
-def measure(name: str, model_config: ModelConfig, args, dp, corpus, gather: str) -> dict:
-    """One row: the FSDP step over dp's ranks, then the one-GPU baseline of one rank's work
-    (unsharded, fp32 parameters)."""
-    config = run_config(name, args.batch * dp.size, True, gather)
+def measure(
+    name: str, model_config: ModelConfig, args, dp, corpus, gather: str, variant: str, baselines
+) -> dict:
+    """One row: the FSDP step over dp's ranks, then (once per recipe, kept in `baselines`) the
+    one-GPU baseline of one rank's work (unsharded, fp32 parameters)."""
+    config = run_config(name, args.batch * dp.size, True, gather, keep=variant == "keep")
     trainer = Trainer(name, model_config, config, corpus, dp=dp)
+    if variant == "torch-step":  # the sharded fused step refused: torch's clip and AdamW
+        trainer.optimizer._shards_fusable = lambda params: False
     seconds = step_seconds(trainer)
     torch.cuda.reset_peak_memory_stats()
     with CollectiveBytes() as counter:
@@ -118,12 +134,15 @@ def measure(name: str, model_config: ModelConfig, args, dp, corpus, gather: str)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     del trainer
     torch.cuda.empty_cache()
-    baseline = Trainer(name, model_config, run_config(name, args.batch, False), corpus)
-    base_seconds = step_seconds(baseline)
-    del baseline
-    torch.cuda.empty_cache()
+    if name not in baselines:
+        baseline = Trainer(name, model_config, run_config(name, args.batch, False), corpus)
+        baselines[name] = step_seconds(baseline)
+        del baseline
+        torch.cuda.empty_cache()
+    base_seconds = baselines[name]
     return {
-        "config": f"{name}, {gather} gather",
+        "config": f"{name}, {gather}, {variant}",
+        "variant": variant,
         "recipe": name,
         "gather": gather,
         "step_s": seconds,
@@ -146,6 +165,13 @@ def parse_args() -> argparse.Namespace:
         action="store_true",
         help="also run the FP8 recipes with torchte.fsdp.enable_fp8_all_gather (weights "
         "gathered as FP8)",
+    )
+    parser.add_argument(
+        "--variants",
+        nargs="+",
+        choices=VARIANTS,
+        default=["reshard", "keep"],
+        help="ways of sharding each row runs in (the module docstring says what each is)",
     )
     parser.add_argument("--json", type=Path, help="also write the results to this file")
     return parser.parse_args()
@@ -176,7 +202,12 @@ def main() -> None:
         if fp8_ok and args.fp8_all_gather:
             runs += [(name, "fp8") for name in RECIPES[1:]]
         dp, corpus = data_parallel("cuda"), random_corpus()
-        rows = [measure(name, model_config, args, dp, corpus, gather) for name, gather in runs]
+        baselines: dict[str, float] = {}
+        rows = [
+            measure(name, model_config, args, dp, corpus, gather, variant, baselines)
+            for name, gather in runs
+            for variant in args.variants
+        ]
         if dp.rank == 0:
             report(args, model_config, dp.size, rows, None if fp8_ok else why)
     finally:
@@ -195,11 +226,11 @@ def report(args, model_config: ModelConfig, world: int, rows: list[dict], no_fp8
         print(f"FP8 recipes left out: {no_fp8}")
     head = ("config", "tokens/s", "efficiency", "gather MB", "scatter MB", "peak GiB/GPU")
     print(
-        f"{head[0]:26s} {head[1]:>10s} {head[2]:>10s} {head[3]:>10s} {head[4]:>10s} {head[5]:>13s}"
+        f"{head[0]:30s} {head[1]:>10s} {head[2]:>10s} {head[3]:>10s} {head[4]:>10s} {head[5]:>13s}"
     )
     for r in rows:
         print(
-            f"{r['config']:26s} {r['tokens_per_s']:10,.0f} {r['efficiency']:10.1%} "
+            f"{r['config']:30s} {r['tokens_per_s']:10,.0f} {r['efficiency']:10.1%} "
             f"{r['all_gather_bytes'] / 2**20:10.1f} {r['reduce_scatter_bytes'] / 2**20:10.1f} "
             f"{r['peak_bytes'] / 2**30:13.2f}"
         )

@@ -16,7 +16,8 @@
 #    tokens, 32 heads x 128, bf16, forward + backward; p2p, a2a and all_gather against one GPU
 #    doing the whole attention, measured in the same run; efficiency = (1-GPU time / 2) / CP);
 # 4. train: the training example for TRAIN_STEPS steps, the runs of TRAIN_RUNS: on one GPU
-#    (1gpu_a, 1gpu_b, ...: their spread is the run-to-run spread), with --fsdp (fsdp2) and with
+#    (1gpu_a, 1gpu_b, ...: their spread is the run-to-run spread), with --fsdp (fsdp2; fsdp2k:
+#    with --fsdp-keep-gathered too) and with
 #    --tp 2 --sequence-parallel (tp2) over 2 GPUs; ep2 (asked for in TRAIN_RUNS): an MoE model
 #    with --experts 8 --ep 2 over 2 GPUs (1moe_*: the same model on one GPU); cp2 (asked for in TRAIN_RUNS): --cp 2 over 2 GPUs
 #    (each rank its load-balanced share of every sequence).
@@ -35,6 +36,7 @@ TRAIN_STEPS=${TRAIN_STEPS:-300}       # steps of each training run
 TRAIN_RECIPE=${TRAIN_RECIPE:-delayed} # bf16, delayed or current
 FSDP_SIZE=${FSDP_SIZE:-large}         # benchmarks/fsdp.py --size
 FSDP_BATCH=${FSDP_BATCH:-16 32}       # benchmarks/fsdp.py --batch (sequences per rank), each
+FSDP_VARIANTS=${FSDP_VARIANTS:-reshard keep} # benchmarks/fsdp.py --variants
 TRAIN_RUNS=${TRAIN_RUNS:-1gpu_a fsdp2 tp2 1gpu_b} # 1gpu_*: one GPU; fsdp2, tp2: over 2 GPUs
 TOTAL=${TOTAL:-570}                   # seconds for everything (the machine's call limit: 600)
 TESTS_LIMIT=${TESTS_LIMIT:-240}       # seconds per phase before it is stopped
@@ -75,7 +77,7 @@ fi
 if wanted fsdp; then
   for batch in $FSDP_BATCH; do
     run2 "$BENCH_LIMIT" benchmarks/fsdp.py --fp8-all-gather --size "$FSDP_SIZE" \
-      --batch "$batch" --json "$WORK/fsdp2_b$batch.json" >"$WORK/fsdp2_b$batch.log" 2>&1
+      --batch "$batch" --variants $FSDP_VARIANTS --json "$WORK/fsdp2_b$batch.json" >"$WORK/fsdp2_b$batch.log" 2>&1
   done
 fi
 if wanted ep; then
@@ -92,10 +94,12 @@ if wanted train; then
       1moe_*) timeout "$(limit "$TRAIN_LIMIT")" python "${TRAIN[@]}" --experts 8 \
         --out "$WORK/train_$run" ;;
       fsdp2) run2 "$TRAIN_LIMIT" "${TRAIN[@]}" --fsdp --out "$WORK/train_$run" ;;
+      fsdp2k) run2 "$TRAIN_LIMIT" "${TRAIN[@]}" --fsdp --fsdp-keep-gathered \
+        --out "$WORK/train_$run" ;;
       tp2) run2 "$TRAIN_LIMIT" "${TRAIN[@]}" --tp 2 --sequence-parallel --out "$WORK/train_$run" ;;
       ep2) run2 "$TRAIN_LIMIT" "${TRAIN[@]}" --experts 8 --ep 2 --out "$WORK/train_$run" ;;
       cp2) run2 "$TRAIN_LIMIT" "${TRAIN[@]}" --cp 2 --out "$WORK/train_$run" ;;
-      *) echo "unknown training run $run (1gpu_*, 1moe_*, fsdp2, tp2, ep2 or cp2)" ;;
+      *) echo "unknown training run $run (1gpu_*, 1moe_*, fsdp2, fsdp2k, tp2, ep2 or cp2)" ;;
     esac >"$WORK/train_$run.log" 2>&1
   done
 fi

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import re
 import sys
 from pathlib import Path
@@ -167,6 +168,16 @@ def val_losses(path: Path) -> dict[int, float]:
     return {int(row["step"]): float(row["val_loss"]) for row in rows}
 
 
+def tokens_per_s(path: Path) -> float | None:
+    """The median tokens/s of a training run's logged rows (None without the file or rows)."""
+    if not path.is_file():
+        return None
+    with path.open() as f:
+        rows = [row["tokens_per_s"] for row in csv.DictReader(f)]
+    speeds = sorted(v for v in (float(x) for x in rows if x) if math.isfinite(v))
+    return speeds[len(speeds) // 2] if speeds else None
+
+
 def _largest_gap(a: dict[int, float], b: dict[int, float]) -> float:
     """The largest |a - b| over the validation steps both runs reached."""
     return max((abs(a[s] - b[s]) for s in a.keys() & b.keys()), default=float("nan"))
@@ -185,7 +196,8 @@ def loss_rows(out: Path) -> list[tuple[str, str, bool | None]]:
     rows = [(label, f"{mean:.4f} ({spread:.4f})", None)]
     curve_spread = _largest_gap(runs["train_1gpu_a"], runs.get("train_1gpu_b", {}))
     rows.append(("1 GPU a vs b, largest val gap", f"{curve_spread:.4f}", None))
-    for name in ("fsdp2", "tp2", "cp2"):
+    one_gpu = tokens_per_s(out / "train_1gpu_a" / "losses.csv")
+    for name in ("fsdp2", "fsdp2k", "tp2", "cp2"):
         run = val_losses(out / f"train_{name}" / "losses.csv")
         if not run:
             rows.append((f"{name} final val loss", "no losses.csv", None))
@@ -195,6 +207,11 @@ def loss_rows(out: Path) -> list[tuple[str, str, bool | None]]:
         rows.append((f"{name} final val loss (diff)", f"{loss:.4f} ({loss - mean:+.4f})", ok))
         gap = _largest_gap(run, runs["train_1gpu_a"])
         rows.append((f"{name} vs 1 GPU a, largest val gap", f"{gap:.4f}", None))
+        speed = tokens_per_s(out / f"train_{name}" / "losses.csv")
+        if name.startswith("fsdp") and speed and one_gpu:  # the target: within 10% per GPU
+            ratio = speed / 2 / one_gpu
+            value = f"{ratio:.2f} ({speed:,.0f} / 2 vs {one_gpu:,.0f})"
+            rows.append((f"{name} tokens/s per GPU / 1 GPU a's", value, ratio >= 0.9))
     return rows
 
 

@@ -28,9 +28,11 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 import torchte as te
 from torchte import recipe
 from torchte.distributed import fsdp as te_fsdp
+from torchte.kernels._fp8_codec import cast_reference
 from torchte.quantization.float8_tensor import Float8Tensor
 
 WORLD = 2
+FP8_E4M3 = torch.float8_e4m3fn
 H, F, T = 32, 64, 16
 SPLITS = [6, 0, 10]
 RECIPES = {
@@ -210,11 +212,21 @@ def _check_fp8_all_gather(rank) -> None:
     assert plain_bytes == 2 * (weights + biases) * 4 // WORLD, (plain_moves, fp8_moves)
     assert fp8_bytes == 2 * (weights + biases * 4) // WORLD, (plain_moves, fp8_moves)
     assert _train(fp8, "current", steps=2) == _train(plain, "current", steps=2)
-    seen = []
+    seen, gathered = [], []
     fp8[0].register_forward_pre_hook(lambda module, args: seen.append(module.weight))
+    fp8[0].register_forward_pre_hook(
+        lambda module, args: gathered.append(module.weight._storage.rowwise_data.clone())
+    )
     with _recorded("all_reduce") as reduces:
         te_fsdp.precompute_fp8_scales(fp8)
+        agreed = fp8[0].weight.to_local()._scale
+        expected = cast_reference(fp8[0].weight.to_local()._data, agreed.scale, FP8_E4M3)
         _train(fp8, "current", steps=1)
+    # The all-gathers sent the bytes precompute_fp8_scales cast, all weights at once.
+    assert torch.equal(agreed.data.view(torch.uint8), expected.view(torch.uint8))
+    rows = expected.shape[0]
+    mine = gathered[0][rank * rows : (rank + 1) * rows]
+    assert torch.equal(mine.view(torch.uint8), expected.view(torch.uint8))
     # Without it each weight's gather (forward and backward) all-reduces its own amax; with
     # it, one all-reduce for both weights and none in the gathers.
     assert own.count((torch.float32, 1)) == 4, own

@@ -12,6 +12,7 @@ own rows (the batch's amax in one process), so FP8 runs agree within bf16's tole
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import os
@@ -230,11 +231,15 @@ def test_gradients_inside_backward_have_the_values_of_one_process(tmp_path: Path
 # -- what FSDP2 gathers, and when -----------------------------------------------------------
 
 
-def _gathered_trainer(tmp_path: Path, gather: str, prefetch: bool) -> loop.Trainer:
+def _gathered_trainer(
+    tmp_path: Path, gather: str, prefetch: bool, keep: bool = False
+) -> loop.Trainer:
     """The tiny bf16 model's trainer over the group's ranks, shard_model(gather_dtype=gather,
-    prefetch=prefetch)."""
+    prefetch=prefetch, keep_gathered=keep)."""
     model_config, config = cli.parse_args(_args(tmp_path, "bf16", "bf16"))
-    config = dataclasses.replace(config, fsdp=True, fsdp_gather_dtype=gather)
+    config = dataclasses.replace(
+        config, fsdp=True, fsdp_gather_dtype=gather, fsdp_keep_gathered=keep
+    )
     corpus = data.load_corpus(config.data, config.max_bytes, model_config.seq_len)
     shard = fsdp_run.shard_model
     loop.shard_model = functools.partial(shard, prefetch=prefetch)
@@ -245,22 +250,50 @@ def _gathered_trainer(tmp_path: Path, gather: str, prefetch: bool) -> loop.Train
 
 
 def _rank_gathers(rank: int, tmp_path: Path) -> dict[str, object]:
-    """Per setting of shard_model: the losses of STEPS steps and the dtype the first block's
-    fc1 weight had inside its forward."""
+    """Per setting of shard_model: the losses of STEPS steps, the dtype the first block's
+    fc1 weight had inside its forward, and the all-gathers FSDP2 called."""
     outcome = {}
-    for name, gather, prefetch in (
-        ("fp32", "fp32", True),
-        ("fp32, no prefetch", "fp32", False),
-        ("bf16", "bf16", True),
+    for name, gather, prefetch, keep in (
+        ("fp32", "fp32", True, False),
+        ("fp32, no prefetch", "fp32", False, False),
+        ("fp32, kept", "fp32", True, True),
+        ("bf16", "bf16", True, False),
     ):
-        trainer = _gathered_trainer(tmp_path, gather, prefetch)
+        trainer = _gathered_trainer(tmp_path, gather, prefetch, keep)
         seen = []
         trainer.model.blocks[0].layernorm_mlp.register_forward_pre_hook(
             functools.partial(_record_fc1_dtype, seen)
         )
-        outcome[name] = (_steps(trainer, STEPS), seen[0])
+        with _counted_all_gathers() as gathers:
+            losses = _steps(trainer, STEPS)
+        outcome[name] = (losses, seen[0], gathers[0])
+        outcome["blocks"] = len(trainer.model.blocks)
         assert trainer.model.blocks[0].layernorm_mlp.fc1_weight.dtype == torch.float32  # shard
     return outcome
+
+
+@contextlib.contextmanager
+def _counted_all_gathers():
+    """[how many all-gathers torch.distributed ran inside]: FSDP2's (all_gather_into_tensor
+    or, in some torch releases, all_gather_single)."""
+    count = [0]
+    originals = {
+        name: getattr(dist, name)
+        for name in ("all_gather_into_tensor", "all_gather_single")
+        if hasattr(dist, name)
+    }
+
+    def counted(*args, _original, **kwargs):
+        count[0] += 1
+        return _original(*args, **kwargs)
+
+    for name, original in originals.items():
+        setattr(dist, name, functools.partial(counted, _original=original))
+    try:
+        yield count
+    finally:
+        for name, original in originals.items():
+            setattr(dist, name, original)
 
 
 def _record_fc1_dtype(seen: list, module: torch.nn.Module, args) -> None:
@@ -271,13 +304,18 @@ def test_gather_dtype_and_prefetch(tmp_path: Path) -> None:
     """--fsdp-gather-dtype bf16: the blocks compute from bf16-gathered weights (the fp32
     shards stay the masters) and train as the fp32 gather does within bf16's tolerance;
     prefetching the next block's all-gather changes the order of work, not a bit of the
-    losses."""
+    losses; --fsdp-keep-gathered neither, and its backwards gather nothing (one gather a
+    block and step, and the root's, where resharding gathers each block twice)."""
     write_corpus(tmp_path)
     ranks = on_ranks(_rank_gathers, 2, tmp_path / "ranks", tmp_path)
     assert ranks[0] == ranks[1]
     got = ranks[0]
     assert got["fp32"][1] == torch.float32 and got["bf16"][1] == torch.bfloat16
     assert got["fp32, no prefetch"] == got["fp32"]
+    assert got["fp32, kept"][:2] == got["fp32"][:2]
+    blocks = got["blocks"]
+    assert got["fp32"][2] == STEPS * (2 * blocks + 1)
+    assert got["fp32, kept"][2] == STEPS * (blocks + 1)
     want = torch.tensor(got["fp32"][0], dtype=torch.float64)
     assert_close(torch.tensor(got["bf16"][0]), want, torch.bfloat16)
     assert got["bf16"][0] != got["fp32"][0]  # the gather did change the arithmetic
@@ -318,6 +356,7 @@ def test_bad_fsdp_options_are_refused_before_training(
     assert "invalid choice: 'fp16'" in err
     monkeypatch.delenv("WORLD_SIZE")
     assert "it needs --fsdp" in _error([*args, "--fsdp-gather-dtype", "bf16"], capsys)
+    assert "it needs --fsdp" in _error([*args, "--fsdp-keep-gathered"], capsys)
     monkeypatch.setenv("WORLD_SIZE", "2")
     (tmp_path / "notes").mkdir()
     (tmp_path / "notes" / "keep.txt").write_text("mine")

@@ -9,7 +9,11 @@ scale of the whole weight's amax, agreed over the data-parallel group; the gathe
 become the module's weight as a Float8Tensor, which the GEMM reads as it is (no dequantize and
 requantize). `precompute_fp8_scales(model)` after each optimizer step agrees on the scales of
 all weights with one all-reduce; a weight whose scale was not precomputed since it last changed
-all-reduces its own amax in its all-gather.
+all-reduces its own amax in its all-gather. It also casts every weight's shard to FP8 right
+there, all of them in one launch (kernels/multi_cast.py, after one launch for all their
+amaxes): the all-gathers, in the forward and again in the backward, send those bytes without
+a cast of their own. The bytes stay until the next call: one byte a parameter of the rank's
+shard.
 
 The gathered weight is FP8 for every forward, also outside te.autocast (then dequantized for
 the high-precision GEMM), and under delayed scaling too (the weight's scale is then its own
@@ -25,6 +29,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map_only
 
 from torchte.kernels import cast_transpose as ct
+from torchte.kernels import multi_cast
 from torchte.kernels.cast_spec import CastSpec
 from torchte.quantization import float8_fsdp
 from torchte.quantization.float8 import Float8CurrentScalingQuantizer
@@ -56,13 +61,15 @@ _KEEP = {
 
 class _Scale:
     """The agreed scale of one weight ((1,) fp32 scale and scale_inv, views of
-    precompute_fp8_scales' vectors), and the master data version it was agreed for."""
+    precompute_fp8_scales' vectors), the shard's FP8 bytes cast with it (None where not cast
+    in advance), and the master data version they were made for."""
 
-    __slots__ = ("scale", "scale_inv", "version")
+    __slots__ = ("data", "scale", "scale_inv", "version")
 
     def __init__(self) -> None:
         self.scale: torch.Tensor | None = None
         self.scale_inv: torch.Tensor | None = None
+        self.data: torch.Tensor | None = None
         self.version = -1
 
 
@@ -120,13 +127,15 @@ class FP8GatheredWeight(torch.Tensor):
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
         """This rank's shard cast to FP8 (as uint8, padded to FSDP2's padded shard rows) with
         the scale of the whole weight's amax over the mesh's ranks, and that scale's inverse:
-        the precomputed scale (one cast launch) unless the master changed since."""
+        the bytes precompute_fp8_scales cast (or a cast with its scale) unless the master
+        changed since."""
         shard = self._data.reshape(-1, *outer_size[1:])
         agreed = self._scale
         if agreed.version == self._data._version:
-            scale_inv = agreed.scale_inv
-            spec = CastSpec(FP8_DTYPE, True, False, agreed.scale, torch.empty_like(agreed.scale))
-            data = ct.quantize(shard, spec)[0] if shard.numel() else None
+            scale_inv, data = agreed.scale_inv, agreed.data
+            if data is None and shard.numel():
+                amax = torch.empty_like(agreed.scale)
+                data = ct.quantize(shard, CastSpec(FP8_DTYPE, True, False, agreed.scale, amax))[0]
         else:
             reduce_max = max_over(mesh.get_group())
             data, _, scale_inv = _QUANTIZER._cast_agreed(shard, reduce_max, True, False)
@@ -175,8 +184,9 @@ def enable_fp8_all_gather(model: nn.Module) -> nn.Module:
 
 def precompute_fp8_scales(model: nn.Module) -> None:
     """Agree on the FP8 scale of every FP8GatheredWeight of model (after fully_shard, after an
-    optimizer step) with one all-reduce of their amaxes over their data-parallel group, so the
-    next all-gathers cast without one each."""
+    optimizer step) with one all-reduce of their amaxes over their data-parallel group, and
+    cast their shards with it (all in one launch, see the module docstring), so the next
+    all-gathers send those bytes."""
     shards, groups = [], set()
     for module, name in _gemm_weights(model):
         param = module._parameters[name]
@@ -191,21 +201,28 @@ def precompute_fp8_scales(model: nn.Module) -> None:
             "precompute_fp8_scales: the weights are sharded over different groups; call it "
             "on each data-parallel group's part of the model"
         )
-    amaxes = torch.stack(
-        [
-            s._data.detach().abs().amax().float()
-            if s._data.numel()
-            else torch.zeros((), device=s.device)
-            for s in shards
-        ]
-    )
+    datas = [s._data.detach() for s in shards]
+    # One launch for all (fp32 or bf16 masters, contiguous) on a GPU; torch's ops elsewhere.
+    dtypes = {d.dtype for d in datas}
+    together = dtypes in ({torch.float32}, {torch.bfloat16})
+    together = together and all(d.is_contiguous() for d in datas)
+    cuda = datas[0].is_cuda
+    if together:
+        amaxes = (multi_cast.amaxes if cuda else multi_cast.amaxes_reference)(datas)
+    else:
+        amaxes = multi_cast.amaxes_reference([d.float().contiguous() for d in datas])
     max_over(groups.pop())(amaxes)
     scales = ct.compute_scale_reference(amaxes, ct.FP8_MAX[FP8_DTYPE], 0.0, False)
     # One row of 4 fp32 a weight: each scale (1,) starts 16-byte aligned, as cuBLAS's FP8
     # GEMM needs its scale pointers.
     table = torch.zeros(len(shards), 2, 4, dtype=torch.float32, device=amaxes.device)
     table[:, 0, 0], table[:, 1, 0] = scales, ct.current_scale_inv_reference(amaxes, scales)
+    fp8 = [None] * len(shards)
+    if together:
+        cast = multi_cast.quantize if cuda else multi_cast.quantize_reference
+        fp8 = cast(datas, scales, FP8_DTYPE)
     for i, shard in enumerate(shards):
         agreed = shard._scale
         agreed.scale, agreed.scale_inv = table[i, 0, :1], table[i, 1, :1]
+        agreed.data = fp8[i]
         agreed.version = shard._data._version

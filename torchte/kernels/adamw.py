@@ -46,6 +46,8 @@ __all__ = [
     "adamw_step_reference_",
     "grad_norm",
     "grad_norm_reference",
+    "grad_sum_squares",
+    "grad_sum_squares_reference",
     "grads_supported",
 ]
 
@@ -224,9 +226,10 @@ def _check_grads(grads: Sequence[torch.Tensor], who: str) -> None:
         )
 
 
-def grad_norm(grads: Sequence[torch.Tensor]) -> torch.Tensor:
-    """The L2 norm of all of `grads` together (contiguous, one dtype: fp32 or bf16, on one
-    CUDA device), a () fp32 tensor on their device; no sync."""
+def grad_sum_squares(grads: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The sum of the squares of all of `grads` (contiguous, one dtype: fp32 or bf16, on one
+    CUDA device), a () fp32 tensor on their device; no sync. Its square root is grad_norm;
+    sharded gradients sum theirs over the ranks first."""
     if not grads:
         raise ValueError("grad_norm: no gradients")
     _check_grads(grads, "grad_norm")
@@ -241,19 +244,29 @@ def grad_norm(grads: Sequence[torch.Tensor]) -> torch.Tensor:
         GRAD_DTYPE=_TRITON_DTYPES[grads[0].dtype], CHUNK=chunk, BLOCK=_BLOCK,
         num_warps=_WARPS,
     )  # fmt: skip
-    return partial.sum().sqrt()
+    return partial.sum()
 
 
-def grad_norm_reference(grads: Sequence[torch.Tensor]) -> torch.Tensor:
-    """grad_norm in torch operations (any device): fp32 squares summed chunk by chunk, the
-    chunks' sums then summed."""
+def grad_norm(grads: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The L2 norm of all of `grads` together (grad_sum_squares' square root)."""
+    return grad_sum_squares(grads).sqrt()
+
+
+def grad_sum_squares_reference(grads: Sequence[torch.Tensor]) -> torch.Tensor:
+    """grad_sum_squares in torch operations (any device): fp32 squares summed chunk by chunk,
+    the chunks' sums then summed."""
     _check_grads(grads, "grad_norm")
     parts = [
         chunk.float().square().sum() for g in grads for chunk in g.reshape(-1).split(ADAMW_CHUNK)
     ]
     if not parts:
         return torch.zeros((), dtype=torch.float32, device=grads[0].device)
-    return torch.stack(parts).sum().sqrt()
+    return torch.stack(parts).sum()
+
+
+def grad_norm_reference(grads: Sequence[torch.Tensor]) -> torch.Tensor:
+    """grad_norm in torch operations (grad_sum_squares_reference's square root)."""
+    return grad_sum_squares_reference(grads).sqrt()
 
 
 def adamw_step_(

@@ -173,6 +173,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --fsdp: all-gather the parameters as they are (fp32, default) or cast to "
         "bf16 (half the bytes; gradients reduced in fp32)",
     )
+    p.add_argument(
+        "--fsdp-keep-gathered",
+        action="store_true",
+        help="with --fsdp: keep each block's gathered weights from its forward to its backward "
+        "(the backward gathers nothing: half the all-gathers and their host time, for the "
+        "memory of the whole gathered model)",
+    )
     p.add_argument("--data", type=Path, help="a text file or folder (default: Python's stdlib)")
     p.add_argument(
         "--max-bytes",
@@ -275,8 +282,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[ModelConfig, RunConfig]:
     if why is None:
         batch_size = preset.batch_size if args.batch_size is None else args.batch_size
         why = check_fsdp(
-            args.fsdp, args.fp8_all_gather, args.tp, batch_size, args.fsdp_gather_dtype
-        )
+            args.fsdp, args.fp8_all_gather, args.tp, batch_size, args.fsdp_gather_dtype,
+            args.fsdp_keep_gathered,
+        )  # fmt: skip
     if why is not None:
         p.error(why)
     try:
@@ -333,6 +341,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[ModelConfig, RunConfig]:
             fsdp=args.fsdp,
             fp8_all_gather=args.fp8_all_gather,
             fsdp_gather_dtype=args.fsdp_gather_dtype,
+            fsdp_keep_gathered=args.fsdp_keep_gathered,
             cuda_graph=graphs,
             cuda_graph_reason=graphs_reason,
         )

@@ -196,6 +196,10 @@ class RunConfig:
     are) or "bf16" (cast before the gather, gradients reduced in fp32: half the bytes; the
     embeddings' outputs, and so the residual stream, are then bf16). Weights gathered as FP8
     (fp8_all_gather) go as FP8 either way."""
+    fsdp_keep_gathered: bool = False
+    """With fsdp: each block keeps its gathered weights from its forward to its backward
+    (FSDP2's reshard_after_forward=False), so the backward gathers nothing: half the
+    all-gathers and their host work, for the memory of the whole gathered model (ZeRO-2's)."""
     compute_dtype: str = "bf16"
     """"bf16" (torch.autocast) or "fp32" (autocast off): what the model computes in besides
     FP8 GEMMs; see precision.py."""

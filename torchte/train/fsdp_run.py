@@ -39,15 +39,22 @@ __all__ = [
 
 
 def check_fsdp(
-    fsdp: bool, fp8_all_gather: bool, tp: int, batch_size: int, gather_dtype: str = "fp32"
+    fsdp: bool,
+    fp8_all_gather: bool,
+    tp: int,
+    batch_size: int,
+    gather_dtype: str = "fp32",
+    keep_gathered: bool = False,
 ) -> str | None:
     """Why the --fsdp options cannot run in this process (None when they can): --fsdp needs
-    torchrun, a --batch-size its ranks divide, no --tp yet; --fp8-all-gather and a
+    torchrun and a --batch-size its ranks divide; --fp8-all-gather, --fsdp-keep-gathered and a
     --fsdp-gather-dtype other than fp32 need --fsdp."""
     if fp8_all_gather and not fsdp:
         return "--fp8-all-gather shards FP8 weights under FSDP: it needs --fsdp"
     if gather_dtype != "fp32" and not fsdp:
         return "--fsdp-gather-dtype chooses what FSDP2 gathers: it needs --fsdp"
+    if keep_gathered and not fsdp:
+        return "--fsdp-keep-gathered keeps what FSDP2 gathers: it needs --fsdp"
     if not fsdp:
         return None
     world = os.environ.get("WORLD_SIZE")
@@ -119,6 +126,7 @@ def shard_model(
     fp8_all_gather: bool,
     gather_dtype: str = "fp32",
     prefetch: bool = True,
+    keep_gathered: bool = False,
 ) -> None:
     """Shard `model` (a GPT) in place with fully_shard: each block, then the whole model (the
     embeddings, final norm and head). `fp8_all_gather`: first let its te modules shard and
@@ -129,7 +137,9 @@ def shard_model(
     (loop.Trainer._backward), so that its gradients, and their FP8 casts, have the values of
     one process training on the whole batch. `prefetch`: each block starts the all-gather of
     the next one in its forward (of the one before in its backward), so the gather runs under
-    the block's GEMMs even when the host is not ahead of the GPU."""
+    the block's GEMMs even when the host is not ahead of the GPU. `keep_gathered`: each block
+    keeps its gathered parameters from its forward to its backward (reshard_after_forward
+    False), which then gathers nothing."""
     policy = MixedPrecisionPolicy()
     if gather_dtype == "bf16":
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -139,7 +149,7 @@ def shard_model(
         te_fsdp.enable_fp8_all_gather(model)
     blocks = list(model.blocks)
     for block in blocks:
-        fully_shard(block, mesh=mesh, mp_policy=policy)
+        fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=not keep_gathered)
     fully_shard(model, mesh=mesh, mp_policy=policy)
     for module in (*blocks, model):  # sum the ranks' gradients: the loss is divided instead
         module.set_gradient_divide_factor(1.0)

@@ -201,7 +201,10 @@ class Trainer:
         self.loss_parts *= self.cp_ranks
         if dp is not None:
             fp8_gather = config.fp8_all_gather and self.recipe is not None
-            shard_model(self.model, dp.mesh, fp8_gather, config.fsdp_gather_dtype)
+            shard_model(
+                self.model, dp.mesh, fp8_gather, config.fsdp_gather_dtype,
+                keep_gathered=config.fsdp_keep_gathered,
+            )  # fmt: skip
         params = list(self.model.parameters())
         groups = [
             {"params": [p for p in params if p.dim() >= 2], "weight_decay": WEIGHT_DECAY},
@@ -268,8 +271,9 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self._backward(loss)
         split_group = self.tp_group if self.ep_group is None else self.ep_group
-        if split_group is None and self.dp is None:  # every gradient whole on this process
-            self.optimizer.clip_and_step(GRAD_CLIP, torch.nn.utils.clip_grad_norm_)
+        if split_group is None:  # whole gradients, or FSDP's shards of them over dp's group
+            shard_group = self.dp.group if self.dp is not None else None
+            self.optimizer.clip_and_step(GRAD_CLIP, torch.nn.utils.clip_grad_norm_, shard_group)
         else:
             dp_group = self.dp.group if self.dp is not None else None
             clip_grad_norm(list(self.model.parameters()), GRAD_CLIP, split_group, dp_group)

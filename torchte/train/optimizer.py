@@ -10,6 +10,15 @@ AdamW.step reads the gradients three times and writes them once (the factor mult
 place); at the example's 2000M parameters on an H200 that is 5 ms of a 120 ms step
 (docs/benchmarks.md). Elsewhere (the CPU, FSDP's DTensors, tensor parallelism, whose norm
 sums over ranks) `clip` runs first and torch's step after it.
+
+A model sharded by FSDP2 (`clip_and_step(..., shard_group=)`: every parameter a DTensor split
+along its first dimension over the group's ranks) steps on this rank's pieces: the pieces'
+sums of squares, summed over the group by one all-reduce, make the global norm, and AdamW runs
+over the local pieces of the parameters, gradients and moments (the moments stay DTensors in
+the state, as torch's AdamW keeps them, so distributed checkpoints save them alike). On a GPU
+that is the same two launches; on the CPU the kernels' torch references run instead, so the
+path is the same on both. DTensor's dispatch of torch's clip and step (a sharding decision per
+operation and tensor) is the host time this saves.
 """
 
 from __future__ import annotations
@@ -17,8 +26,10 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-from torch.distributed.tensor import DTensor
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Shard
 
+from torchte.distributed.fsdp import FP8GatheredWeight
 from torchte.kernels import adamw
 
 __all__ = ["ClippedAdamW", "clip_factor"]
@@ -43,23 +54,32 @@ class ClippedAdamW(torch.optim.AdamW):
         super().load_state_dict(state_dict)
         self._host_step = None  # read from the loaded state at the next fused step
 
-    def clip_and_step(self, max_norm: float, clip: Callable[[list, float], object]) -> None:
+    def clip_and_step(
+        self, max_norm: float, clip: Callable[[list, float], object], shard_group=None
+    ) -> None:
         """Scale the gradients to a global norm of at most `max_norm`, then take one AdamW
-        step, for a model whose gradients are all on this process (no tensor-parallel or
-        sharded pieces). `clip(params, max_norm)` (torch.nn.utils.clip_grad_norm_) clips them
-        in place where the fused path does not apply."""
+        step. Without `shard_group`, every gradient is whole on this process (no
+        tensor-parallel or sharded pieces); with it, every parameter is an FSDP2 DTensor
+        sharded over that group (see the module docstring). `clip(params, max_norm)`
+        (torch.nn.utils.clip_grad_norm_) clips them in place where the fused path does not
+        apply."""
         params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
         if not params:
             return
-        if not self._fusable(params):
+        fusable = self._fusable(params) if shard_group is None else self._shards_fusable(params)
+        if not fusable:
             clip(params, max_norm)
             self.step()
             self._host_step = None  # torch's step counted it on the device
             return
-        factor = clip_factor(adamw.grad_norm([p.grad for p in params]), max_norm)
+        kernels = _Kernels(params[0].is_cuda)
+        squares = kernels.sum_squares([_local(p.grad) for p in params])
+        if shard_group is not None:
+            dist.all_reduce(squares, group=shard_group)
+        factor = clip_factor(squares.sqrt(), max_norm)
         step = self._next_step(params)
         for group in self.param_groups:
-            self._group_step(group, step, factor)
+            self._group_step(group, step, factor, kernels)
         self.fused_steps += 1
 
     def _fusable(self, params: list[torch.Tensor]) -> bool:
@@ -68,6 +88,24 @@ class ClippedAdamW(torch.optim.AdamW):
             return False
         if any(isinstance(t, DTensor) for t in (*params, *grads)):
             return False
+        return self._plain_update(params, grads)
+
+    def _shards_fusable(self, params: list[torch.Tensor]) -> bool:
+        """Whether every parameter and gradient is a DTensor sharded along dim 0 over one 1-D
+        mesh (FSDP2's layout) whose local pieces the kernels take."""
+        grads = [p.grad for p in params]
+        tensors = (*params, *grads)
+        if not all(isinstance(t, DTensor) and t.placements == (Shard(0),) for t in tensors):
+            return False
+        if len({t.device_mesh for t in tensors}) != 1 or len({p.is_cuda for p in params}) != 1:
+            return False
+        local = [_local(p) for p in params]
+        if not all(p.dtype == torch.float32 for p in local):
+            return False
+        return self._plain_update(local, [_local(g) for g in grads])
+
+    def _plain_update(self, params: list[torch.Tensor], grads: list[torch.Tensor]) -> bool:
+        """Whether the kernels take these (local) tensors and the groups' options."""
         if not all(t.is_contiguous() for t in (*params, *grads)):
             return False
         if not adamw.grads_supported(grads):
@@ -86,7 +124,7 @@ class ClippedAdamW(torch.optim.AdamW):
         self._host_step += 1
         return self._host_step
 
-    def _group_step(self, group: dict, step: int, factor: torch.Tensor) -> None:
+    def _group_step(self, group: dict, step: int, factor: torch.Tensor, kernels) -> None:
         params = [p for p in group["params"] if p.grad is not None]
         if not params:
             return
@@ -98,12 +136,38 @@ class ClippedAdamW(torch.optim.AdamW):
                 state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             steps.append(state["step"])
-            exp_avgs.append(state["exp_avg"])
-            exp_avg_sqs.append(state["exp_avg_sq"])
+            exp_avgs.append(_local(state["exp_avg"]))
+            exp_avg_sqs.append(_local(state["exp_avg_sq"]))
         torch._foreach_add_(steps, 1.0)
         beta1, beta2 = group["betas"]
         hyper = adamw.AdamWStep(
             group["lr"], beta1, beta2, group["eps"], group["weight_decay"], step
         )
-        grads = [p.grad for p in params]
-        adamw.adamw_step_(params, grads, exp_avgs, exp_avg_sqs, hyper, factor)
+        local = [_local(p) for p in params]
+        grads = [_local(p.grad) for p in params]
+        kernels.step_(local, grads, exp_avgs, exp_avg_sqs, hyper, factor)
+        # Written through their addresses: in-place as far as version counters tell (FP8
+        # weight caches and te.fsdp's agreed scales key on them).
+        torch.autograd.graph.increment_version(local)
+
+
+class _Kernels:
+    """The fused path's two passes: the Triton kernels on a GPU, their torch references
+    (the same math in the same order) on the CPU."""
+
+    __slots__ = ("step_", "sum_squares")
+
+    def __init__(self, cuda: bool) -> None:
+        if cuda:
+            self.sum_squares, self.step_ = adamw.grad_sum_squares, adamw.adamw_step_
+        else:
+            self.sum_squares = adamw.grad_sum_squares_reference
+            self.step_ = adamw.adamw_step_reference_
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The plain tensor holding this rank's elements of t: a DTensor's local piece, the master
+    data of an FP8-gathered weight (te.fsdp), else t itself."""
+    if isinstance(t, DTensor):
+        t = t._local_tensor
+    return t._data if isinstance(t, FP8GatheredWeight) else t
