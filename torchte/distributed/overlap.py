@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from torchte import distributed as te_dist
 
-from .._collectives import send_recv, world_size
+from .._collectives import send_recv, wait_all, world_size
 
 __all__ = [
     "RowsInFlight",
@@ -129,8 +129,7 @@ def gemm_reduce_scatter(
         gemm_rows(slice(chunk * m, (chunk + 1) * m), part)
         if pending is not None:  # the sum of the previous ranks' rows of this chunk
             received, handles = pending
-            for handle in handles:
-                handle.wait()
+            wait_all(handles)
             part.add_(received)
         if step == world - 1:  # every send was waited on with its step's receive
             return part
