@@ -127,16 +127,18 @@ def ep_rows(out: Path) -> list[tuple[str, str, bool | None]]:
             rows.append((f"EP MoE {name} efficiency", f"{eff:.1%}", eff >= EP_EFFICIENCY))
             plain = r["baseline_ms"] / r["no_overlap_ms"]
             rows.append((f"EP MoE {name} efficiency, no overlap", f"{plain:.1%}", None))
-    run = val_losses(out / "train_ep2" / "losses.csv")
-    if run:
+    moe = [r[max(r)] for r in map(val_losses, sorted(out.glob("train_1moe_*/losses.csv"))) if r]
+    for name in ("ep2", "ep2f"):  # ep2f: with --fsdp
+        run = val_losses(out / f"train_{name}" / "losses.csv")
+        if not run:
+            continue
         loss = run[max(run)]
-        moe = [r[max(r)] for r in map(val_losses, sorted(out.glob("train_1moe_*/losses.csv"))) if r]
         if not moe:
-            rows.append(("ep2 (--experts 8 --ep 2) final val loss", f"{loss:.4f}", None))
-            return rows
+            rows.append((f"{name} final val loss (no one-GPU MoE run)", f"{loss:.4f}", None))
+            continue
         low, high = min(moe), max(moe)
         ok = low <= loss <= high if len(moe) > 1 else None
-        label = f"ep2 final val loss, one-GPU MoE {len(moe)} runs {low:.4f}-{high:.4f}"
+        label = f"{name} final val loss, one-GPU MoE {len(moe)} runs {low:.4f}-{high:.4f}"
         rows.append((label, f"{loss:.4f}", ok))
     return rows
 

@@ -15,7 +15,15 @@ The model starts from the one-process model's weights of the seed (shard_experts
 `--ep N` trains as one process does on the whole batch, within rounding. `--save` writes the
 one-process format (rank 0, every expert gathered: tp_state.expert_index), which `--resume`
 loads in one process or over any `--ep`. Not yet with --tp (the example's MoE blocks have no
-tensor-parallel split) or --fsdp.
+tensor-parallel split).
+
+With --fsdp the same N ranks are both: FSDP2 shards every dense parameter over them (the
+experts are left out of fully_shard, `ignored_params`: each rank's stay whole on it), the batch
+is split over them once, and FSDP2 sums the dense gradients. The optimizer step treats the
+experts as this rank's own pieces: their squares and the dense shards' are summed over the
+ranks for the clipping norm (ClippedAdamW's sharded step). Checkpoints are --fsdp folders, in
+which each rank's experts are its Shard(0) piece of the (E, ...) weights (fsdp_state.py), so a
+folder resumes over any --ep, or under --fsdp without it.
 """
 
 from __future__ import annotations
@@ -40,16 +48,16 @@ def check_ep(args) -> str | None:
         return f"--ep {ep} splits the experts over {ep} ranks: it needs --experts E"
     if args.experts % ep:
         return f"--ep {ep} must divide --experts ({args.experts}): each rank holds E / N experts"
-    refused = {"--tp": args.tp > 1, "--fsdp": args.fsdp}
-    for option, given in refused.items():
-        if given:
-            why = (
-                "the example's MoE blocks have no tensor-parallel split"
-                if option == "--tp"
-                else "not implemented yet"
-            )
-            return f"--ep with {option} is not supported ({why})"
-    return launch_mismatch("--ep", ep, f"--experts {args.experts} ")
+    if args.tp > 1:
+        why = "the example's MoE blocks have no tensor-parallel split"
+        return f"--ep with --tp is not supported ({why})"
+    if args.fsdp and args.fp8_all_gather:
+        return (
+            "--ep with --fp8-all-gather is not supported (the experts' grouped weights stay "
+            "on their ranks, outside FSDP; the dense weights gather in --fsdp-gather-dtype)"
+        )
+    flags = f"--experts {args.experts} {'--fsdp ' if args.fsdp else ''}"
+    return launch_mismatch("--ep", ep, flags)
 
 
 def is_expert(param: nn.Parameter) -> bool:

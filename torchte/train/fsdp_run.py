@@ -127,6 +127,7 @@ def shard_model(
     gather_dtype: str = "fp32",
     prefetch: bool = True,
     keep_gathered: bool = False,
+    ignored: set[nn.Parameter] | None = None,
 ) -> None:
     """Shard `model` (a GPT) in place with fully_shard: each block, then the whole model (the
     embeddings, final norm and head). `fp8_all_gather`: first let its te modules shard and
@@ -139,7 +140,8 @@ def shard_model(
     the next one in its forward (of the one before in its backward), so the gather runs under
     the block's GEMMs even when the host is not ahead of the GPU. `keep_gathered`: each block
     keeps its gathered parameters from its forward to its backward (reshard_after_forward
-    False), which then gathers nothing."""
+    False), which then gathers nothing. `ignored`: parameters FSDP leaves whole on each rank
+    (expert parallelism's experts, each rank its own)."""
     policy = MixedPrecisionPolicy()
     if gather_dtype == "bf16":
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -148,9 +150,10 @@ def shard_model(
     if fp8_all_gather:
         te_fsdp.enable_fp8_all_gather(model)
     blocks = list(model.blocks)
+    common = {"mesh": mesh, "mp_policy": policy, "ignored_params": ignored}
     for block in blocks:
-        fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=not keep_gathered)
-    fully_shard(model, mesh=mesh, mp_policy=policy)
+        fully_shard(block, reshard_after_forward=not keep_gathered, **common)
+    fully_shard(model, **common)
     for module in (*blocks, model):  # sum the ranks' gradients: the loss is divided instead
         module.set_gradient_divide_factor(1.0)
         if hasattr(module, "set_force_sum_reduction_for_comms"):  # else NCCL's PREMUL_SUM(1)

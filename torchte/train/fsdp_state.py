@@ -17,6 +17,11 @@ With --tp (2-D) each tensor-parallel rank's pieces live under their own name, "t
 reshards them over the data-parallel ranks, not over tensor-parallel ones): such a folder
 resumes with the same --tp, over any number of data-parallel ranks.
 
+With --ep (ep_run.py) the experts are left out of FSDP, each rank's whole on it: in the folder
+each becomes that rank's Shard(0) piece of the (E, ...) weight (and of its AdamW moments), so
+DCP writes every rank's experts and reshards them on load: the folder resumes over any --ep,
+or under --fsdp alone (whose FSDP shards the experts as any weight).
+
 A save is written to PATH.partial and then moved to PATH (a crash never leaves a half-written
 folder at PATH); the folder it replaces must be such a checkpoint, never any other folder.
 """
@@ -33,6 +38,8 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
 
 from . import checkpoint
 from .checkpoint import SHARDED_POSITION
@@ -90,15 +97,18 @@ def save_sharded(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     tp_group=None,
+    expert_mesh: DeviceMesh | None = None,
 ) -> None:
     """Write the checkpoint folder `path` of every rank's shards and rank 0's `position`
-    (with the tensor-parallel size); all ranks call it."""
+    (with the tensor-parallel size); all ranks call it. expert_mesh: the experts of this rank
+    (left out of FSDP) are its pieces over that mesh (module docstring)."""
     partial = path.with_name(path.name + ".partial")
     first = dist.get_rank() == 0
     if first:
         shutil.rmtree(partial, ignore_errors=True)
     dist.barrier()
     model_state, optim_state = get_state_dict(model, optimizer)
+    _experts_as_pieces(model, model_state, optim_state, expert_mesh)
     state = _nested({"model": model_state, "optimizer": optim_state}, tp_group)
     dcp.save(state, checkpoint_id=partial)
     if first:
@@ -119,11 +129,15 @@ def _replace(new: Path, path: Path) -> None:
 
 
 def load_sharded(
-    path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, tp_group=None
+    path: Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    tp_group=None,
+    expert_mesh: DeviceMesh | None = None,
 ) -> None:
     """Load the model and AdamW state of the checkpoint folder `path` into this rank's shards
     (any data-parallel rank count may have saved it; SystemExit for another tensor-parallel
-    size); all ranks call it."""
+    size); all ranks call it. expert_mesh: as save_sharded's."""
     tp = 1 if tp_group is None else dist.get_world_size(tp_group)
     saved_tp = checkpoint.load_checkpoint(path / SHARDED_POSITION).get("tp", 1)
     if saved_tp != tp:
@@ -136,12 +150,41 @@ def load_sharded(
     key = _tp_key(tp_group)
     prefix = "model." if key is None else f"{key}.model."
     _add_extra_states(model_state, metadata.state_dict_metadata, prefix)
+    pieces = _experts_as_pieces(model, model_state, optim_state, expert_mesh)
     state = _nested({"model": model_state, "optimizer": optim_state}, tp_group)
     dcp.load(state, checkpoint_id=path)
     state = state if key is None else state[key]
+    for entries, name in pieces:  # loaded in place: the plain tensors again
+        entries[name] = entries[name].to_local()
     set_state_dict(
         model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
     )
+
+
+def _experts_as_pieces(
+    model: nn.Module, model_state: dict, optim_state: dict, mesh: DeviceMesh | None
+) -> list[tuple[dict, str]]:
+    """Replace, in place, every expert's entries (its weight and AdamW moments: this rank's
+    rows of an (E, ...) tensor, plain) by DTensors of the whole sharded along dim 0 over `mesh`
+    that share their memory; returns (dict, key) of each. Nothing without a mesh."""
+    if mesh is None:
+        return []
+    experts = [n for n, p in model.named_parameters() if _is_own_expert(p)]
+    optim = optim_state.get("state", {})
+    replaced = []
+    for name in experts:
+        entries = [(model_state, name)]
+        entries += [(optim[name], k) for k in ("exp_avg", "exp_avg_sq") if k in optim.get(name, {})]
+        for entry, key in entries:
+            local = entry[key]
+            entry[key] = DTensor.from_local(local, mesh, [Shard(0)], run_check=False)
+            replaced.append((entry, key))
+    return replaced
+
+
+def _is_own_expert(param: nn.Parameter) -> bool:
+    """An expert of this rank left whole by FSDP (Megatron-Core's `allreduce = False`)."""
+    return not isinstance(param, DTensor) and getattr(param, "allreduce", True) is False
 
 
 def _add_extra_states(model_state: dict, saved: dict, prefix: str) -> None:

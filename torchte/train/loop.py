@@ -197,13 +197,15 @@ class Trainer:
             self.model.set_context_parallel_group(self.cp_group)
         # The loss is divided by every rank its batch is split over before backward (see
         # _backward), and the data-parallel ranks' gradients are summed.
-        self.loss_parts = self.sp_ranks * self.ep_ranks * (dp.size if dp is not None else 1)
+        # (With --ep and --fsdp the same ranks: the batch is split over them once.)
+        self.loss_parts = self.sp_ranks * (dp.size if dp is not None else self.ep_ranks)
         self.loss_parts *= self.cp_ranks
         if dp is not None:
             fp8_gather = config.fp8_all_gather and self.recipe is not None
             shard_model(
                 self.model, dp.mesh, fp8_gather, config.fsdp_gather_dtype,
                 keep_gathered=config.fsdp_keep_gathered,
+                ignored={p for p in self.model.parameters() if is_expert(p)} or None,
             )  # fmt: skip
         params = list(self.model.parameters())
         groups = [
@@ -238,7 +240,7 @@ class Trainer:
         if self.sp_ranks > 1:  # this rank's rows of the batch
             rank = dist.get_rank(self.tp_group)
             batch = tuple(local_rows(t, rank, self.sp_ranks) for t in batch)
-        if self.ep_ranks > 1:  # this rank's rows of the batch
+        if self.ep_ranks > 1 and self.dp is None:  # this rank's rows of the batch
             rank = dist.get_rank(self.ep_group)
             batch = tuple(local_rows(t, rank, self.ep_ranks) for t in batch)
         if self.cp_ranks > 1:  # this rank's share of every sequence
@@ -271,6 +273,8 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self._backward(loss)
         split_group = self.tp_group if self.ep_group is None else self.ep_group
+        if self.dp is not None and self.ep_group is not None:
+            split_group = None  # the experts: this rank's own pieces, as FSDP's shards are
         if split_group is None:  # whole gradients, or FSDP's shards of them over dp's group
             shard_group = self.dp.group if self.dp is not None else None
             self.optimizer.clip_and_step(GRAD_CLIP, torch.nn.utils.clip_grad_norm_, shard_group)
@@ -311,8 +315,8 @@ class Trainer:
             loss.backward()
             return
         (loss / self.loss_parts).backward()
-        if self.ep_group is not None:  # the dense parts summed; the experts' are whole
-            reduce_dense_grads(self.model, self.ep_group)
+        if self.ep_group is not None and self.dp is None:  # the dense parts summed (FSDP2
+            reduce_dense_grads(self.model, self.ep_group)  # sums them); the experts' are whole
         if self.cp_group is not None:  # each rank's sequence shares' partial sums
             for p in self.model.parameters():
                 if p.grad is not None:
@@ -332,7 +336,7 @@ class Trainer:
         or data parallelism, whose row counts are equal)."""
         if self.sp_ranks > 1:
             loss = _mean_over(loss, self.tp_group, self.sp_ranks)
-        if self.ep_ranks > 1:
+        if self.ep_ranks > 1 and self.dp is None:
             loss = _mean_over(loss, self.ep_group, self.ep_ranks)
         if self.cp_ranks > 1:
             loss = _mean_over(loss, self.cp_group, self.cp_ranks)
@@ -432,7 +436,10 @@ class Trainer:
         self.elapsed = time.perf_counter() - start
         path = self.checkpoint_path(self.config.save)
         if self.dp is not None:
-            save_sharded(path, self._position(), self.model, self.optimizer, self.tp_group)
+            save_sharded(
+                path, self._position(), self.model, self.optimizer, self.tp_group,
+                self._expert_mesh(),
+            )  # fmt: skip
         else:
             model, optim = self.model.state_dict(), self.optimizer.state_dict()
             if self.tp_group is not None:  # the whole model's, written by rank 0 (tp_state.py)
@@ -444,6 +451,11 @@ class Trainer:
                 state = {**self._position(), "model": model, "optimizer": optim}
                 checkpoint.save_checkpoint(path, state)
         self.saved = (path, self.step)
+
+    def _expert_mesh(self):
+        """The mesh this rank's experts are pieces over in a --fsdp folder (with --ep: FSDP's,
+        the same ranks), else None."""
+        return self.dp.mesh if self.dp is not None and self.ep_group is not None else None
 
     def _position(self) -> dict:
         """Everything a checkpoint holds besides the model's and AdamW's state."""
@@ -468,7 +480,7 @@ class Trainer:
         state = read_position(path) if self.dp is not None else checkpoint.load_checkpoint(path)
         check_resumable(state, path, self.name, self.model.config, self.config, self.corpus)
         if self.dp is not None:  # DCP reshards whatever rank count saved it
-            load_sharded(path, self.model, self.optimizer, self.tp_group)
+            load_sharded(path, self.model, self.optimizer, self.tp_group, self._expert_mesh())
         else:
             model, optim = state["model"], state["optimizer"]
             if self.tp_group is not None:  # this rank's pieces of the whole model's state

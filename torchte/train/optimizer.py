@@ -12,7 +12,8 @@ place); at the example's 2000M parameters on an H200 that is 5 ms of a 120 ms st
 sums over ranks) `clip` runs first and torch's step after it.
 
 A model sharded by FSDP2 (`clip_and_step(..., shard_group=)`: every parameter a DTensor split
-along its first dimension over the group's ranks) steps on this rank's pieces: the pieces'
+along its first dimension over the group's ranks, or a plain one of this rank's own, marked as
+Megatron-Core marks experts, `allreduce = False`) steps on this rank's pieces: the pieces'
 sums of squares, summed over the group by one all-reduce, make the global norm, and AdamW runs
 over the local pieces of the parameters, gradients and moments (the moments stay DTensors in
 the state, as torch's AdamW keeps them, so distributed checkpoints save them alike). On a GPU
@@ -92,13 +93,19 @@ class ClippedAdamW(torch.optim.AdamW):
 
     def _shards_fusable(self, params: list[torch.Tensor]) -> bool:
         """Whether every parameter and gradient is a DTensor sharded along dim 0 over one 1-D
-        mesh (FSDP2's layout) whose local pieces the kernels take."""
-        grads = [p.grad for p in params]
-        tensors = (*params, *grads)
+        mesh (FSDP2's layout), or a parameter of this rank's own (Megatron-Core's
+        `allreduce = False`: expert parallelism's experts, left out of FSDP) with a plain
+        gradient, and the kernels take the local pieces."""
+        sharded = [p for p in params if isinstance(p, DTensor)]
+        tensors = (*sharded, *(p.grad for p in sharded))
         if not all(isinstance(t, DTensor) and t.placements == (Shard(0),) for t in tensors):
             return False
-        if len({t.device_mesh for t in tensors}) != 1 or len({p.is_cuda for p in params}) != 1:
+        own = [p for p in params if not isinstance(p, DTensor)]
+        if not all(_own(p) and not isinstance(p.grad, DTensor) for p in own):
             return False
+        if len({t.device_mesh for t in tensors}) > 1 or len({p.is_cuda for p in params}) != 1:
+            return False
+        grads = [p.grad for p in params]
         local = [_local(p) for p in params]
         if not all(p.dtype == torch.float32 for p in local):
             return False
@@ -145,7 +152,8 @@ class ClippedAdamW(torch.optim.AdamW):
         )
         local = [_local(p) for p in params]
         grads = [_local(p.grad) for p in params]
-        kernels.step_(local, grads, exp_avgs, exp_avg_sqs, hyper, factor)
+        with torch.no_grad():  # the parameters are leaves that require grad
+            kernels.step_(local, grads, exp_avgs, exp_avg_sqs, hyper, factor)
         # Written through their addresses: in-place as far as version counters tell (FP8
         # weight caches and te.fsdp's agreed scales key on them).
         torch.autograd.graph.increment_version(local)
@@ -163,6 +171,11 @@ class _Kernels:
         else:
             self.sum_squares = adamw.grad_sum_squares_reference
             self.step_ = adamw.adamw_step_reference_
+
+
+def _own(param: torch.Tensor) -> bool:
+    """Whether `param` is marked as this rank's own (Megatron-Core's `allreduce = False`)."""
+    return getattr(param, "allreduce", True) is False
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -77,9 +77,12 @@ def train(argv: list[str] | None = None) -> list[RunResult]:
     """Run the command line: train each recipe, then write the table, CSV and plot
     (SystemExit(130) after them when Ctrl-C stopped the run)."""
     model_config, config = parse_args(argv)
-    if config.fsdp:
+    if config.fsdp:  # with --ep the same ranks split the experts (ep_run.py)
         with launched_run(config.device) as group:
-            return _train(model_config, config, group, data_parallel(config.device, config.tp))
+            dp, ep_group = data_parallel(config.device, config.tp), None
+            if config.ep > 1:
+                ep_group = group
+            return _train(model_config, config, group, dp, ep_group)
     if config.cp > 1:  # context parallelism over torchrun's processes (the Trainer's group)
         with launched_run(config.device):
             return _train(model_config, config, None)
@@ -151,6 +154,8 @@ def run_recipes(
                     if dp.tp_group is not None:
                         line += f", split over {config.tp} tensor-parallel ranks"
                     line += f", sharded over {dp.size} ranks (FSDP)"
+                    if ep_group is not None:
+                        line += f", experts split over them ({config.ep} expert-parallel ranks)"
                 elif group is not None:
                     line += f", on each of {config.tp} tensor-parallel ranks"
                 elif ep_group is not None:
