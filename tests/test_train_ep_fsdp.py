@@ -113,3 +113,16 @@ def test_bad_options_end_with_a_message(
     with pytest.raises(SystemExit):
         cli.parse_args([*args, *extra])
     assert match in capsys.readouterr().err
+
+
+def test_the_batch_is_split_once_over_the_ranks(
+    tmp_path: Path, capsys, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--ep 2 --fsdp over 2 processes: each trains on half the batch (not a quarter), and the
+    FP8 token check counts that half."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    args = tiny(tmp_path / "corpus.txt", tmp_path / "out", *EXPERTS, "--ep", "2", "--fsdp")
+    args += ["--recipe", "current", "--batch-size", "2", "--seq-len", "24"]
+    with pytest.raises(SystemExit):
+        cli.parse_args(args)
+    assert "--batch-size 2 / 2 --fsdp ranks x --seq-len 24 = 24 tokens" in capsys.readouterr().err

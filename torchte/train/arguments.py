@@ -137,7 +137,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=1,
         help="expert-parallel ranks (with --experts E, N dividing E; launch with torchrun "
         "--nproc-per-node N): each rank holds E / N experts of every MoE layer and trains on "
-        "its share of every batch; --save / --resume in the one-process format (default 1)",
+        "its share of every batch; --save / --resume in the one-process format (with --fsdp: "
+        "the dense parameters sharded over the same ranks, --fsdp folders) (default 1)",
     )
     p.add_argument(
         "--cp",
@@ -355,8 +356,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[ModelConfig, RunConfig]:
         p.error("--fp8-all-gather gathers FP8 weights: it needs --recipe delayed or current")
     if config.fp8_all_gather and set(config.recipes) - per_tensor - {"bf16"}:
         p.error("--fp8-all-gather with a block-scaled --recipe is not implemented yet")
-    # each trains on batch / ranks rows
-    ranks = data_parallel_ranks(config.fsdp, config.tp) * config.ep
+    # each trains on batch / ranks rows (--ep with --fsdp: the same ranks, the batch split once)
+    ranks = data_parallel_ranks(config.fsdp, config.tp)
+    ranks = ranks if config.fsdp else ranks * config.ep
     if config.sequence_parallel and (config.batch_size // ranks) % config.tp:
         p.error(
             f"--sequence-parallel splits each rank's rows of the batch over the {config.tp} "
