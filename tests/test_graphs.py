@@ -9,7 +9,7 @@ import torch
 import torchte as te
 from torchte.graphs.hooks import capture_hooks
 from torchte.graphs.schedule import pipeline_schedule, reused_samples
-from torchte.module.base import cached_value
+from torchte.module._weight_cache import cached_value
 from torchte.recipe import DelayedScaling, Float8CurrentScaling
 
 pytestmark = pytest.mark.usefixtures("cpu_default_device")

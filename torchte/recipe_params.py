@@ -1,6 +1,7 @@
 """Transformer Engine's per-tensor and per-GEMM options of a recipe: QParams (how one role's
 tensors are quantized) and MMParams (how one GEMM accumulates). Frozen, compared by value,
-validated on construction; recipe.py holds them in its recipes' fields.
+validated on construction; recipe.py holds them in its recipes' fields. Also the defaults
+a recipe's None fields stand for, and the checks of those fields.
 """
 
 from __future__ import annotations
@@ -61,3 +62,53 @@ class MMParams:
 
     def __post_init__(self) -> None:
         _check_bools("MMParams", use_split_accumulator=self.use_split_accumulator)
+
+
+# The QParams / MMParams a None field stands for (frozen: shared by every recipe). The fields'
+# dataclass defaults are None, filled in by _validate: torch.compile cannot trace a constructor
+# whose default values are such objects (a step that builds its recipe inside a compiled region).
+_QUANT = QParams()
+_QUANT_POWER_2 = QParams(power_2_scale=True)
+_FAST_ACCUMULATION = MMParams(use_split_accumulator=False)
+_SPLIT_ACCUMULATION = MMParams(use_split_accumulator=True)
+_CURRENT_DEFAULTS = {
+    "fp8_quant_fwd_inp": _QUANT,
+    "fp8_quant_fwd_weight": _QUANT,
+    "fp8_quant_bwd_grad": _QUANT,
+    "fp8_gemm_fprop": _FAST_ACCUMULATION,
+    "fp8_gemm_dgrad": _SPLIT_ACCUMULATION,
+    "fp8_gemm_wgrad": _SPLIT_ACCUMULATION,
+}
+_BLOCK_DEFAULTS = {
+    "fp8_quant_fwd_inp": _QUANT_POWER_2,
+    "fp8_quant_fwd_weight": _QUANT_POWER_2,
+    "fp8_quant_bwd_grad": _QUANT_POWER_2,
+    "fp8_gemm_fprop": _SPLIT_ACCUMULATION,
+    "fp8_gemm_dgrad": _SPLIT_ACCUMULATION,
+    "fp8_gemm_wgrad": _SPLIT_ACCUMULATION,
+}
+# Transformer Engine's GEMM accumulation under per-tensor FP8, which torchte's GEMMs use:
+# fast accumulation in the forward GEMM, split accumulation in the two backward GEMMs.
+_GEMM_ACCUMULATION = {"fp8_gemm_fprop": False, "fp8_gemm_dgrad": True, "fp8_gemm_wgrad": True}
+# The QParams field that sets each quantizer slot of a module (setup.py's slot names).
+_SLOT_QPARAMS = {
+    "input": "fp8_quant_fwd_inp",
+    "weight": "fp8_quant_fwd_weight",
+    "grad_output": "fp8_quant_bwd_grad",
+}
+
+
+def _fill_defaults(recipe, defaults: dict) -> None:
+    """Each field of `defaults` left None takes its default QParams / MMParams."""
+    for name, value in defaults.items():
+        if getattr(recipe, name) is None:
+            object.__setattr__(recipe, name, value)
+
+
+def _check_params(recipe, names, cls) -> None:
+    for name in names:
+        value = getattr(recipe, name)
+        if not isinstance(value, cls):
+            raise TypeError(
+                f"{type(recipe).__name__}.{name} must be a recipe.{cls.__name__}, got {value!r}"
+            )

@@ -29,7 +29,7 @@ from ._common import (
 from ._deferred_wgrad import group_wgrads
 from ._grouped_fp8 import device_wgrads
 from ._linear_core import cast_to
-from .base import cached_quantization
+from ._weight_cache import cached_quantization
 
 __all__ = ["block_backward", "block_forward", "block_weights"]
 

@@ -47,14 +47,14 @@ from ._common import (
 )
 from ._deferred_wgrad import group_wgrads
 from ._linear_core import cast_to
-from .base import cached_quantization
+from ._weight_cache import cached_quantization
 
 
 def grouped_fp8_weights(weights, setup, key, is_first_microbatch, columnwise) -> GroupedStorage:
     """The G weights (N, K) quantized together, GEMM g's weight scale each, as one
     GroupedStorage of G groups of N rows: rowwise (G * N, K) is the (G, N, K) operand of the
     grouped GEMM, group g's columnwise block its (K, N) transpose for dgrad. Cached like
-    te.Linear's FP8 weight (base.cached_quantization): requantized when a weight or the
+    te.Linear's FP8 weight (_weight_cache.cached_quantization): requantized when a weight or the
     scales moved."""
 
     def quantize() -> GroupedStorage:
