@@ -63,7 +63,7 @@ def test_expert_parallel_training_equals_one_process(tmp_path, recipe):
     [
         (["--ep", "2"], "needs --experts"),
         (["--ep", "3", "--experts", "4"], "must divide --experts"),
-        (["--ep", "2", "--experts", "4", "--tp", "2"], "--ep with --tp is not supported"),
+        (["--ep", "2", "--experts", "4", "--tp", "2"], "with sequence parallelism only"),
         (["--ep", "2", "--experts", "4"], "launch it with torchrun --nproc-per-node 2"),
     ],
 )

@@ -270,8 +270,11 @@ def parse_args(argv: list[str] | None = None) -> tuple[ModelConfig, RunConfig]:
     steps = preset.steps if args.steps is None else args.steps
     recipes = _recipes(p, args)
     why = check_ep(args) or check_cp(args) or check_launch(args.tp, args.fsdp)
-    if why is None and args.tp > 1 and args.experts:
-        why = f"--tp {args.tp} with --experts is not implemented yet"
+    if why is None and args.tp > 1 and args.experts and args.ep != args.tp:
+        why = (
+            f"--tp {args.tp} with --experts needs --ep {args.tp} --sequence-parallel (the "
+            "experts split over the same ranks)"
+        )
     batch = preset.batch_size if args.batch_size is None else args.batch_size
     if why is None and args.ep > 1 and batch % args.ep:
         why = (

@@ -14,8 +14,14 @@ counts each dense gradient once and sums the experts' over the ranks (loop.clip_
 The model starts from the one-process model's weights of the seed (shard_experts_from), so that
 `--ep N` trains as one process does on the whole batch, within rounding. `--save` writes the
 one-process format (rank 0, every expert gathered: tp_state.expert_index), which `--resume`
-loads in one process or over any `--ep`. Not yet with --tp (the example's MoE blocks have no
-tensor-parallel split).
+loads in one process or over any `--ep`.
+
+With --tp N --sequence-parallel the same N ranks split the attention Megatron-style and the
+experts: each rank's MoE layer takes its rows of the batch (sequence parallelism keeps them
+apart between the split layers) and sends them to the experts' ranks. The experts are not split
+further (no expert tensor parallelism); their gradients are whole, the norms' and routers' are
+summed over the ranks as sequence parallelism sums every whole parameter's. Checkpoints are the
+one-process format (tp_state.py takes both kinds of pieces).
 
 With --fsdp the same N ranks are both: FSDP2 shards every dense parameter over them (the
 experts are left out of fully_shard, `ignored_params`: each rank's stay whole on it), the batch
@@ -48,15 +54,19 @@ def check_ep(args) -> str | None:
         return f"--ep {ep} splits the experts over {ep} ranks: it needs --experts E"
     if args.experts % ep:
         return f"--ep {ep} must divide --experts ({args.experts}): each rank holds E / N experts"
-    if args.tp > 1:
-        why = "the example's MoE blocks have no tensor-parallel split"
-        return f"--ep with --tp is not supported ({why})"
+    if args.tp > 1 and (args.tp != ep or not args.sequence_parallel or args.fsdp):
+        return (
+            f"--ep {ep} with --tp {args.tp} runs over the same ranks with sequence parallelism "
+            f"only (--tp {ep} --sequence-parallel, without --fsdp): each rank's experts then take "
+            "its rows of the batch"
+        )
     if args.fsdp and args.fp8_all_gather:
         return (
             "--ep with --fp8-all-gather is not supported (the experts' grouped weights stay "
             "on their ranks, outside FSDP; the dense weights gather in --fsdp-gather-dtype)"
         )
     flags = f"--experts {args.experts} {'--fsdp ' if args.fsdp else ''}"
+    flags += f"--tp {ep} --sequence-parallel " if args.tp > 1 else ""
     return launch_mismatch("--ep", ep, flags)
 
 

@@ -174,20 +174,26 @@ class Trainer:
             tp_group if tp_group is not None and dist.get_world_size(tp_group) > 1 else None
         )
         self.sp_ranks = 1
-        if self.tp_group is not None:
+        self.ep_group, self.ep_ranks = None, 1
+        if ep_group is not None and dist.get_world_size(ep_group) > 1:
+            self.ep_group, self.ep_ranks = ep_group, dist.get_world_size(ep_group)
+        if self.tp_group is not None:  # with experts: split over the same ranks (ep_run.py)
             whole = self.model
             sp = config.sequence_parallel
-            self.model = GPT(model_config, PARAMS_DTYPE, self.device, self.tp_group, sp)
+            self.model = GPT(
+                model_config, PARAMS_DTYPE, self.device, self.tp_group, sp, ep_group=self.ep_group
+            )
             self.sp_ranks = dist.get_world_size(self.tp_group) if sp else 1
             shard_from(
                 self.model, whole, dist.get_rank(self.tp_group), dist.get_world_size(self.tp_group)
             )
-        self.ep_group, self.ep_ranks = None, 1
-        if ep_group is not None and dist.get_world_size(ep_group) > 1:
+        elif self.ep_group is not None:
             whole = self.model
-            self.ep_group, self.ep_ranks = ep_group, dist.get_world_size(ep_group)
-            self.model = GPT(model_config, PARAMS_DTYPE, self.device, ep_group=ep_group)
+            self.model = GPT(model_config, PARAMS_DTYPE, self.device, ep_group=self.ep_group)
             shard_experts_from(self.model, whole, dist.get_rank(ep_group), self.ep_ranks)
+        # Expert parallelism splits the batch's rows itself unless FSDP or sequence
+        # parallelism split them over the same ranks.
+        self.ep_splits_rows = self.ep_group is not None and dp is None and self.sp_ranks == 1
         self.dp = dp
         # context parallelism (config.cp, torchrun's processes): each rank its share of every
         # sequence, the weights whole on every rank
@@ -197,9 +203,8 @@ class Trainer:
             self.model.set_context_parallel_group(self.cp_group)
         # The loss is divided by every rank its batch is split over before backward (see
         # _backward), and the data-parallel ranks' gradients are summed.
-        # (With --ep and --fsdp the same ranks: the batch is split over them once.)
-        self.loss_parts = self.sp_ranks * (dp.size if dp is not None else self.ep_ranks)
-        self.loss_parts *= self.cp_ranks
+        self.loss_parts = self.sp_ranks * (dp.size if dp is not None else 1) * self.cp_ranks
+        self.loss_parts *= self.ep_ranks if self.ep_splits_rows else 1
         if dp is not None:
             fp8_gather = config.fp8_all_gather and self.recipe is not None
             shard_model(
@@ -240,7 +245,7 @@ class Trainer:
         if self.sp_ranks > 1:  # this rank's rows of the batch
             rank = dist.get_rank(self.tp_group)
             batch = tuple(local_rows(t, rank, self.sp_ranks) for t in batch)
-        if self.ep_ranks > 1 and self.dp is None:  # this rank's rows of the batch
+        if self.ep_splits_rows:  # this rank's rows of the batch
             rank = dist.get_rank(self.ep_group)
             batch = tuple(local_rows(t, rank, self.ep_ranks) for t in batch)
         if self.cp_ranks > 1:  # this rank's share of every sequence
@@ -315,8 +320,8 @@ class Trainer:
             loss.backward()
             return
         (loss / self.loss_parts).backward()
-        if self.ep_group is not None and self.dp is None:  # the dense parts summed (FSDP2
-            reduce_dense_grads(self.model, self.ep_group)  # sums them); the experts' are whole
+        if self.ep_splits_rows:  # the dense parts summed (else FSDP2 or the sequence-parallel
+            reduce_dense_grads(self.model, self.ep_group)  # sums below); the experts' whole
         if self.cp_group is not None:  # each rank's sequence shares' partial sums
             for p in self.model.parameters():
                 if p.grad is not None:
@@ -326,7 +331,9 @@ class Trainer:
         whole = [
             p.grad
             for p in self.model.parameters()
-            if p.grad is not None and not getattr(p, "tensor_model_parallel", False)
+            if p.grad is not None
+            and not getattr(p, "tensor_model_parallel", False)
+            and not is_expert(p)  # split over the same ranks: whole already
         ]
         for grad in whole:
             dist.all_reduce(_local(grad), group=self.tp_group)
@@ -336,7 +343,7 @@ class Trainer:
         or data parallelism, whose row counts are equal)."""
         if self.sp_ranks > 1:
             loss = _mean_over(loss, self.tp_group, self.sp_ranks)
-        if self.ep_ranks > 1 and self.dp is None:
+        if self.ep_splits_rows:
             loss = _mean_over(loss, self.ep_group, self.ep_ranks)
         if self.cp_ranks > 1:
             loss = _mean_over(loss, self.cp_group, self.cp_ranks)
@@ -442,9 +449,9 @@ class Trainer:
             )  # fmt: skip
         else:
             model, optim = self.model.state_dict(), self.optimizer.state_dict()
-            if self.tp_group is not None:  # the whole model's, written by rank 0 (tp_state.py)
+            if self.tp_group is not None:  # the whole model's (experts too), by rank 0 (tp_state)
                 model, optim = whole_state(self.model, self.optimizer, self.tp_group)
-            if self.ep_group is not None:  # every expert, written by rank 0
+            elif self.ep_group is not None:  # every expert, written by rank 0
                 model, optim = whole_state(self.model, self.optimizer, self.ep_group, expert_index)
             parallel = (self.tp_group, self.cp_group, self.ep_group)
             if all(group is None for group in parallel) or dist.get_rank() == 0:
@@ -483,9 +490,9 @@ class Trainer:
             load_sharded(path, self.model, self.optimizer, self.tp_group, self._expert_mesh())
         else:
             model, optim = state["model"], state["optimizer"]
-            if self.tp_group is not None:  # this rank's pieces of the whole model's state
+            if self.tp_group is not None:  # this rank's pieces (and experts) of the whole state
                 model, optim = split_state(self.model, self.optimizer, model, optim, self.tp_group)
-            if self.ep_group is not None:  # this rank's experts
+            elif self.ep_group is not None:  # this rank's experts
                 model, optim = split_state(
                     self.model, self.optimizer, model, optim, self.ep_group, expert_index
                 )

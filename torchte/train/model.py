@@ -107,9 +107,11 @@ class MoEBlock(nn.Module):
         kw: dict,
         device_splits: bool | None = None,
         ep_group=None,
+        tp: dict | None = None,
     ) -> None:
         """device_splits: MoEMLP's (None: the example's default); ep_group: its experts split
-        over these ranks (expert parallelism)."""
+        over these ranks (expert parallelism); tp: the attention's tensor-parallel options
+        (with sequence parallelism: the experts then run on this rank's rows)."""
         super().__init__()
         out_std = INIT_STD / math.sqrt(2 * config.layers)
         qkv_format, mask = _format(config)
@@ -122,7 +124,9 @@ class MoEBlock(nn.Module):
             attn_mask_type=mask,
             input_layernorm=True,
             qkv_format=qkv_format,
+            set_parallel_mode=bool(tp),
             **_attention_options(config),
+            **(tp or {}),
             **kw,
         )
         self.mlp = MoEMLP(
@@ -159,11 +163,14 @@ class GPT(nn.Module):
         tp = {}
         if tp_group is not None and dist.get_world_size(tp_group) > 1:
             size = dist.get_world_size(tp_group)
-            if config.experts or config.heads % size or config.gqa_groups % size:
+            # experts: split over the same ranks (ep_group), each rank's on its rows
+            moe_ok = ep_group is not None and sequence_parallel
+            if (config.experts and not moe_ok) or config.heads % size or config.gqa_groups % size:
                 raise ValueError(
-                    f"tensor parallelism over {size} ranks needs the dense MLP and head and "
-                    f"group counts it divides (heads {config.heads}, gqa groups "
-                    f"{config.gqa_groups}, experts {config.experts})"
+                    f"tensor parallelism over {size} ranks needs head and group counts it "
+                    f"divides (heads {config.heads}, gqa groups {config.gqa_groups}) and, with "
+                    f"experts ({config.experts}), expert parallelism over the same ranks with "
+                    "sequence parallelism"
                 )
             tp = {"tp_group": tp_group, "tp_size": size, "sequence_parallel": sequence_parallel}
         self.tp_group = tp_group if tp and sequence_parallel else None  # packed: gathers
@@ -178,7 +185,7 @@ class GPT(nn.Module):
             self.pos_emb = nn.Embedding(config.seq_len, config.hidden, device=device, dtype=dtype)
             nn.init.normal_(self.pos_emb.weight, mean=0.0, std=INIT_STD)
         self.blocks = nn.ModuleList(
-            MoEBlock(config, i + 1, kw, moe_device_splits, ep_group)
+            MoEBlock(config, i + 1, kw, moe_device_splits, ep_group, tp)
             if config.experts
             else dense_block(config, i + 1, kw, tp)
             for i in range(config.layers)
@@ -261,10 +268,19 @@ def shard_index(name: str, config: ModelConfig, rank: int, size: int) -> tuple:
 @torch.no_grad()
 def shard_from(model: GPT, whole: GPT, rank: int, size: int) -> None:
     """Copy a whole (one-rank) model's weights into `model`, tensor-parallel over `size` ranks,
-    as rank `rank` (shard_index)."""
+    as rank `rank` (piece_index)."""
     wholes = dict(whole.named_parameters())
     for name, param in model.named_parameters():
-        param.copy_(wholes[name][shard_index(name, whole.config, rank, size)])
+        param.copy_(wholes[name][piece_index(param, name, whole.config, rank, size)])
+
+
+def piece_index(param, name: str, config: ModelConfig, rank: int, size: int) -> tuple:
+    """shard_index, or for an expert parameter (Megatron-Core's `allreduce = False`: experts
+    split over the same ranks, expert parallelism) its E / size experts' rows."""
+    if getattr(param, "allreduce", True) is False:
+        local = param.shape[0]
+        return (slice(rank * local, (rank + 1) * local),)
+    return shard_index(name, config, rank, size)
 
 
 def _stream_dtype(x: torch.Tensor) -> torch.dtype:

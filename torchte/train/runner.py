@@ -86,9 +86,9 @@ def train(argv: list[str] | None = None) -> list[RunResult]:
     if config.cp > 1:  # context parallelism over torchrun's processes (the Trainer's group)
         with launched_run(config.device):
             return _train(model_config, config, None)
-    if config.ep > 1:  # expert parallelism (ep_run.py) over torchrun's processes
-        with launched_run(config.device) as group:
-            return _train(model_config, config, None, ep_group=group)
+    if config.ep > 1:  # expert parallelism (ep_run.py) over torchrun's processes (with --tp:
+        with launched_run(config.device) as group:  # the same ones)
+            return _train(model_config, config, group if config.tp > 1 else None, ep_group=group)
     with tensor_parallel_run(config.tp, config.device) as group:
         return _train(model_config, config, group)
 
@@ -158,6 +158,8 @@ def run_recipes(
                         line += f", experts split over them ({config.ep} expert-parallel ranks)"
                 elif group is not None:
                     line += f", on each of {config.tp} tensor-parallel ranks"
+                    if ep_group is not None:
+                        line += ", experts split over them"
                 elif ep_group is not None:
                     line += f", experts split over {config.ep} expert-parallel ranks"
                 print(line, flush=True)

@@ -16,7 +16,7 @@ import functools
 import torch
 import torch.distributed as dist
 
-from .model import GPT, shard_index
+from .model import GPT, piece_index
 
 __all__ = ["expert_index", "split_state", "whole_state"]
 
@@ -24,7 +24,8 @@ _MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 def _tensor_parallel_index(model: GPT, name: str, rank: int, size: int) -> tuple:
-    return shard_index(name, model.config, rank, size)
+    """model.piece_index: tensor-parallel pieces, and experts split over the same ranks."""
+    return piece_index(model.get_parameter(name), name, model.config, rank, size)
 
 
 def expert_index(model: GPT, name: str, rank: int, size: int) -> tuple:
