@@ -174,20 +174,41 @@ def _trainer_2d(args: list[str]) -> loop.Trainer:
     return loop.Trainer(config.recipes[0], model_config, config, corpus, dp.tp_group, dp)
 
 
-def _rank_2d(rank: int, args, save: Path | None, resume: Path | None) -> list[float]:
-    """4 steps uninterrupted (and 2 more saved to `save`), or 2 steps resumed from `resume`."""
+def _rank_2d(rank: int, args, save: Path | None, resume: Path | None):
+    """4 steps uninterrupted (and 2 more saved to `save`: the losses and a norm's weight then),
+    or 2 steps resumed from `resume` (the losses)."""
     if resume is not None:
         trainer = _trainer_2d([*args, "--resume", str(resume)])
         trainer.resume(resume)
         return _steps(trainer, 2)
-    whole = _steps(_trainer_2d(args), 4)
+    first = _trainer_2d(args)
+    norms = []
+    sum_squares = first.optimizer._sum_squares
+
+    def recorded(params, kernels, split_group):
+        squares = sum_squares(params, kernels, split_group)
+        total = squares.clone()
+        dist.all_reduce(total, group=first.dp.group)
+        norms.append(total.sqrt().item())
+        return squares
+
+    first.optimizer._sum_squares = recorded
+    whole = _steps(first, 4)
     trainer = _trainer_2d([*args, "--save", str(save)])
     _steps(trainer, 2)
     trainer.save(0.0)
-    # FSDP's shard of this rank's TP piece
+    # FSDP's shard of this rank's TP piece, still marked as one (the norm sums its squares
+    # over the tensor-parallel ranks); the step taken on the local pieces
     weight = trainer.model.blocks[0].layernorm_mlp.fc1_weight
     assert isinstance(weight, DTensor) and weight.to_local().shape[0] * 2 == weight.shape[0]
-    return whole
+    assert weight.tensor_model_parallel
+    norm = trainer.model.blocks[0].layernorm_mlp.layer_norm_weight
+    assert not getattr(norm, "tensor_model_parallel", False)
+    assert trainer.optimizer.fused_steps == 2
+    # whole on every tensor-parallel rank; its AdamW momentum (the clipped gradients' average)
+    # equal there only if every rank clipped by the same norm
+    momentum = trainer.optimizer.state[norm]["exp_avg"]
+    return {"losses": whole, "norm": momentum.full_tensor(), "grad_norms": norms}
 
 
 def test_fsdp_with_tensor_parallelism(tmp_path: Path) -> None:
@@ -197,10 +218,24 @@ def test_fsdp_with_tensor_parallelism(tmp_path: Path) -> None:
     write_corpus(tmp_path)
     args = _args(tmp_path, "delayed", "fp32")
     folder = tmp_path / "2d"
-    whole = on_ranks(_rank_2d, 4, tmp_path / "a", args, folder, None)
+    ranks = on_ranks(_rank_2d, 4, tmp_path / "a", args, folder, None)
+    whole = [r["losses"] for r in ranks]
     assert all(losses == whole[0] for losses in whole)
-    want = torch.tensor(_steps(_trainer(args, fsdp=False), 4), dtype=torch.float64)
+    assert all(torch.equal(r["norm"], ranks[0]["norm"]) for r in ranks)
+    one, norms = _trainer(args, fsdp=False), []
+    clip = torch.nn.utils.clip_grad_norm_
+
+    def recorded(params, max_norm):
+        norms.append(clip(params, max_norm).item())
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch.nn.utils, "clip_grad_norm_", recorded)
+        want = torch.tensor(_steps(one, 4), dtype=torch.float64)
     assert_close(torch.tensor(whole[0]), want, torch.bfloat16)
+    # the clipping norm over every piece: each tensor-parallel piece's squares counted once
+    assert norms[0] > 1.0  # clipping acts
+    for r in ranks:
+        assert_close(torch.tensor(r["grad_norms"]), torch.tensor(norms), torch.bfloat16)
     resumed = on_ranks(_rank_2d, 2, tmp_path / "b", args, None, folder)
     assert_close(torch.tensor(resumed[0]), want[2:], torch.bfloat16)
 

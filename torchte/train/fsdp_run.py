@@ -150,10 +150,18 @@ def shard_model(
     if fp8_all_gather:
         te_fsdp.enable_fp8_all_gather(model)
     blocks = list(model.blocks)
+    # fully_shard replaces each parameter by a new one: its marks (tensor_model_parallel, ...)
+    # are carried over, as the clipping norm and the optimizer read them
+    marks = {name: dict(vars(p)) for name, p in model.named_parameters() if vars(p)}
     common = {"mesh": mesh, "mp_policy": policy, "ignored_params": ignored}
     for block in blocks:
         fully_shard(block, reshard_after_forward=not keep_gathered, **common)
     fully_shard(model, **common)
+    for name, attributes in marks.items():
+        param = model.get_parameter(name)
+        for attr, value in attributes.items():
+            if not hasattr(param, attr):
+                setattr(param, attr, value)
     for module in (*blocks, model):  # sum the ranks' gradients: the loss is divided instead
         module.set_gradient_divide_factor(1.0)
         if hasattr(module, "set_force_sum_reduction_for_comms"):  # else NCCL's PREMUL_SUM(1)

@@ -22,6 +22,7 @@ half updated); the last checkpoint written before it stays.
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from dataclasses import dataclass
@@ -283,6 +284,9 @@ class Trainer:
         if split_group is None:  # whole gradients, or FSDP's shards of them over dp's group
             shard_group = self.dp.group if self.dp is not None else None
             self.optimizer.clip_and_step(GRAD_CLIP, torch.nn.utils.clip_grad_norm_, shard_group)
+        elif self.dp is not None:  # 2-D: FSDP's shards of tensor-parallel pieces
+            clip = functools.partial(clip_grad_norm, tp_group=split_group, dp_group=self.dp.group)
+            self.optimizer.clip_and_step(GRAD_CLIP, clip, self.dp.group, split_group)
         else:
             dp_group = self.dp.group if self.dp is not None else None
             clip_grad_norm(list(self.model.parameters()), GRAD_CLIP, split_group, dp_group)

@@ -56,14 +56,21 @@ class ClippedAdamW(torch.optim.AdamW):
         self._host_step = None  # read from the loaded state at the next fused step
 
     def clip_and_step(
-        self, max_norm: float, clip: Callable[[list, float], object], shard_group=None
+        self,
+        max_norm: float,
+        clip: Callable[[list, float], object],
+        shard_group=None,
+        split_group=None,
     ) -> None:
         """Scale the gradients to a global norm of at most `max_norm`, then take one AdamW
         step. Without `shard_group`, every gradient is whole on this process (no
         tensor-parallel or sharded pieces); with it, every parameter is an FSDP2 DTensor
-        sharded over that group (see the module docstring). `clip(params, max_norm)`
-        (torch.nn.utils.clip_grad_norm_) clips them in place where the fused path does not
-        apply."""
+        sharded over that group (see the module docstring), and with `split_group` too (FSDP
+        over tensor-parallel pieces, 2-D) the pieces' squares (parameters marked
+        `tensor_model_parallel`) are summed over split_group first, the others being the same
+        on each of its ranks. `clip(params, max_norm)` (torch.nn.utils.clip_grad_norm_, or
+        one that knows the pieces) clips them in place where the fused path does not apply,
+        and torch's step follows."""
         params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
         if not params:
             return
@@ -74,7 +81,7 @@ class ClippedAdamW(torch.optim.AdamW):
             self._host_step = None  # torch's step counted it on the device
             return
         kernels = _Kernels(params[0].is_cuda)
-        squares = kernels.sum_squares([_local(p.grad) for p in params])
+        squares = self._sum_squares(params, kernels, split_group)
         if shard_group is not None:
             dist.all_reduce(squares, group=shard_group)
         factor = clip_factor(squares.sqrt(), max_norm)
@@ -82,6 +89,22 @@ class ClippedAdamW(torch.optim.AdamW):
         for group in self.param_groups:
             self._group_step(group, step, factor, kernels)
         self.fused_steps += 1
+
+    @staticmethod
+    def _sum_squares(params: list[torch.Tensor], kernels, split_group) -> torch.Tensor:
+        """The squares of this rank's gradient pieces, those of tensor-parallel pieces summed
+        over split_group (where given) first."""
+        grads = [_local(p.grad) for p in params]
+        if split_group is None:
+            return kernels.sum_squares(grads)
+        split = [getattr(p, "tensor_model_parallel", False) for p in params]
+        parts = []
+        for wanted in (True, False):
+            chosen = [g for g, s in zip(grads, split, strict=True) if s == wanted]
+            zero = torch.zeros((), dtype=torch.float32, device=grads[0].device)
+            parts.append(kernels.sum_squares(chosen) if chosen else zero)
+        dist.all_reduce(parts[0], group=split_group)
+        return parts[0] + parts[1]
 
     def _fusable(self, params: list[torch.Tensor]) -> bool:
         grads = [p.grad for p in params]
