@@ -19,8 +19,8 @@
 #    (1gpu_a, 1gpu_b, ...: their spread is the run-to-run spread), with --fsdp (fsdp2; fsdp2k:
 #    with --fsdp-keep-gathered too) and with
 #    --tp 2 --sequence-parallel (tp2) over 2 GPUs; ep2 (asked for in TRAIN_RUNS): an MoE model
-#    with --experts 8 --ep 2 over 2 GPUs (ep2f: with --fsdp too; 1moe_*: the same model on one
-#    GPU); cp2 (asked for in TRAIN_RUNS): --cp 2 over 2 GPUs
+#    with --experts 8 --ep 2 over 2 GPUs (ep2f: with --fsdp too; ep2t: with --tp 2
+#    --sequence-parallel; 1moe_*: the same model on one GPU); cp2 (asked for in TRAIN_RUNS): --cp 2 over 2 GPUs
 #    (each rank its load-balanced share of every sequence).
 # Logs and results go to WORK (default ./out/multi_gpu); the small ones (logs, JSON,
 # losses.csv) are packed into $OUT/multi_gpu.tgz with the table in $OUT/summary.txt, so that
@@ -100,8 +100,10 @@ if wanted train; then
       tp2) run2 "$TRAIN_LIMIT" "${TRAIN[@]}" --tp 2 --sequence-parallel --out "$WORK/train_$run" ;;
       ep2) run2 "$TRAIN_LIMIT" "${TRAIN[@]}" --experts 8 --ep 2 --out "$WORK/train_$run" ;;
       ep2f) run2 "$TRAIN_LIMIT" "${TRAIN[@]}" --experts 8 --ep 2 --fsdp --out "$WORK/train_$run" ;;
+      ep2t) run2 "$TRAIN_LIMIT" "${TRAIN[@]}" --experts 8 --ep 2 --tp 2 --sequence-parallel \
+        --out "$WORK/train_$run" ;;
       cp2) run2 "$TRAIN_LIMIT" "${TRAIN[@]}" --cp 2 --out "$WORK/train_$run" ;;
-      *) echo "unknown training run $run (1gpu_*, 1moe_*, fsdp2, fsdp2k, tp2, ep2, ep2f or cp2)" ;;
+      *) echo "unknown training run $run (1gpu_*, 1moe_*, fsdp2, fsdp2k, tp2, ep2, ep2f, ep2t or cp2)" ;;
     esac >"$WORK/train_$run.log" 2>&1
   done
 fi

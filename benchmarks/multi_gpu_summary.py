@@ -128,7 +128,7 @@ def ep_rows(out: Path) -> list[tuple[str, str, bool | None]]:
             plain = r["baseline_ms"] / r["no_overlap_ms"]
             rows.append((f"EP MoE {name} efficiency, no overlap", f"{plain:.1%}", None))
     moe = [r[max(r)] for r in map(val_losses, sorted(out.glob("train_1moe_*/losses.csv"))) if r]
-    for name in ("ep2", "ep2f"):  # ep2f: with --fsdp
+    for name in ("ep2", "ep2f", "ep2t"):  # ep2f: with --fsdp; ep2t: with --tp 2
         run = val_losses(out / f"train_{name}" / "losses.csv")
         if not run:
             continue
