@@ -18,7 +18,6 @@ import copy
 import dataclasses
 import math
 import os
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
@@ -35,6 +34,7 @@ from .recipe_params import (
     QParams,
     _check_params,
     _fill_defaults,
+    _note_ignored,
 )
 
 __all__ = [
@@ -202,21 +202,6 @@ def _check_backward_override(recipe) -> None:
         raise ValueError(
             f"{type(recipe).__name__}.backward_override must be one of {allowed}, got "
             f"{recipe.backward_override!r}"
-        )
-
-
-_NOTED: set[str] = set()
-
-
-def _note_ignored(recipe: str, names: list[str]) -> None:
-    """Say once per process that Transformer Engine fields without a meaning here are ignored."""
-    fresh = [n for n in names if f"{recipe}.{n}" not in _NOTED]
-    if fresh:
-        _NOTED.update(f"{recipe}.{n}" for n in fresh)
-        warnings.warn(
-            f"{recipe}: {', '.join(fresh)} has no effect in torchte (ignored)",
-            UserWarning,
-            stacklevel=4,
         )
 
 

@@ -7,6 +7,7 @@ a recipe's None fields stand for, and the checks of those fields.
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 
 __all__ = ["MMParams", "QParams"]
@@ -112,3 +113,18 @@ def _check_params(recipe, names, cls) -> None:
             raise TypeError(
                 f"{type(recipe).__name__}.{name} must be a recipe.{cls.__name__}, got {value!r}"
             )
+
+
+_NOTED: set[str] = set()
+
+
+def _note_ignored(recipe: str, names: list[str]) -> None:
+    """Say once per process that Transformer Engine fields without a meaning here are ignored."""
+    fresh = [n for n in names if f"{recipe}.{n}" not in _NOTED]
+    if fresh:
+        _NOTED.update(f"{recipe}.{n}" for n in fresh)
+        warnings.warn(
+            f"{recipe}: {', '.join(fresh)} has no effect in torchte (ignored)",
+            UserWarning,
+            stacklevel=4,
+        )

@@ -40,7 +40,7 @@ from torch import nn
 
 from .parallel import launch_mismatch
 
-__all__ = ["check_ep", "is_expert", "reduce_dense_grads", "shard_experts_from"]
+__all__ = ["check_ep", "expert_rows", "is_expert", "reduce_dense_grads", "shard_experts_from"]
 
 
 def check_ep(args) -> str | None:
@@ -75,6 +75,13 @@ def is_expert(param: nn.Parameter) -> bool:
     return not getattr(param, "allreduce", True)
 
 
+def expert_rows(param: nn.Parameter, rank: int) -> tuple[slice]:
+    """Where rank `rank`'s experts (the rows of `param`, one of them) sit in the (E, ...)
+    parameter of every expert: rows rank * E / size up to (rank + 1) * E / size."""
+    local = param.shape[0]
+    return (slice(rank * local, (rank + 1) * local),)
+
+
 @torch.no_grad()
 def shard_experts_from(model: nn.Module, whole: nn.Module, rank: int, size: int) -> None:
     """Copy a whole (one-rank) model's weights into `model`, whose MoE layers hold their
@@ -84,8 +91,7 @@ def shard_experts_from(model: nn.Module, whole: nn.Module, rank: int, size: int)
     for name, param in model.named_parameters():
         source = wholes[name]
         if is_expert(param):
-            local = param.shape[0]
-            source = source[rank * local : (rank + 1) * local]
+            source = source[expert_rows(param, rank)]
         param.copy_(source)
 
 

@@ -43,6 +43,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from . import checkpoint
 from .checkpoint import SHARDED_POSITION
+from .ep_run import is_expert
 
 __all__ = ["check_save_path", "load_sharded", "read_position", "save_sharded"]
 
@@ -169,7 +170,10 @@ def _experts_as_pieces(
     that share their memory; returns (dict, key) of each. Nothing without a mesh."""
     if mesh is None:
         return []
-    experts = [n for n, p in model.named_parameters() if _is_own_expert(p)]
+    # the experts left whole by FSDP (its sharded ones are DTensors already)
+    experts = [
+        n for n, p in model.named_parameters() if is_expert(p) and not isinstance(p, DTensor)
+    ]
     optim = optim_state.get("state", {})
     replaced = []
     for name in experts:
@@ -180,11 +184,6 @@ def _experts_as_pieces(
             entry[key] = DTensor.from_local(local, mesh, [Shard(0)], run_check=False)
             replaced.append((entry, key))
     return replaced
-
-
-def _is_own_expert(param: nn.Parameter) -> bool:
-    """An expert of this rank left whole by FSDP (Megatron-Core's `allreduce = False`)."""
-    return not isinstance(param, DTensor) and getattr(param, "allreduce", True) is False
 
 
 def _add_extra_states(model_state: dict, saved: dict, prefix: str) -> None:

@@ -49,6 +49,7 @@ from torchte.module.base import TransformerEngineBaseModule
 
 from . import packing
 from .config import ModelConfig
+from .ep_run import expert_rows, is_expert
 from .moe import MoEMLP
 
 INIT_STD = 0.02
@@ -277,9 +278,8 @@ def shard_from(model: GPT, whole: GPT, rank: int, size: int) -> None:
 def piece_index(param, name: str, config: ModelConfig, rank: int, size: int) -> tuple:
     """shard_index, or for an expert parameter (Megatron-Core's `allreduce = False`: experts
     split over the same ranks, expert parallelism) its E / size experts' rows."""
-    if getattr(param, "allreduce", True) is False:
-        local = param.shape[0]
-        return (slice(rank * local, (rank + 1) * local),)
+    if is_expert(param):
+        return expert_rows(param, rank)
     return shard_index(name, config, rank, size)
 
 

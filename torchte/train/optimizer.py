@@ -33,6 +33,8 @@ from torch.distributed.tensor import DTensor, Shard
 from torchte.distributed.fsdp import FP8GatheredWeight
 from torchte.kernels import adamw
 
+from .ep_run import is_expert
+
 __all__ = ["ClippedAdamW", "clip_factor"]
 
 CLIP_EPS = 1e-6  # as torch.nn.utils.clip_grad_norm_
@@ -124,7 +126,7 @@ class ClippedAdamW(torch.optim.AdamW):
         if not all(isinstance(t, DTensor) and t.placements == (Shard(0),) for t in tensors):
             return False
         own = [p for p in params if not isinstance(p, DTensor)]
-        if not all(_own(p) and not isinstance(p.grad, DTensor) for p in own):
+        if not all(is_expert(p) and not isinstance(p.grad, DTensor) for p in own):
             return False
         if len({t.device_mesh for t in tensors}) > 1 or len({p.is_cuda for p in params}) != 1:
             return False
@@ -194,11 +196,6 @@ class _Kernels:
         else:
             self.sum_squares = adamw.grad_sum_squares_reference
             self.step_ = adamw.adamw_step_reference_
-
-
-def _own(param: torch.Tensor) -> bool:
-    """Whether `param` is marked as this rank's own (Megatron-Core's `allreduce = False`)."""
-    return getattr(param, "allreduce", True) is False
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -16,6 +16,7 @@ import functools
 import torch
 import torch.distributed as dist
 
+from .ep_run import expert_rows, is_expert
 from .model import GPT, piece_index
 
 __all__ = ["expert_index", "split_state", "whole_state"]
@@ -33,10 +34,7 @@ def expert_index(model: GPT, name: str, rank: int, size: int) -> tuple:
     parallelism over `size` ranks: its E / size experts' rows of an expert weight or bias
     (Megatron-Core's `allreduce` = False marks those), everything else whole."""
     param = model.get_parameter(name)
-    if getattr(param, "allreduce", True):
-        return (slice(None),)
-    local = param.shape[0]
-    return (slice(rank * local, (rank + 1) * local),)
+    return expert_rows(param, rank) if is_expert(param) else (slice(None),)
 
 
 def whole_state(
