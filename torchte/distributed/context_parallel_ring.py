@@ -8,15 +8,22 @@ and step: the rank's own block is one causal call over its two chunks; a block f
 is attended by all local queries, unmasked, over that rank's first chunk; a block from a higher
 rank by the local second chunk's queries, unmasked, over both of its chunks.
 
-Backward: the ring again, each block's dK / dV (fp32) travelling with it and arriving back at its
-owner after the last step. The partial gradients use the merged output and log-sum-exp, so they
-add up to the whole attention's.
+Backward: the ring run the other way round, starting from the block the forward ended with (kept
+from the forward: the next rank's) and ending with the rank's own. Each block's dK / dV (fp32)
+travels with it, so the sum is whole where the owner attends its own block last: no transfer
+after the last step (the forward's order would need one more hop back to the owner, which
+nothing hides), and on two ranks no key / value block moves at all. The partial gradients use
+the merged output and log-sum-exp, so they add up to the whole attention's.
 
-Block kernels: on CUDA in fp16 / bf16 (d == dv, a multiple of 8, at most 256) PyTorch's flash
-attention (torch.ops.aten._scaled_dot_product_flash_attention and its backward), which return
-the log-sum-exp; elsewhere, and for thd, an fp32 math block (scores, log-sum-exp, softmax and
-the explicit backward formulas). GQA: hg key / value heads travel, expanded to h for the kernel,
-their gradient summed back.
+The merges run in one Triton launch each on CUDA (kernels/attention_merge.py), in place: the
+first block's output stays as its kernel returned it, the last merge writes the layer's output
+in its dtype, the ones between accumulate in fp32.
+
+Block kernels: on CUDA in fp16 / bf16 (d == dv, a multiple of 8, at most 256) PyTorch's cuDNN
+attention where it applies (_cudnn_ok) and its flash attention otherwise (their forward and
+backward ops, which return and take the log-sum-exp); elsewhere, and for thd, an fp32 math
+block (scores, log-sum-exp, softmax and the explicit backward formulas). GQA: hg key / value
+heads travel, expanded to h for the kernel, their gradient summed back in fp32.
 
 Legend: b batch (1 for thd), s / sk local query / key rows, h query heads, hg key / value heads,
 d / dv head sizes; tensors are [b, s, h, d] (bshd; sbhd and thd are brought to it).
@@ -31,6 +38,8 @@ from dataclasses import dataclass
 import torch
 
 from .. import _collectives as collectives
+from ..kernels._triton import triton_available
+from ..kernels.attention_merge import merge_into, merge_reference
 from ._cp_layout import CPGroup, SeqTables, rank_positions
 
 __all__ = ["RingPlan", "ring_attention"]
@@ -85,9 +94,10 @@ def _expand(x: torch.Tensor, h: int) -> torch.Tensor:
 
 
 def _fold(dx: torch.Tensor, hg: int) -> torch.Tensor:
-    """[b, s, h, d] gradient of an expanded tensor -> [b, s, hg, d] (summed per group)."""
+    """[b, s, h, d] gradient of an expanded tensor -> [b, s, hg, d] (summed per group in
+    fp32)."""
     b, s, h, d = dx.shape
-    return dx if h == hg else dx.view(b, s, hg, h // hg, d).sum(3)
+    return dx if h == hg else dx.view(b, s, hg, h // hg, d).sum(3, dtype=torch.float32)
 
 
 def _scores(q, k, scale, causal, allowed):
@@ -140,7 +150,8 @@ def block_forward(q, k, v, causal, allowed, scale, flash):
 def block_backward(dout, q, k, v, out, lse, causal, allowed, scale, aux):
     """The gradients of one block given the merged out [b, sq, h, dv] and lse [b, h, sq]:
     (dq [b, sq, h, d], dk [b, sk, hg, d], dv [b, sk, hg, dv]); the flash kernel's when `aux`
-    (block_forward's third output) is given, else the fp32 math block's."""
+    (block_forward's third output) is given (in q's dtype, fp32 where GQA summed heads: the
+    ring converts each to its fp32 sums once), else the fp32 math block's."""
     h, hg = q.shape[2], k.shape[2]
     ke, ve = _expand(k, h), _expand(v, h)
     if aux is not None and aux[0] == "cudnn":
@@ -152,7 +163,7 @@ def block_backward(dout, q, k, v, out, lse, causal, allowed, scale, aux):
             out.transpose(1, 2), stats, seed, offset, None, cum_q, cum_k, sq, sk, 0.0, causal,
             scale=scale,
         )  # fmt: skip
-        dq, dk, dv = dq.transpose(1, 2), dk.transpose(1, 2).float(), dv.transpose(1, 2).float()
+        dq, dk, dv = dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
     elif aux is not None:
         sq, sk = q.shape[1], k.shape[1]
         _, cum_q, cum_k, seed, offset = aux
@@ -173,7 +184,7 @@ def block_backward(dout, q, k, v, out, lse, causal, allowed, scale, aux):
             offset,
             scale=scale,
         )
-        dq, dk, dv = dq.transpose(1, 2), dk.transpose(1, 2).float(), dv.transpose(1, 2).float()
+        dq, dk, dv = dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
     else:
         p = _probs(_scores(q, ke, scale, causal, allowed), lse)
         do = dout.float().transpose(1, 2)
@@ -199,13 +210,13 @@ def _add_rows(acc: torch.Tensor, sel, value: torch.Tensor) -> None:
         acc.index_add_(1, sel, value.to(acc.dtype))
 
 
-def _sections(plan: RingPlan, step: int, source: int):
-    """[(query rows, key rows, causal)] of this rank's work on the block of rank `source`
-    at ring step `step`: None rows mean all rows."""
+def _sections(plan: RingPlan, source: int):
+    """[(query rows, key rows, causal)] of this rank's work on the block of rank `source`:
+    None rows mean all rows."""
     cp = plan.cp
     if not plan.causal:
         return [(None, None, False)]
-    if step == 0:
+    if source == cp.rank:
         return [(None, None, True)]
     if source < cp.rank:
         return [(None, plan.kv_tables.first, False)]
@@ -234,25 +245,34 @@ def _pick(x, rows):
     return x if rows is None else _rows(x, rows)
 
 
-def _exchange(plan: RingPlan, tensors: list[torch.Tensor]):
+def _exchange(plan: RingPlan, tensors: list[torch.Tensor], backward: bool = False):
     """Post the send of `tensors` to the next rank and the receive of the previous rank's
-    into new buffers: (buffers, works)."""
+    into new buffers (backward: to the previous rank, from the next): (buffers, works)."""
     tensors = [x.contiguous() for x in tensors]  # (a no-op for the ring's own buffers)
     recvs = [torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in tensors]
     cp = plan.cp
-    works = collectives.send_recv(tensors, recvs, cp.next_rank, cp.prev_rank, cp.group)
+    dst, src = (cp.prev_rank, cp.next_rank) if backward else (cp.next_rank, cp.prev_rank)
+    works = collectives.send_recv(tensors, recvs, dst, src, cp.group)
     return recvs, works
 
 
-def _merge(out, lse, rows, o_i, lse_i) -> None:
-    """Merge a block's (o_i [b, r, h, dv], lse_i [b, h, r]) into the running fp32 out
-    [b, s, h, dv] and lse [b, h, s] at query rows `rows` (None: all)."""
+def _merge(out, lse, rows, o_i, lse_i, last: bool) -> torch.Tensor:
+    """Merge a block's (o_i [b, r, h, dv], lse_i [b, h, r]) into the running out [b, s, h, dv]
+    and lse [b, h, s] at query rows `rows` (None: all); returns out. The running out is fp32,
+    except the first block's output before a second merge: the `last` merge writes into it in
+    its own dtype; any other makes it fp32 first. On CUDA, dense rows (None or a slice) merge
+    in place in one launch; thd's index rows and the CPU take torch operations."""
+    if not last and out.dtype != torch.float32:
+        out = out.to(torch.float32, memory_format=torch.contiguous_format)
+    if out.is_cuda and triton_available() and not isinstance(rows, torch.Tensor):
+        first = 0 if rows is None else rows.start
+        merge_into(out, lse, first, o_i, lse_i)
+        return out
+    if out.dtype != torch.float32:
+        out = out.float()
     cur_o = out if rows is None else _rows(out, rows)
     cur_l = lse if rows is None else _lse_rows(lse, rows)
-    new_l = torch.logaddexp(cur_l, lse_i)
-    w_old = torch.nan_to_num(torch.exp(cur_l - new_l)).transpose(1, 2).unsqueeze(-1)
-    w_new = torch.nan_to_num(torch.exp(lse_i - new_l)).transpose(1, 2).unsqueeze(-1)
-    merged = torch.addcmul(cur_o * w_old, o_i, w_new)
+    merged, new_l = merge_reference(cur_o, cur_l, o_i, lse_i)
     if rows is None:
         out.copy_(merged)
         lse.copy_(new_l)
@@ -262,11 +282,13 @@ def _merge(out, lse, rows, o_i, lse_i) -> None:
     else:
         out.index_copy_(1, rows, merged)
         lse.index_copy_(2, rows, new_l)
+    return out
 
 
 def _ring_forward(q, k, v, plan: RingPlan):
-    """(out fp32 [b, s, h, dv], lse fp32 [b, h, s], the flash kernels' aux or None) of the
-    whole ring."""
+    """(out [b, s, h, dv] (fp32, or q's dtype where the last merge wrote it), lse fp32
+    [b, h, s], the flash kernels' aux or None, the key / value block of the last step: the next
+    rank's) of the whole ring."""
     cp = plan.cp
     out = lse = None  # the first block (the rank's own, every query row) starts them
     kv, aux = [k, v], None
@@ -275,7 +297,7 @@ def _ring_forward(q, k, v, plan: RingPlan):
         works = None
         if step < cp.size - 1:
             nxt, works = _exchange(plan, kv)
-        for q_rows, k_rows, causal in _sections(plan, step, source):
+        for q_rows, k_rows, causal in _sections(plan, source):
             allowed = _allowed(plan, source, q_rows, k_rows, q.device)
             o_i, lse_i, aux = block_forward(
                 _pick(q, q_rows),
@@ -287,28 +309,30 @@ def _ring_forward(q, k, v, plan: RingPlan):
                 plan.flash,
             )
             if step == 0:  # the first block covers every query row
-                out = o_i.to(torch.float32, memory_format=torch.contiguous_format)
-                lse = lse_i.float()
+                out, lse = o_i, lse_i.float()
             else:
-                _merge(out, lse, q_rows, o_i, lse_i)
+                out = _merge(out, lse, q_rows, o_i, lse_i, last=step == cp.size - 1)
         collectives.wait_all(works)
         if works is not None:
             kv = nxt
-    return out, lse, aux
+    return out, lse, aux, kv
 
 
-def _ring_backward(dout, q, k, v, out, lse, plan: RingPlan, aux):
-    """(dq, dk, dv) of the ring, dk / dv back at their owner; fp32."""
+def _ring_backward(dout, q, k, v, out, lse, last_kv, plan: RingPlan, aux):
+    """(dq, dk, dv) of the ring (dq fp32, dk / dv in k's dtype): step t attends the block of
+    rank + 1 + t, from last_kv (the forward's last block) to the rank's own; key / value blocks
+    and their fp32 gradient sums travel to the previous rank."""
     cp = plan.cp
-    dq = None  # the first block's (every query row) starts it
-    kv, dkv, dkv_works = [k, v], None, None
+    dq = None
+    kv, dkv, dkv_works = list(last_kv), None, None
     for step in range(cp.size):
-        source = (cp.rank - step) % cp.size
+        source = (cp.rank + 1 + step) % cp.size  # the last step: the rank's own block
         kv_works = None
-        if step < cp.size - 1:
-            nxt, kv_works = _exchange(plan, kv)
-        part = [None, None]  # dk, dv of this block's keys (started by the first section)
-        for q_rows, k_rows, causal in _sections(plan, step, source):
+        if step < cp.size - 2:  # the next block but the own one, which is here
+            nxt, kv_works = _exchange(plan, kv, backward=True)
+        part = dkv  # the sums so far of this block's dK / dV (None on the first step)
+        last = step == cp.size - 1  # the own block: one section of every row
+        for q_rows, k_rows, causal in _sections(plan, source):
             allowed = _allowed(plan, source, q_rows, k_rows, q.device)
             dq_i, dk_i, dv_i = block_backward(
                 _pick(dout, q_rows),
@@ -323,21 +347,26 @@ def _ring_backward(dout, q, k, v, out, lse, plan: RingPlan, aux):
                 aux,
             )
             dq = _accumulate(dq, q_rows, dq_i, q.shape)
-            part = [
-                _accumulate(acc, k_rows, d, x.shape)
-                for acc, d, x in zip(part, (dk_i, dv_i), kv, strict=True)
-            ]
-        if dkv is not None:
-            collectives.wait_all(dkv_works)
-            part = [a + p for a, p in zip(dkv, part, strict=True)]
-        if step == cp.size - 1:  # the sums are whole: the owner casts them to k's dtype anyway
-            part = [x.to(k.dtype) for x in part]
-        dkv, dkv_works = _exchange(plan, part)
+            collectives.wait_all(dkv_works)  # (queued after this block's kernels)
+            dkv_works = None
+            if last and part is not None:  # the whole sums, added and cast in one pass
+                part = [
+                    torch.add(acc, d, out=torch.empty(x.shape, dtype=x.dtype, device=x.device))
+                    for acc, d, x in zip(part, (dk_i, dv_i), (k, v), strict=True)
+                ]
+            else:
+                part = [
+                    _accumulate(acc, k_rows, d, x.shape)
+                    for acc, d, x in zip(part or (None, None), (dk_i, dv_i), kv, strict=True)
+                ]
+        if not last:
+            dkv, dkv_works = _exchange(plan, part, backward=True)
         collectives.wait_all(kv_works)
         if kv_works is not None:
             kv = nxt
-    collectives.wait_all(dkv_works)
-    return dq, dkv[0], dkv[1]
+        elif step == cp.size - 2:
+            kv = [k, v]
+    return dq, part[0].to(k.dtype), part[1].to(v.dtype)
 
 
 def _lse_rows(lse: torch.Tensor, rows) -> torch.Tensor:
@@ -363,16 +392,18 @@ class _RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, plan: RingPlan):
-        out, lse, aux = _ring_forward(q, k, v, plan)
+        out, lse, aux, last_kv = _ring_forward(q, k, v, plan)
         out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse, *last_kv)
         ctx.plan, ctx.aux = plan, aux
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _ring_backward(dout.contiguous(), q, k, v, out, lse, ctx.plan, ctx.aux)
+        q, k, v, out, lse, *last_kv = ctx.saved_tensors
+        dq, dk, dv = _ring_backward(
+            dout.contiguous(), q, k, v, out, lse, last_kv, ctx.plan, ctx.aux
+        )
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
 
 
