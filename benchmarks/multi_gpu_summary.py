@@ -1,20 +1,22 @@
-"""The short table that ends benchmarks/multi_gpu_session.sh: each 2-GPU target with its
+"""The short table that ends benchmarks/multi_gpu_session.sh: each P-GPU target with its
 measured value and whether it is met, read from the files the session wrote into one folder.
 
-    python benchmarks/multi_gpu_summary.py OUT
+    python benchmarks/multi_gpu_summary.py OUT [--nproc P]
 
-Reads OUT/pytest_gpu2.log (the gpu-marked distributed tests), OUT/tp2.json
-(benchmarks/tensor_parallel.py --json), OUT/fsdp2*.json (benchmarks/fsdp.py --json, one per
-batch size), OUT/ep2.json (benchmarks/expert_parallel.py --json), OUT/cp2.json
-(benchmarks/context_parallel.py --json) and the training runs'
-OUT/train_<name>/losses.csv (1gpu_a, 1gpu_b and any more 1gpu_*: one-GPU runs, whose spread is
-the run-to-run spread; fsdp2, tp2: the 2-GPU runs; ep2: an MoE model, cp2: --cp 2, each
-reported alone). A
-missing file is reported as such, never guessed. Prints only; never asserts.
+P, the session's rank count (its NPROC): --nproc, else the line "nproc P" of OUT/device.txt,
+else 2. Reads OUT/pytest_gpu2.log (the gpu-marked distributed tests, 2 ranks whatever P),
+OUT/tpP.json (benchmarks/tensor_parallel.py --json), OUT/fsdpP_b*.json (benchmarks/fsdp.py
+--json, one per batch size), OUT/epP.json (benchmarks/expert_parallel.py --json), OUT/cpP.json
+(benchmarks/context_parallel.py --json) and the training runs' OUT/train_<name>/losses.csv
+(1gpu_a, 1gpu_b and any more 1gpu_*: one-GPU runs, whose spread is the run-to-run spread;
+fsdpP, fsdpPk, tpP: the P-GPU runs; epP, epPf, epPt: an MoE model against the one-GPU 1moe_*
+runs; cpP: --cp P). With P = 2 the names are tp2.json, fsdp2_b16.json, train_fsdp2 and so on.
+A missing file is reported as such, never guessed. Prints only; never asserts.
 """
 
 from __future__ import annotations
 
+import argparse
 import csv
 import json
 import math
@@ -22,7 +24,8 @@ import re
 import sys
 from pathlib import Path
 
-TP_FP8_EFFICIENCY = 0.95  # TP=2 + SP FP8 LayerNormMLP with the collectives under the GEMMs
+DEFAULT_NPROC = 2  # the rank count when neither --nproc nor device.txt gives one
+TP_FP8_EFFICIENCY = 0.95  # TP=P + SP FP8 LayerNormMLP with the collectives under the GEMMs
 EFFICIENCY = 0.90  # scaling efficiency target
 EP_EFFICIENCY = 0.85  # expert parallelism's target (its all-to-alls move every routed row)
 CP_EFFICIENCY = 0.90  # context parallelism's target for p2p and a2a (attention at 32K tokens)
@@ -39,6 +42,13 @@ def _verdict(ok: bool | None) -> str:
     return "n/a" if ok is None else ("met" if ok else "MISSED")
 
 
+def session_nproc(out: Path) -> int:
+    """The rank count the session wrote into OUT/device.txt ("nproc P"), else DEFAULT_NPROC."""
+    device = out / "device.txt"
+    found = re.search(r"^nproc (\d+)\s*$", device.read_text(), re.M) if device.is_file() else None
+    return int(found.group(1)) if found else DEFAULT_NPROC
+
+
 def tests_rows(out: Path) -> list[tuple[str, str, bool | None]]:
     """The pytest summary line ("N passed, M failed ...") and pytest's exit status."""
     log = out / "pytest_gpu2.log"
@@ -53,11 +63,12 @@ def tests_rows(out: Path) -> list[tuple[str, str, bool | None]]:
     return [("gpu distributed tests pass", value, ok)]
 
 
-def tp_rows(out: Path) -> list[tuple[str, str, bool | None]]:
-    """Tensor parallel: efficiency of each mode, FP8's forward-gather bytes over bf16's."""
-    data = _json(out / "tp2.json")
+def tp_rows(out: Path, nproc: int) -> list[tuple[str, str, bool | None]]:
+    """Tensor parallel over nproc ranks: efficiency of each mode, FP8's forward-gather bytes
+    over bf16's."""
+    data = _json(out / f"tp{nproc}.json")
     if data is None:
-        return [("TP=2 + SP benchmark", "no tp2.json", None)]
+        return [(f"TP={nproc} + SP benchmark", f"no tp{nproc}.json", None)]
     rows = []
     for name, r in data["mlp"].items():
         eff = r["baseline_ms"] / r["ms"]
@@ -79,12 +90,14 @@ def tp_rows(out: Path) -> list[tuple[str, str, bool | None]]:
     return rows
 
 
-def fsdp_rows(out: Path) -> list[tuple[str, str, bool | None]]:
-    """FSDP2, per fsdp2*.json (one per batch size): efficiency per config, FP8 all-gather
-    bytes over the bf16 gather's, FP8 tokens/s over the faster bf16 row's."""
-    paths = sorted(out.glob("fsdp2*.json"), key=lambda p: (len(p.name), p.name))
+def fsdp_rows(out: Path, nproc: int) -> list[tuple[str, str, bool | None]]:
+    """FSDP2 (fully_shard) over nproc ranks, per fsdpP_b*.json (one per batch size):
+    efficiency per config, FP8 all-gather bytes over the bf16 gather's, FP8 tokens/s over the
+    faster bf16 row's."""
+    pattern = f"fsdp{nproc}_b*.json"
+    paths = sorted(out.glob(pattern), key=lambda p: (len(p.name), p.name))
     if not paths:
-        return [("FSDP2 benchmark", "no fsdp2*.json", None)]
+        return [(f"FSDP2 benchmark over {nproc} GPUs", f"no {pattern}", None)]
     return [row for path in paths for row in _fsdp_file_rows(_json(path))]
 
 
@@ -114,13 +127,14 @@ def _fsdp_file_rows(data: dict) -> list[tuple[str, str, bool | None]]:
     return rows
 
 
-def ep_rows(out: Path) -> list[tuple[str, str, bool | None]]:
-    """Expert parallelism: efficiency per recipe with the shared expert's overlap (the
-    target) and without it; the EP=2 training run's final validation loss where it ran."""
-    data = _json(out / "ep2.json")
+def ep_rows(out: Path, nproc: int) -> list[tuple[str, str, bool | None]]:
+    """Expert parallelism over nproc ranks: efficiency per recipe with the shared expert's
+    overlap (the target) and without it; the EP=P training runs' final validation losses
+    where they ran."""
+    data = _json(out / f"ep{nproc}.json")
     rows = []
     if data is None:
-        rows.append(("EP=2 MoE benchmark", "no ep2.json", None))
+        rows.append((f"EP={nproc} MoE benchmark", f"no ep{nproc}.json", None))
     else:
         for name, r in data["results"].items():
             eff = r["baseline_ms"] / r["overlap_ms"]
@@ -128,7 +142,8 @@ def ep_rows(out: Path) -> list[tuple[str, str, bool | None]]:
             plain = r["baseline_ms"] / r["no_overlap_ms"]
             rows.append((f"EP MoE {name} efficiency, no overlap", f"{plain:.1%}", None))
     moe = [r[max(r)] for r in map(val_losses, sorted(out.glob("train_1moe_*/losses.csv"))) if r]
-    for name in ("ep2", "ep2f", "ep2t"):  # ep2f: with --fsdp; ep2t: with --tp 2
+    for suffix in ("", "f", "t"):  # epPf: with --fsdp; epPt: with --tp P --sequence-parallel
+        name = f"ep{nproc}{suffix}"
         run = val_losses(out / f"train_{name}" / "losses.csv")
         if not run:
             continue
@@ -143,21 +158,22 @@ def ep_rows(out: Path) -> list[tuple[str, str, bool | None]]:
     return rows
 
 
-def cp_rows(out: Path) -> list[tuple[str, str, bool | None]]:
-    """Context parallelism: efficiency per cp_comm_type (target CP_EFFICIENCY for p2p and
-    a2a); the --cp 2 training run's final validation loss where it ran."""
-    data = _json(out / "cp2.json")
+def cp_rows(out: Path, nproc: int) -> list[tuple[str, str, bool | None]]:
+    """Context parallelism over nproc ranks: efficiency per cp_comm_type (target
+    CP_EFFICIENCY for p2p and a2a); the --cp P training run's final validation loss where it
+    ran."""
+    data = _json(out / f"cp{nproc}.json")
     rows = []
     if data is None:
-        rows.append(("CP=2 attention benchmark", "no cp2.json", None))
+        rows.append((f"CP={nproc} attention benchmark", f"no cp{nproc}.json", None))
     else:
         for comm, r in data["cp"].items():
             eff = r["efficiency"]
             target = eff >= CP_EFFICIENCY if comm in ("p2p", "a2a") else None
             rows.append((f"CP attention {comm} efficiency", f"{eff:.1%}", target))
-    run = val_losses(out / "train_cp2" / "losses.csv")
+    run = val_losses(out / f"train_cp{nproc}" / "losses.csv")
     if run:
-        rows.append(("cp2 (--cp 2) final val loss", f"{run[max(run)]:.4f}", None))
+        rows.append((f"cp{nproc} (--cp {nproc}) final val loss", f"{run[max(run)]:.4f}", None))
     return rows
 
 
@@ -185,8 +201,8 @@ def _largest_gap(a: dict[int, float], b: dict[int, float]) -> float:
     return max((abs(a[s] - b[s]) for s in a.keys() & b.keys()), default=float("nan"))
 
 
-def loss_rows(out: Path) -> list[tuple[str, str, bool | None]]:
-    """2-GPU final validation losses against the one-GPU runs' mean (runs train_1gpu_*: a, b,
+def loss_rows(out: Path, nproc: int) -> list[tuple[str, str, bool | None]]:
+    """P-GPU final validation losses against the one-GPU runs' mean (runs train_1gpu_*: a, b,
     and any more), within their spread (largest - smallest); and the largest gap along the
     validation curve against one-GPU run a, beside run b's own."""
     runs = {p.parent.name: val_losses(p) for p in sorted(out.glob("train_1gpu_*/losses.csv"))}
@@ -199,7 +215,7 @@ def loss_rows(out: Path) -> list[tuple[str, str, bool | None]]:
     curve_spread = _largest_gap(runs["train_1gpu_a"], runs.get("train_1gpu_b", {}))
     rows.append(("1 GPU a vs b, largest val gap", f"{curve_spread:.4f}", None))
     one_gpu = tokens_per_s(out / "train_1gpu_a" / "losses.csv")
-    for name in ("fsdp2", "fsdp2k", "tp2", "cp2"):
+    for name in (f"fsdp{nproc}", f"fsdp{nproc}k", f"tp{nproc}", f"cp{nproc}"):
         run = val_losses(out / f"train_{name}" / "losses.csv")
         if not run:
             rows.append((f"{name} final val loss", "no losses.csv", None))
@@ -211,18 +227,27 @@ def loss_rows(out: Path) -> list[tuple[str, str, bool | None]]:
         rows.append((f"{name} vs 1 GPU a, largest val gap", f"{gap:.4f}", None))
         speed = tokens_per_s(out / f"train_{name}" / "losses.csv")
         if name.startswith("fsdp") and speed and one_gpu:  # the target: within 10% per GPU
-            ratio = speed / 2 / one_gpu
-            value = f"{ratio:.2f} ({speed:,.0f} / 2 vs {one_gpu:,.0f})"
+            ratio = speed / nproc / one_gpu
+            value = f"{ratio:.2f} ({speed:,.0f} / {nproc} vs {one_gpu:,.0f})"
             rows.append((f"{name} tokens/s per GPU / 1 GPU a's", value, ratio >= 0.9))
     return rows
 
 
 def main(argv: list[str]) -> None:
-    if len(argv) != 1 or not Path(argv[0]).is_dir():
-        sys.exit("usage: python benchmarks/multi_gpu_summary.py OUT (the session's folder)")
-    out = Path(argv[0])
-    rows = tests_rows(out) + tp_rows(out) + fsdp_rows(out) + ep_rows(out) + cp_rows(out)
-    rows += loss_rows(out)
+    parser = argparse.ArgumentParser(description="The multi-GPU session's table of targets.")
+    parser.add_argument("out", type=Path, help="the session's folder (its WORK)")
+    parser.add_argument(
+        "--nproc", type=int, help="the session's rank count (default: device.txt's, else 2)"
+    )
+    args = parser.parse_args(argv)
+    if not args.out.is_dir():
+        parser.error(f"{args.out} is not a folder")
+    out = args.out
+    nproc = args.nproc if args.nproc is not None else session_nproc(out)
+    if nproc < 1:
+        parser.error(f"--nproc must be at least 1, not {nproc}")
+    rows = tests_rows(out) + tp_rows(out, nproc) + fsdp_rows(out, nproc)
+    rows += ep_rows(out, nproc) + cp_rows(out, nproc) + loss_rows(out, nproc)
     width = max(len(r[0]) for r in rows)
     print(f"{'target':{width}s}  {'measured':>28s}  verdict")
     for name, value, ok in rows:
