@@ -143,7 +143,7 @@ def _adam_fused_(params, grads, exp_avgs, exp_avg_sqs, hyper, found_inf, inv_sca
     )
 
 
-def _bias_corrections(hyper: AdamHyper, device: torch.device) -> tuple[Scalar, Scalar]:
+def bias_corrections(hyper: AdamHyper, device: torch.device) -> tuple[Scalar, Scalar]:
     """(bc1, bc2) as fp32 floats (an int step, computed in double as the kernels' host code
     does) or 0-dim fp32 tensors (a step tensor)."""
     if not hyper.bias_correction:
@@ -164,7 +164,7 @@ def _adam_reference_(params, grads, exp_avgs, exp_avg_sqs, hyper, found_inf, inv
     torch._foreach_add_(m, g_math, alpha=fp32(1.0 - hyper.beta1))
     v = torch._foreach_mul(exp_avg_sqs, hyper.beta2)
     torch._foreach_addcmul_(v, g_math, g_math, value=fp32(1.0 - hyper.beta2))
-    bc1, bc2 = _bias_corrections(hyper, device)
+    bc1, bc2 = bias_corrections(hyper, device)
     denom = torch._foreach_div(v, bc2)
     torch._foreach_sqrt_(denom)
     torch._foreach_add_(denom, hyper.eps)

@@ -1,8 +1,10 @@
 """FusedAdam: Transformer Engine's Adam / AdamW with master weights and low-precision states.
 
-The update is torch's fused Adam kernel (one multi-tensor launch per group and dtype route on
-CUDA, vectorized on CPU), see `_adam.py`. What this file adds is Transformer Engine's state
-handling:
+The update: on a CUDA device, one Triton launch per group and combination of dtypes
+(kernels/adam_states.py) that reads every state in its own dtype (fp32, bf16, fp16) and writes
+the params of fp32 masters in the same pass; elsewhere, and for masters kept as remainders,
+torch's fused Adam kernel or a foreach reference through fp32 working copies (`_adam.py`).
+What this file adds is Transformer Engine's state handling:
 
 - master weights (`master_weights=True`): an fp32 (or scaled fp16) copy of each bf16 / fp16
   / FP8 parameter that the math updates, the parameter then getting its rounded value. With
@@ -30,10 +32,18 @@ from typing import Any
 
 import torch
 
+from torchte.kernels import adam_states
+from torchte.kernels._triton import triton_available
 from torchte.quantization.base import QuantizedTensor
 
 from . import multi_tensor
-from ._adam import AdamHyper, adam_update_, masters_from_remainders, split_into_remainders
+from ._adam import (
+    AdamHyper,
+    adam_update_,
+    bias_corrections,
+    masters_from_remainders,
+    split_into_remainders,
+)
 from ._adam_states import (
     STATE_NAMES,
     STATE_RANGES,
@@ -533,18 +543,39 @@ class FusedAdam(torch.optim.Optimizer):
             weight_decay=fp32(float(group["weight_decay"])),
         )
         amp = (found_inf, inv_scale)
-        for route in (batch.direct, batch.mastered):
-            if route.grads:
-                adam_update_(
-                    route.targets, route.grads, route.exp_avgs, route.exp_avg_sqs, hyper, *amp
+        device_hyper = self._device_hyper(hyper, batch)
+        for route, copies in ((batch.direct, None), (batch.mastered, batch.mastered.params)):
+            if not route.grads:
+                continue
+            lists = (route.targets, route.grads, route.exp_avgs, route.exp_avg_sqs)
+            if device_hyper is not None and adam_states.supported(*lists, copies or ()):
+                adam_states.adam_step_(
+                    *lists, copies, device_hyper, _constants(hyper), *amp, checked=True
                 )
-        if batch.mastered.grads:
-            torch._foreach_copy_(batch.mastered.params, batch.mastered.targets)
+                continue
+            adam_update_(*lists, hyper, *amp)
+            if copies is not None:
+                torch._foreach_copy_(copies, route.targets)
         rem = batch.remainder
         if rem.grads:
             flat, masters = masters_from_remainders(rem.params, rem.remainders)
             adam_update_(masters, rem.grads, rem.exp_avgs, rem.exp_avg_sqs, hyper, *amp)
             split_into_remainders(flat, rem.params, rem.remainders)
+
+    @staticmethod
+    def _device_hyper(hyper: AdamHyper, batch: _Batch) -> torch.Tensor | None:
+        """(lr, bc1, bc2) as a (3,) fp32 tensor on the params' CUDA device, where the one-launch
+        kernel (kernels/adam_states.py) runs the update; None elsewhere (the CPU, no Triton)."""
+        (device,) = batch.devices or {torch.device("cpu")}
+        if device.type != "cuda" or not triton_available():
+            return None
+        bc1, bc2 = bias_corrections(hyper, device)
+        if isinstance(hyper.lr, torch.Tensor) or isinstance(bc1, torch.Tensor):
+            values = [torch.as_tensor(x, dtype=torch.float32, device=device).reshape(())
+                      for x in (hyper.lr, bc1, bc2)]  # fmt: skip
+            return torch.stack(values)  # on the device: capturable
+        host = torch.tensor([hyper.lr, bc1, bc2], dtype=torch.float32).pin_memory()
+        return host.to(device, non_blocking=True)
 
     def _finish(self, batch: _Batch) -> None:
         """After the update: FP8 params requantized from their masters, scaled states stored
@@ -556,3 +587,9 @@ class FusedAdam(torch.optim.Optimizer):
             self._apply_scale(name, unscaled, stored, self._scales[p][name])
         for p in batch.sync_masters:
             self.set_scaled_state(p, "master_param", local_tensor(p).detach().float())
+
+
+def _constants(hyper: AdamHyper) -> adam_states.AdamStates:
+    return adam_states.AdamStates(
+        hyper.beta1, hyper.beta2, hyper.eps, hyper.weight_decay, hyper.adamw
+    )
