@@ -30,7 +30,14 @@ import torch
 from ._triton import tl, triton
 from .adamw import _launch_args
 
-__all__ = ["STATE_DTYPES", "AdamStates", "adam_step_", "adam_step_reference_", "supported"]
+__all__ = [
+    "STATE_DTYPES",
+    "AdamStates",
+    "adam_step_",
+    "adam_step_reference_",
+    "supported",
+    "takes",
+]
 
 _CHUNK = 1 << 13
 _BLOCK = 1024
@@ -122,13 +129,17 @@ class AdamStates:
     adamw: bool
 
 
-def supported(*lists: Sequence[torch.Tensor]) -> bool:
-    """Whether adam_step_ takes these lists: contiguous tensors of STATE_DTYPES."""
-    for lst in lists:
-        for t in lst:
-            if t.dtype not in STATE_DTYPES or not t.is_contiguous():
-                return False
+def takes(*tensors: torch.Tensor | None) -> bool:
+    """Whether adam_step_ takes these tensors (None: absent): contiguous, of STATE_DTYPES."""
+    for t in tensors:
+        if t is not None and (t.dtype not in STATE_DTYPES or not t.is_contiguous()):
+            return False
     return True
+
+
+def supported(*lists: Sequence[torch.Tensor]) -> bool:
+    """Whether adam_step_ takes these lists (`takes` of every tensor)."""
+    return all(takes(*lst) for lst in lists)
 
 
 def _check(targets, grads, exp_avgs, exp_avg_sqs, copies, hyper) -> None:
@@ -164,11 +175,15 @@ def adam_step_(
     if not checked:
         _check(targets, grads, exp_avgs, exp_avg_sqs, copies, hyper)
     lists = [targets, grads, exp_avgs, exp_avg_sqs] + ([copies] if copies is not None else [])
+    keys = [(p.dtype, g.dtype, m.dtype, v.dtype) for p, g, m, v in zip(*lists[:4], strict=True)]
+    if copies is not None:
+        keys = [(*key, c.dtype) for key, c in zip(keys, copies, strict=True)]
     groups: dict[tuple, list[int]] = {}
-    for i, tensors in enumerate(zip(*lists, strict=True)):
-        groups.setdefault(tuple(t.dtype for t in tensors), []).append(i)
+    for i, key in enumerate(keys):
+        groups.setdefault(key, []).append(i)
     for dtypes, index in groups.items():
-        picked = tuple([lst[i] for i in index] for lst in lists)
+        whole = len(index) == len(targets)
+        picked = tuple(lst if whole else [lst[i] for i in index] for lst in lists)
         args = _launch_args(picked, _CHUNK)
         if args is None:
             continue

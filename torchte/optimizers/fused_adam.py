@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 from itertools import chain
 from typing import Any
 
@@ -44,6 +43,7 @@ from ._adam import (
     masters_from_remainders,
     split_into_remainders,
 )
+from ._adam_plan import Batch, Entry, kernel_takes
 from ._adam_states import (
     STATE_NAMES,
     STATE_RANGES,
@@ -56,43 +56,6 @@ from ._adam_states import (
 from ._lists import DTensor, fp32, local_tensor
 
 __all__ = ["FusedAdam"]
-
-
-@dataclass(slots=True)
-class _Route:
-    """The lists of one update route: grads, the weights the math updates, moments, and
-    (per route) the params that receive the result or their int16 remainders."""
-
-    grads: list[torch.Tensor] = field(default_factory=list)
-    targets: list[torch.Tensor] = field(default_factory=list)
-    exp_avgs: list[torch.Tensor] = field(default_factory=list)
-    exp_avg_sqs: list[torch.Tensor] = field(default_factory=list)
-    params: list[torch.Tensor] = field(default_factory=list)
-    remainders: list[torch.Tensor] = field(default_factory=list)
-
-    def add(self, grad, target, exp_avg, exp_avg_sq, param=None, remainder=None) -> None:
-        self.grads.append(grad)
-        if target is not None:
-            self.targets.append(target)
-        self.exp_avgs.append(exp_avg)
-        self.exp_avg_sqs.append(exp_avg_sq)
-        if param is not None:
-            self.params.append(param)
-        if remainder is not None:
-            self.remainders.append(remainder)
-
-
-@dataclass(slots=True)
-class _Batch:
-    """One group's step: the routes, and what to do after the update."""
-
-    direct: _Route = field(default_factory=_Route)  # params updated in place
-    mastered: _Route = field(default_factory=_Route)  # masters updated, params copy them
-    remainder: _Route = field(default_factory=_Route)  # bf16 params + int16 remainders
-    requantize: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
-    rescale: list[tuple[torch.Tensor, str, torch.Tensor]] = field(default_factory=list)
-    sync_masters: list[torch.Tensor] = field(default_factory=list)
-    devices: set[torch.device] = field(default_factory=set)
 
 
 class FusedAdam(torch.optim.Optimizer):
@@ -164,6 +127,7 @@ class FusedAdam(torch.optim.Optimizer):
         # A scaled state's max |x| maps to this (half the fp16 range, the e4m3 maximum).
         self.dtype_to_range_map = dict(STATE_RANGES)
         self._scales: dict[torch.Tensor, dict[str, torch.Tensor]] = {}
+        self._entries: dict[torch.Tensor, Entry] = {}  # routes kept between steps
         self.use_decoupled_grad = use_decoupled_grad
         self.store_param_remainders = (
             store_param_remainders and master_weights and master_weight_dtype == torch.float32
@@ -362,6 +326,7 @@ class FusedAdam(torch.optim.Optimizer):
         """Load a state dict (of FusedAdam's fp32 form); each state is stored again in this
         optimizer's dtype with set_scaled_state, from the given (not dtype-cast) values."""
         super().load_state_dict(state_dict)
+        self._entries.clear()
         params = self._saved_to_params(state_dict["param_groups"])
         for key, values in state_dict["state"].items():
             param = params[key]
@@ -445,7 +410,7 @@ class FusedAdam(torch.optim.Optimizer):
     def _step_group(self, group, grad_scaler) -> None:
         params = group["params"]
         device = local_tensor(params[0]).device if params else self._dummy_overflow_buf.device
-        batch = _Batch()
+        batch = Batch()
         for p in params:
             self._collect(p, batch)
         if len(batch.devices) > 1:
@@ -464,8 +429,19 @@ class FusedAdam(torch.optim.Optimizer):
         self._update(group, batch, found_inf, inv_scale)
         self._finish(batch)
 
-    def _collect(self, p: torch.Tensor, batch: _Batch) -> None:
-        """Put p (if it has a gradient) on its route, with fp32 copies of scaled states."""
+    def _collect(self, p: torch.Tensor, batch: Batch) -> None:
+        """Put p (if it has a gradient) on its route, with fp32 copies of scaled states: the
+        route kept from an earlier step where it still holds (_adam_plan.Entry)."""
+        entry = self._entries.get(p)
+        if entry is not None and entry.current(self.state[p]):
+            grad = self._grad_of(p)
+            if grad is None or entry.add(grad, batch):
+                return
+        self._route(p, batch)
+
+    def _route(self, p: torch.Tensor, batch: Batch) -> None:
+        """_collect's full route of p, whose Entry is kept where the route can be."""
+        self._entries.pop(p, None)
         state = self.state[p]
         if len(state) == 0:
             self.initialize_state(p)
@@ -486,8 +462,10 @@ class FusedAdam(torch.optim.Optimizer):
                 f"{tuple(local_p.shape)}"
             )
         batch.devices.add(local_p.device)
+        rescaled = len(batch.rescale)
         exp_avg = self._working_state(p, "exp_avg", batch)
         exp_avg_sq = self._working_state(p, "exp_avg_sq", batch)
+        kept = None  # (route, target, param, remainder) of an Entry
         if isinstance(local_p, QuantizedTensor):
             if not self.master_weights:
                 raise RuntimeError(
@@ -499,24 +477,34 @@ class FusedAdam(torch.optim.Optimizer):
             batch.requantize.append((local_p, master))
         elif local_p.dtype in (torch.float16, torch.bfloat16):
             if not self.master_weights:
-                batch.direct.add(grad, local_p, exp_avg, exp_avg_sq)
+                kept = ("direct", local_p, None, None)
             elif self._uses_remainders(p, "master_param"):
-                rem = local_tensor(state["master_param"])
-                batch.remainder.add(grad, None, exp_avg, exp_avg_sq, local_p, rem)
+                kept = ("remainder", None, local_p, local_tensor(state["master_param"]))
             else:
                 master = self._working_state(p, "master_param", batch)
-                batch.mastered.add(grad, master, exp_avg, exp_avg_sq, local_p)
+                kept = ("mastered", master, local_p, None)
         elif local_p.dtype == torch.float32:
-            batch.direct.add(grad, local_p, exp_avg, exp_avg_sq)
-            if self.master_weights and "master_param" in state:
-                batch.sync_masters.append(p)  # the master follows the fp32 param
+            kept = ("direct", local_p, None, None)
         else:
             raise RuntimeError(
                 "FusedAdam only supports model weights in fp32, fp16, bf16 and fp8 "
                 f"(Float8Tensor), got {local_p.dtype}"
             )
+        if kept is None:
+            return
+        route, target, param, remainder = kept
+        getattr(batch, route).add(grad, target, exp_avg, exp_avg_sq, param, remainder)
+        if local_p.dtype == torch.float32 and self.master_weights and "master_param" in state:
+            batch.sync_masters.append(p)  # the master follows the fp32 param: no Entry
+        elif len(batch.rescale) == rescaled:  # no per-step copies of scaled states
+            names = STATE_NAMES if route != "direct" else STATE_NAMES[:2]
+            self._entries[p] = Entry(
+                route, target, exp_avg, exp_avg_sq, param, remainder,
+                tuple(state[name] for name in names), local_p.shape, local_p.device,
+                isinstance(p, DTensor), kernel_takes(target, exp_avg, exp_avg_sq, param),
+            )  # fmt: skip
 
-    def _working_state(self, p: torch.Tensor, name: str, batch: _Batch) -> torch.Tensor:
+    def _working_state(self, p: torch.Tensor, name: str, batch: Batch) -> torch.Tensor:
         """The tensor the update reads and writes for state `name`: the state itself (fp32,
         bf16), or an fp32 copy that `_finish` scales back (fp16, FP8)."""
         if self.name_to_dtype_map[name] in (torch.float32, torch.bfloat16):
@@ -525,7 +513,7 @@ class FusedAdam(torch.optim.Optimizer):
         batch.rescale.append((p, name, unscaled))
         return unscaled
 
-    def _update(self, group, batch: _Batch, found_inf, inv_scale) -> None:
+    def _update(self, group, batch: Batch, found_inf, inv_scale) -> None:
         beta1, beta2 = group["betas"]
         lr = group["lr"]
         step = group["step"]
@@ -548,7 +536,7 @@ class FusedAdam(torch.optim.Optimizer):
             if not route.grads:
                 continue
             lists = (route.targets, route.grads, route.exp_avgs, route.exp_avg_sqs)
-            if device_hyper is not None and adam_states.supported(*lists, copies or ()):
+            if device_hyper is not None and route.kernel_ok:
                 adam_states.adam_step_(
                     *lists, copies, device_hyper, _constants(hyper), *amp, checked=True
                 )
@@ -563,7 +551,7 @@ class FusedAdam(torch.optim.Optimizer):
             split_into_remainders(flat, rem.params, rem.remainders)
 
     @staticmethod
-    def _device_hyper(hyper: AdamHyper, batch: _Batch) -> torch.Tensor | None:
+    def _device_hyper(hyper: AdamHyper, batch: Batch) -> torch.Tensor | None:
         """(lr, bc1, bc2) as a (3,) fp32 tensor on the params' CUDA device, where the one-launch
         kernel (kernels/adam_states.py) runs the update; None elsewhere (the CPU, no Triton)."""
         (device,) = batch.devices or {torch.device("cpu")}
@@ -577,7 +565,7 @@ class FusedAdam(torch.optim.Optimizer):
         host = torch.tensor([hyper.lr, bc1, bc2], dtype=torch.float32).pin_memory()
         return host.to(device, non_blocking=True)
 
-    def _finish(self, batch: _Batch) -> None:
+    def _finish(self, batch: Batch) -> None:
         """After the update: FP8 params requantized from their masters, scaled states stored
         back, fp32 params' masters refreshed."""
         for param, master in batch.requantize:
