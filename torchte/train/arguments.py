@@ -28,6 +28,7 @@ from .config import (
 from .cuda_graph import CUDA_GRAPH_MODES, resolve_cuda_graph
 from .ep_run import check_ep
 from .fsdp_run import check_fsdp, data_parallel_ranks
+from .optimizer_choice import MOMENT_DTYPES, OPTIMIZERS, check_optimizer
 from .parallel import check_launch, launch_mismatch
 from .precision import choose_compute_dtype
 
@@ -68,8 +69,28 @@ def build_parser() -> argparse.ArgumentParser:
         "--compute-dtype",
         choices=("auto", "bf16", "fp32"),
         default="auto",
-        help="what the model computes in besides FP8 GEMMs (weights are fp32 either way); "
+        help="what the model computes in besides FP8 GEMMs (weights are fp32 unless "
+        "--master-weights); "
         "auto: bf16 on a GPU, on the CPU bf16 where it is faster than fp32, else fp32",
+    )
+    p.add_argument(
+        "--optimizer",
+        choices=OPTIMIZERS,
+        default="adamw",
+        help="adamw (default): torch's AdamW state, clipping and update fused on a GPU; "
+        "fused-adam: te.optimizers.FusedAdam (Transformer Engine's), one process",
+    )
+    p.add_argument(
+        "--master-weights",
+        action="store_true",
+        help="with --optimizer fused-adam: the model's weights in bf16, fp32 masters in the "
+        "optimizer (needs --compute-dtype bf16)",
+    )
+    p.add_argument(
+        "--adam-moments",
+        choices=tuple(MOMENT_DTYPES),
+        default="fp32",
+        help="with --optimizer fused-adam: the dtype AdamW's moments are stored in",
     )
     p.add_argument(
         "--cuda-graph",
@@ -270,6 +291,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[ModelConfig, RunConfig]:
     steps = preset.steps if args.steps is None else args.steps
     recipes = _recipes(p, args)
     why = check_ep(args) or check_cp(args) or check_launch(args.tp, args.fsdp)
+    if why is None:
+        why = check_optimizer(
+            args.optimizer, args.master_weights, args.adam_moments, _parallel_option(args)
+        )
     if why is None and args.tp > 1 and args.experts and args.ep != args.tp:
         why = (
             f"--tp {args.tp} with --experts needs --ep {args.tp} --sequence-parallel (the "
@@ -346,6 +371,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[ModelConfig, RunConfig]:
             fp8_all_gather=args.fp8_all_gather,
             fsdp_gather_dtype=args.fsdp_gather_dtype,
             fsdp_keep_gathered=args.fsdp_keep_gathered,
+            optimizer=args.optimizer,
+            master_weights=args.master_weights,
+            adam_moments=args.adam_moments,
             cuda_graph=graphs,
             cuda_graph_reason=graphs_reason,
         )
@@ -380,4 +408,17 @@ def parse_args(argv: list[str] | None = None) -> tuple[ModelConfig, RunConfig]:
         args.compute_dtype, config.device, model_config.hidden, model_config.ffn
     )
     config = dataclasses.replace(config, compute_dtype=compute.name, compute_reason=compute.reason)
+    if config.master_weights and compute.name != "bf16":
+        p.error(
+            f"--master-weights keeps the weights in bf16, but this run computes in "
+            f"{compute.name} ({compute.reason}): add --compute-dtype bf16"
+        )
     return model_config, config
+
+
+def _parallel_option(args) -> str | None:
+    """The first option that spreads the run over several processes, as typed, or None."""
+    for flag, value in (("--tp", args.tp), ("--cp", args.cp), ("--ep", args.ep)):
+        if value > 1:
+            return f"{flag} {value}"
+    return "--fsdp" if args.fsdp else None

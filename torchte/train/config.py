@@ -200,6 +200,14 @@ class RunConfig:
     """With fsdp: each block keeps its gathered weights from its forward to its backward
     (FSDP2's reshard_after_forward=False), so the backward gathers nothing: half the
     all-gathers and their host work, for the memory of the whole gathered model (ZeRO-2's)."""
+    optimizer: str = "adamw"
+    """"adamw": ClippedAdamW (torch's AdamW state, clipping and update fused on a GPU);
+    "fused-adam": te.optimizers.FusedAdam after torch's clip_grad_norm_, one process
+    (optimizer_choice.py)."""
+    master_weights: bool = False
+    """With fused-adam: the model's weights in bf16, their fp32 masters in the optimizer."""
+    adam_moments: str = "fp32"
+    """With fused-adam: AdamW's moments stored in "fp32" or "bf16"."""
     compute_dtype: str = "bf16"
     """"bf16" (torch.autocast) or "fp32" (autocast off): what the model computes in besides
     FP8 GEMMs; see precision.py."""

@@ -37,6 +37,7 @@ import torchte as te
 from torchte import recipe as te_recipe
 from torchte.distributed import fsdp as te_fsdp
 from torchte.distributed.context_parallel import split_for_cp_rank
+from torchte.optimizers import FusedAdam
 
 from . import checkpoint, cuda_graph
 from .config import ModelConfig, RunConfig
@@ -45,12 +46,18 @@ from .ep_run import is_expert, reduce_dense_grads, shard_experts_from
 from .fsdp_run import DataParallel, local_rows, shard_model
 from .fsdp_state import load_sharded, read_position, save_sharded
 from .model import GPT, restore_scaling, scaling_snapshot, shard_from
-from .optimizer import ClippedAdamW
+from .optimizer_choice import (
+    check_same_optimizer,
+    make_optimizer,
+    optimizer_record,
+    params_dtype,
+)
 from .progress import Progress
 from .throughput import Throughput
 from .tp_state import expert_index, split_state, whole_state
 
-# fp32 master weights and AdamW state; the model computes in RunConfig.compute_dtype: bf16
+# fp32 master weights and AdamW state (--master-weights: bf16 weights, their fp32 masters in
+# FusedAdam, optimizer_choice.py); the model computes in RunConfig.compute_dtype: bf16
 # under torch.autocast, or fp32 with autocast off (te modules then compute in their parameters'
 # dtype), with FP8 GEMMs where a recipe is on (emulated in fp32 on the CPU).
 PARAMS_DTYPE = torch.float32
@@ -170,7 +177,8 @@ class Trainer:
         self.graphed: tuple[torch.nn.Module, ...] | None = None
         splits = self.graph_plan.moe_device_splits if self.graph_plan else None
         torch.manual_seed(config.seed)
-        self.model = GPT(model_config, PARAMS_DTYPE, self.device, moe_device_splits=splits)
+        weights = params_dtype(config.master_weights)
+        self.model = GPT(model_config, weights, self.device, moe_device_splits=splits)
         self.tp_group = (
             tp_group if tp_group is not None and dist.get_world_size(tp_group) > 1 else None
         )
@@ -218,8 +226,7 @@ class Trainer:
             {"params": [p for p in params if p.dim() >= 2], "weight_decay": WEIGHT_DECAY},
             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
         ]
-        fused = self.device.type == "cuda"  # one kernel for all parameters on a GPU
-        self.optimizer = ClippedAdamW(groups, lr=config.lr, betas=BETAS, fused=fused)
+        self.optimizer = make_optimizer(groups, config, config.lr, BETAS, self.device)
         packed = model_config.packed  # batches then say where their documents start
         self.sampler = BatchSampler(
             corpus.train, config.batch_size, model_config.seq_len, config.seed,
@@ -278,6 +285,19 @@ class Trainer:
         loss = self._loss(*self.sampler.next())
         self.optimizer.zero_grad(set_to_none=True)
         self._backward(loss)
+        if isinstance(self.optimizer, FusedAdam):  # one process (optimizer_choice.py)
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), GRAD_CLIP)
+            self.optimizer.step()
+        else:
+            self._clip_and_step()
+        if self.dp is not None:  # FP8-gathered weights: their scales in one all-reduce
+            te_fsdp.precompute_fp8_scales(self.model)
+        self.step += 1
+        return self._batch_mean(loss.detach())
+
+    def _clip_and_step(self) -> None:
+        """ClippedAdamW's clip and step over whatever the gradients are split or sharded
+        over."""
         split_group = self.tp_group if self.ep_group is None else self.ep_group
         if self.dp is not None and self.ep_group is not None:
             split_group = None  # the experts: this rank's own pieces, as FSDP's shards are
@@ -291,10 +311,6 @@ class Trainer:
             dp_group = self.dp.group if self.dp is not None else None
             clip_grad_norm(list(self.model.parameters()), GRAD_CLIP, split_group, dp_group)
             self.optimizer.step()
-        if self.dp is not None:  # FP8-gathered weights: their scales in one all-reduce
-            te_fsdp.precompute_fp8_scales(self.model)
-        self.step += 1
-        return self._batch_mean(loss.detach())
 
     def capture_graphs(self) -> None:
         """Capture the blocks as the graph plan says (cuda_graph.capture_blocks), for batches
@@ -474,6 +490,7 @@ class Trainer:
         return {
             "recipe": self.name,
             "compute_dtype": self.config.compute_dtype,
+            "optimizer_choice": optimizer_record(self.config),
             "step": self.step,
             "model_config": self.model.config.as_dict(),
             "corpus": self.corpus.fingerprint(),
@@ -522,4 +539,5 @@ def check_resumable(
     checkpoint.check_compatible(
         state, path, model_config.as_dict(), recipe, corpus.fingerprint(), config.compute_dtype
     )
+    check_same_optimizer(state, path, config)
     checkpoint.check_steps(state, path, config.steps, config.stop_at)

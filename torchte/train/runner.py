@@ -15,8 +15,9 @@ from .data import Corpus, load_corpus
 from .fsdp_run import DataParallel, data_parallel
 from .fsdp_state import check_save_path, read_position
 from .interruption import interruption_report
-from .loop import PARAMS_DTYPE, RunResult, Trainer, check_resumable
+from .loop import RunResult, Trainer, check_resumable
 from .model import count_parameters
+from .optimizer_choice import params_dtype
 from .outputs import write_outputs
 from .parallel import launched_run, tensor_parallel_run
 from .progress import Progress, format_duration
@@ -25,10 +26,13 @@ from .report import Summary, check_writable, peak_memory, reset_peak_memory, sum
 __all__ = ["check_outputs", "describe_model", "resume_steps", "run_recipes", "train"]
 
 
-def describe_model(config: ModelConfig, parameters: int, compute_dtype: str) -> str:
+def describe_model(
+    config: ModelConfig, parameters: int, compute_dtype: str, master_weights: bool = False
+) -> str:
     """One line: the model's shape, parameter count and dtypes."""
     mlp = f"{config.experts} experts, top-{config.top_k}" if config.experts else "dense MLP"
-    weights = str(PARAMS_DTYPE).removeprefix("torch.")
+    weights = str(params_dtype(master_weights)).removeprefix("torch.")
+    weights += " (fp32 masters in the optimizer)" if master_weights else ""
     groups = f" ({config.gqa_groups} kv groups)" if config.gqa_groups != config.heads else ""
     positions = "RoPE" if config.rope else "learned positions"
     packed = ", packed documents" if config.packed else ""
@@ -149,7 +153,9 @@ def run_recipes(
             trainer = Trainer(name, model_config, config, corpus, tp_group, dp, ep_group)
             if not results:
                 parameters = count_parameters(trainer.model)
-                line = describe_model(model_config, parameters, config.compute_dtype)
+                line = describe_model(
+                    model_config, parameters, config.compute_dtype, config.master_weights
+                )
                 if dp is not None:
                     if dp.tp_group is not None:
                         line += f", split over {config.tp} tensor-parallel ranks"
