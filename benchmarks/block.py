@@ -42,6 +42,7 @@ from attention import (
     transformer_layer,
 )
 from contenders import Case, Contender, Unavailable, check_once, measure_gpu, print_table, run_case
+from layernorm_mlp import TorchMLP
 from torch import nn
 
 SPEEDUP_TARGETS = {"delayed": 1.42, "current": 1.35, "block": 1.25}  # the gpt block's
@@ -112,16 +113,16 @@ class TorchBlock(nn.Module):
 
     def __init__(self, dims: LayerDims, kind: BlockKind, device) -> None:
         super().__init__()
-        self.heads, self.hd, self.swiglu = dims.heads, dims.hidden // dims.heads, kind.activation
+        self.heads, self.hd = dims.heads, dims.hidden // dims.heads
         kw = {"dtype": BF16, "device": device}
         lin = {"bias": kind.bias, **kw}
         norm = nn.LayerNorm if kind.norm == "LayerNorm" else nn.RMSNorm
-        self.norm1, self.norm2 = norm(dims.hidden, eps=EPS, **kw), norm(dims.hidden, eps=EPS, **kw)
+        self.norm1 = norm(dims.hidden, eps=EPS, **kw)
         self.qkv = nn.Linear(dims.hidden, 3 * dims.hidden, **lin)
         self.proj = nn.Linear(dims.hidden, dims.hidden, **lin)
-        widths = 2 * dims.ffn if kind.activation == "swiglu" else dims.ffn
-        self.fc1 = nn.Linear(dims.hidden, widths, **lin)
-        self.fc2 = nn.Linear(dims.ffn, dims.hidden, **lin)
+        self.mlp = TorchMLP(
+            dims.hidden, dims.ffn, kind.activation, device, kind.norm, kind.bias
+        )  # norm, fc1, activation, fc2
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, h = x.shape
@@ -129,13 +130,7 @@ class TorchBlock(nn.Module):
         q, k, v = (t.transpose(1, 2) for t in qkv)  # (b, heads, s, hd)
         context = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + self.proj(context.transpose(1, 2).reshape(b, s, h))
-        hidden = self.fc1(self.norm2(x))
-        if self.swiglu == "swiglu":
-            gate, up = hidden.chunk(2, dim=-1)
-            hidden = F.silu(gate) * up
-        else:
-            hidden = F.gelu(hidden, approximate="tanh")
-        return x + self.fc2(hidden)
+        return x + self.mlp(x)
 
 
 def block_step(make, dims: LayerDims, device, recipe: str):

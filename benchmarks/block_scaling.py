@@ -25,6 +25,7 @@ import sys
 import torch
 import torch.nn.functional as F
 from grouped_linear import EXPERTS, split_tokens
+from layernorm_mlp import TorchMLP
 from timing import fwd_bwd_step, gpu_ms
 from torch import nn
 
@@ -47,18 +48,8 @@ def linear_case(size=8192):
 
 def mlp_case(tokens=8192, hidden=4096, ffn=16384):
     x, dy = _input(tokens, hidden), torch.randn(tokens, hidden, **BF16)
-
-    class TorchMLP(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.norm = nn.LayerNorm(hidden, **BF16)
-            self.fc1, self.fc2 = nn.Linear(hidden, ffn, **BF16), nn.Linear(ffn, hidden, **BF16)
-
-        def forward(self, inp):
-            return self.fc2(F.gelu(self.fc1(self.norm(inp)), approximate="tanh"))
-
     te_mlp = te.LayerNormMLP(hidden, ffn, params_dtype=torch.bfloat16, device="cuda")
-    return TorchMLP(), te_mlp, x, dy, ()
+    return TorchMLP(hidden, ffn, "gelu"), te_mlp, x, dy, ()
 
 
 def gpt_case(hidden=2048, heads=16, seq=2048, batch=8):

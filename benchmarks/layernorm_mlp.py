@@ -26,16 +26,20 @@ from torchte import recipe
 
 
 class TorchMLP(nn.Module):
-    """The plain-PyTorch composition: LayerNorm -> Linear -> GELU / SwiGLU -> Linear."""
+    """The plain-PyTorch composition: LayerNorm (or RMSNorm) -> Linear -> GELU / SwiGLU ->
+    Linear, in bf16; bias: whether the linear layers have biases."""
 
-    def __init__(self, hidden: int, ffn: int, activation: str, device: str = "cuda") -> None:
+    def __init__(
+        self, hidden: int, ffn: int, activation: str, device: str = "cuda",
+        norm: str = "LayerNorm", bias: bool = True,
+    ) -> None:  # fmt: skip
         super().__init__()
         kw = {"dtype": torch.bfloat16, "device": device}
         gated = activation == "swiglu"
         self.activation = activation
-        self.norm = nn.LayerNorm(hidden, **kw)
-        self.fc1 = nn.Linear(hidden, 2 * ffn if gated else ffn, **kw)
-        self.fc2 = nn.Linear(ffn, hidden, **kw)
+        self.norm = (nn.LayerNorm if norm == "LayerNorm" else nn.RMSNorm)(hidden, eps=1e-5, **kw)
+        self.fc1 = nn.Linear(hidden, 2 * ffn if gated else ffn, bias=bias, **kw)
+        self.fc2 = nn.Linear(ffn, hidden, bias=bias, **kw)
 
     def forward(self, x):
         h = self.fc1(self.norm(x))

@@ -44,18 +44,21 @@ def test_the_torch_block_computes_the_te_block(block, name):
     with torch.no_grad():
         torch_block.qkv.weight.copy_(te_block.qkv.weight)
         torch_block.proj.weight.copy_(te_block.proj.weight)
-        torch_block.fc1.weight.copy_(te_block.mlp.fc1_weight)
-        torch_block.fc2.weight.copy_(te_block.mlp.fc2_weight)
-        for norm, weight in ((torch_block.norm1, te_block.qkv), (torch_block.norm2, te_block.mlp)):
+        torch_block.mlp.fc1.weight.copy_(te_block.mlp.fc1_weight)
+        torch_block.mlp.fc2.weight.copy_(te_block.mlp.fc2_weight)
+        for norm, weight in (
+            (torch_block.norm1, te_block.qkv),
+            (torch_block.mlp.norm, te_block.mlp),
+        ):
             norm.weight.copy_(weight.layer_norm_weight)
         if kind.bias:
             for mine, theirs in (
                 (torch_block.qkv.bias, te_block.qkv.bias),
                 (torch_block.proj.bias, te_block.proj.bias),
-                (torch_block.fc1.bias, te_block.mlp.fc1_bias),
-                (torch_block.fc2.bias, te_block.mlp.fc2_bias),
+                (torch_block.mlp.fc1.bias, te_block.mlp.fc1_bias),
+                (torch_block.mlp.fc2.bias, te_block.mlp.fc2_bias),
                 (torch_block.norm1.bias, te_block.qkv.layer_norm_bias),
-                (torch_block.norm2.bias, te_block.mlp.layer_norm_bias),
+                (torch_block.mlp.norm.bias, te_block.mlp.layer_norm_bias),
             ):
                 mine.copy_(theirs)
     x = representable((dims.batch, dims.seq, dims.hidden), torch.bfloat16, generator=gen)
