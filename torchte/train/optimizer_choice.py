@@ -34,6 +34,8 @@ __all__ = [
 
 OPTIMIZERS = ("adamw", "fused-adam")
 MOMENT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# The record of a checkpoint written before the choice existed: the default AdamW.
+DEFAULT_RECORD = {"optimizer": "adamw", "master_weights": False, "adam_moments": "fp32"}
 
 
 def check_optimizer(optimizer: str, master_weights: bool, moments: str, parallel: str | None):
@@ -81,7 +83,7 @@ def optimizer_record(config) -> dict[str, Any]:
 def check_same_optimizer(state: dict[str, Any], path: Path, config) -> None:
     """SystemExit unless the checkpoint was trained with this run's optimizer choice (files
     without a record: the default AdamW)."""
-    saved = state.get("optimizer_choice", optimizer_record(_Default))
+    saved = state.get("optimizer_choice", DEFAULT_RECORD)
     now = optimizer_record(config)
     if saved == now:
         return
@@ -94,10 +96,6 @@ def check_same_optimizer(state: dict[str, Any], path: Path, config) -> None:
         f"--resume {path}: the checkpoint was trained with {_describe(saved)}, this run uses "
         f"{_describe(now)}; pass {' '.join(flags)} to continue it"
     )
-
-
-class _Default:
-    optimizer, master_weights, adam_moments = "adamw", False, "fp32"
 
 
 def _describe(record: dict[str, Any]) -> str:
