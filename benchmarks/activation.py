@@ -12,6 +12,13 @@ Also sweeps the kernels' (elements per program, num_warps) configs (printed befo
 table). Target: >= 80% of copy bandwidth. Never asserts.
 
     python benchmarks/activation.py [--json out.json] [--rows 8192 --cols 16384]
+    python benchmarks/activation.py --fp8-sweep   # activation -> FP8 (delayed) tiles only
+
+--fp8-sweep times the fused activation -> FP8 kernels (kernels/activation_fp8: the forward
+writing both FP8 copies; the backward writing dh's two copies and the bias gradient) per
+(BLOCK_M, BLOCK_N, num_warps), GELU and SwiGLU at the GPT block's 16K tokens and FFN 8192,
+against the unfused activation then the cast. Bytes: forward h read, two FP8 copies written;
+backward dy and h read, two FP8 copies written.
 """
 
 from __future__ import annotations
@@ -23,6 +30,8 @@ import torch.nn.functional as F
 from timing import fmt, gpu_ms, host_us, print_bandwidth, write_kernel_json
 
 from torchte.kernels import activation as act
+from torchte.kernels import activation_fp8, cast_transpose
+from torchte.kernels.cast_spec import CastSpec
 
 SWEEP = [(1024, 4), (2048, 4), (2048, 8), (4096, 4), (4096, 8), (8192, 8), (8192, 16)]
 NAMES = ["swiglu", "gelu"]
@@ -187,15 +196,68 @@ def print_results(args, main_rows: list[dict], sweep: list[dict], host: list[dic
     print_bandwidth(title, main_rows, 12, 12)
 
 
+FP8_FORWARD_SWEEP = [(32, 128, 4), (64, 128, 8), (32, 256, 8), (64, 64, 4), (16, 128, 4)]
+FP8_BACKWARD_SWEEP = [(64, 32, 4), (64, 64, 4), (32, 64, 4), (64, 128, 8), (128, 32, 4),
+                      (32, 128, 4), (64, 64, 8)]  # fmt: skip
+
+
+def fp8_sweep(rows: int = 16384, n: int = 8192) -> None:
+    """Print the fused activation -> FP8 kernels' time per tile and the unfused pair's, for
+    GELU (h (rows, n)) and SwiGLU (h (rows, 2n)); a and dy are (rows, n)."""
+    spec = CastSpec(torch.float8_e4m3fn, True, True, torch.ones(1, device="cuda"),
+                    torch.zeros(1, device="cuda"))  # fmt: skip
+    src = torch.empty(1 << 28, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    copy = 2 * src.numel() / gpu_ms(lambda: dst.copy_(src)) / 1e6
+    for name in ("gelu", "swiglu"):
+        kind, gated = act._spec(name)
+        k = 2 * n if gated else n
+        h = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+        dy = torch.randn(rows, n, device="cuda", dtype=torch.bfloat16)
+        passes = {
+            "forward": (
+                rows * (2 * k + 2 * n),
+                lambda h=h, name=name: cast_transpose.quantize(
+                    act.activation_forward(h, name), spec
+                ),
+                lambda c, h=h, kind=kind, gated=gated: activation_fp8._forward_fp8_triton(
+                    h, n, kind, gated, 7.0, 1.702, spec, c
+                ),
+                FP8_FORWARD_SWEEP,
+            ),
+            "backward": (
+                rows * (2 * n + 2 * k + 2 * k),
+                lambda h=h, dy=dy, name=name: cast_transpose.quantize(
+                    act.activation_backward(dy, h, name), spec
+                ),
+                lambda c, h=h, dy=dy, kind=kind, gated=gated: activation_fp8._backward_fp8_triton(
+                    dy, h, n, kind, gated, 7.0, 1.702, spec, c
+                ),
+                FP8_BACKWARD_SWEEP,
+            ),
+        }
+        for which, (moved, pair, fused, configs) in passes.items():
+            ms = gpu_ms(pair, reps=10, inner=5)
+            print(f"\n{name} {which} -> FP8, h {rows}x{k}: unfused {ms:.4f} ms "
+                  f"({moved / ms / 1e6 / copy:.2f} of copy)")  # fmt: skip
+            for config in configs:
+                ms = gpu_ms(lambda c=config, f=fused: f(c), reps=10, inner=5)
+                print(f"  {config}: {ms:.4f} ms ({moved / ms / 1e6 / copy:.2f} of copy)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", default=None, help="write the results here")
     parser.add_argument("--rows", type=int, default=8192)
     parser.add_argument("--cols", type=int, default=16384, help="K, the width of x")
     parser.add_argument("--host-cols", type=int, default=4096, help="K at 16 tokens")
+    parser.add_argument("--fp8-sweep", action="store_true", help="the activation -> FP8 sweep")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("activation benchmark: no CUDA device, nothing measured")
+        return
+    if args.fp8_sweep:
+        fp8_sweep()
         return
     main_rows, sweep = bandwidth(args.rows, args.cols)
     host = host_overhead(16, args.host_cols)

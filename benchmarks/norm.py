@@ -14,6 +14,11 @@ torch.nn.LayerNorm / nn.RMSNorm.
 Also sweeps the kernels' block configurations (printed before the main table). Never asserts.
 
     python benchmarks/norm.py [--json out.json] [--rows 8192 --cols 4096]
+    python benchmarks/norm.py --fp8-sweep     # norm -> FP8 (delayed) tiles only
+
+--fp8-sweep times the fused norm -> FP8 kernel (kernels/norm_fp8, rowwise + columnwise) over
+its rows per program, output tile and statistics tile at the GPT block's shapes, against the
+norm then the cast (bytes: x read, both FP8 copies written).
 """
 
 from __future__ import annotations
@@ -26,7 +31,8 @@ import torch.nn.functional as F
 from timing import fmt, gpu_ms, host_us, print_bandwidth, write_kernel_json
 from torch import nn
 
-from torchte.kernels import norm
+from torchte.kernels import cast_transpose, norm, norm_fp8
+from torchte.kernels.cast_spec import CastSpec
 from torchte.module.norm import LayerNorm, RMSNorm
 
 EPS = 1e-5
@@ -163,6 +169,37 @@ def _sweep_row(kernel: str, config, fn, nbytes: int, copy_rate: float, launcher)
     return {"kernel": kernel, "config": config, "ms": ms, "frac": frac, "regs": regs}
 
 
+# (rows, cols) of --fp8-sweep, and (GROUP_ROWS, OUT_TILE, FP8_TILE) tried at each.
+FP8_SHAPES = [(16384, 2048), (8192, 4096), (16384, 8192)]
+FP8_SWEEP = [(g, o, t) for g in (16, 32, 64) for o in (2048, 4096) for t in (4096, 8192)]
+
+
+def fp8_sweep() -> None:
+    """Print the fused norm -> FP8 kernel's time per tile choice and the unfused pair's."""
+    copy = copy_gbs(1 << 14, 1 << 12)[1]
+    for rows, cols in FP8_SHAPES:
+        x = torch.randn(rows, cols, device="cuda", dtype=DTYPE)
+        w, b = torch.randn(cols, device="cuda", dtype=DTYPE), torch.randn_like(x[0])
+        spec = CastSpec(torch.float8_e4m3fn, True, True, torch.ones(1, device="cuda"),
+                        torch.zeros(1, device="cuda"))  # fmt: skip
+        moved = rows * cols * (DTYPE.itemsize + 2)
+        pair = gpu_ms(
+            lambda x=x, w=w, b=b, spec=spec: cast_transpose.quantize(
+                norm._forward(x, w, b, EPS, False, False)[0], spec
+            ), reps=15, inner=5,
+        )  # fmt: skip
+        print(f"\nnorm -> FP8 at {rows}x{cols}: norm then cast {pair:.4f} ms "
+              f"({moved / pair / 1e6 / copy:.2f} of copy)")  # fmt: skip
+        for group, out_tile, tile in FP8_SWEEP:
+            cfg = norm.row_config(rows, cols, norm.FWD_MAX_BLOCK_N, tile)
+            fn = functools.partial(
+                norm_fp8._forward_fp8, x, w, b, EPS, False, False, spec, cfg, out_tile, group
+            )
+            ms = gpu_ms(fn, reps=15, inner=5)
+            print(f"  rows {group:3d} out {out_tile:5d} stats {tile:5d}: {ms:.4f} ms "
+                  f"({moved / ms / 1e6 / copy:.2f} of copy)")  # fmt: skip
+
+
 def host_overhead(rows: int = 16, cols: int = 1024) -> list[dict]:
     """Host microseconds per call: kernel functions and modules, torchte vs torch."""
     fns, _ = ops(rows, cols)
@@ -197,9 +234,13 @@ def main() -> None:
     parser.add_argument("--json", default=None, help="write the results here")
     parser.add_argument("--rows", type=int, default=8192)
     parser.add_argument("--cols", type=int, default=4096)
+    parser.add_argument("--fp8-sweep", action="store_true", help="the norm -> FP8 sweep only")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("norm benchmark: no CUDA device, nothing measured")
+        return
+    if args.fp8_sweep:
+        fp8_sweep()
         return
     sweep_rows = sweep(args.rows)
     host = host_overhead()

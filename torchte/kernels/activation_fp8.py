@@ -41,6 +41,7 @@ from .cast_spec import CastSpec
 
 __all__ = [
     "BACKWARD_FP8_CONFIG",
+    "BACKWARD_FP8_GATED_CONFIG",
     "FORWARD_FP8_CONFIG",
     "activation_backward_fp8",
     "activation_backward_fp8_reference",
@@ -51,11 +52,15 @@ __all__ = [
 
 # (BLOCK_M, BLOCK_N, num_warps). BLOCK_M is a multiple of 16 (_fp8_codec's columnwise
 # alignment) so the row blocks that cover M also cover the padding up to Mp. Forward: the tile
-# of cast_transpose's CAST_CONFIG, over a 2-D grid. Backward: BLOCK_N = 32 for more programs on
-# the column-block grid, BLOCK_M rows per loop step, and the rows split into blocks until there
-# are about 4 programs per SM (backward_row_split).
+# of cast_transpose's CAST_CONFIG, over a 2-D grid. Backward: BLOCK_M rows per loop step over
+# a column-block grid, the rows split into blocks until there are about 4 programs per SM
+# (backward_row_split); BLOCK_N = 64 (GELU backward at 16384 x 8192 on an H200,
+# `benchmarks/activation.py --fp8-sweep`: 0.335 ms against 0.403 ms with BLOCK_N = 32 and
+# 0.349 ms with (32, 128, 4)); gated activations, which hold two column sets a step, keep
+# BLOCK_N = 32 (not yet measured wider).
 FORWARD_FP8_CONFIG = (32, 128, 4)
-BACKWARD_FP8_CONFIG = (64, 32, 4)
+BACKWARD_FP8_CONFIG = (64, 64, 4)
+BACKWARD_FP8_GATED_CONFIG = (64, 32, 4)
 
 if triton is not None:
     from ._fp8_codec import (
@@ -340,10 +345,13 @@ def _backward_fp8_triton(
     limit: float,
     alpha: float,
     spec: CastSpec,
-    config: tuple[int, int, int] = BACKWARD_FP8_CONFIG,
+    config: tuple[int, int, int] | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor, torch.Tensor]:
-    """Launch _backward_fp8_kernel on contiguous dy (M, n) and non-empty h (M, K)."""
+    """Launch _backward_fp8_kernel on contiguous dy (M, n) and non-empty h (M, K) (config:
+    BACKWARD_FP8_GATED_CONFIG or BACKWARD_FP8_CONFIG by default)."""
     rows, cols = h.shape
+    if config is None:
+        config = BACKWARD_FP8_GATED_CONFIG if gated else BACKWARD_FP8_CONFIG
     block_m, block_n, num_warps = config
     fp8_dtype, rowwise, columnwise = spec.fp8_dtype, spec.rowwise, spec.columnwise
     scale, amax = spec.scale, spec.amax

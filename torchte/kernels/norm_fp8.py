@@ -20,11 +20,12 @@ and gives the same bytes, amax, scale_inv, mean and rstd as those:
   _fp8_codec's encoder: uint8 bytes rowwise, int32 words of four rows columnwise, amax as an
   int32 atomic max of the bits of |y|.
 
-A program owns GROUP_M = max(16, BLOCK_M) consecutive rows (a multiple of 16, so the words of
-four rows and the padding rows M..Mp of its part of the columnwise data are all its own). It
-first computes and stores the statistics of its rows, BLOCK_M rows at a time; then, after a CTA
-barrier, walks the columns in chunks of OUT_BLOCK_N, reading x again and the statistics back,
-and writes the FP8 bytes. x is read twice (the second read of a group's rows mostly from L2).
+A program owns GROUP_M = max(GROUP_ROWS, BLOCK_M) consecutive rows (a multiple of 16, so the
+words of four rows and the padding rows M..Mp of its part of the columnwise data are all its
+own). It first computes and stores the statistics of its rows, BLOCK_M rows at a time; then,
+after a CTA barrier, walks the columns in chunks of OUT_BLOCK_N, reading x again and the
+statistics back, and writes the FP8 bytes. x is read twice (the second read of a group's rows
+mostly from L2).
 
 Launches per call (M > 0, CUDA with Triton): 1. Elsewhere, and for M == 0, the torch
 references below, composed of norm.py's references and _fp8_codec's cast.
@@ -65,6 +66,8 @@ OUT_TILE = 2048
 # Elements per statistics tile (BLOCK_M x BLOCK_N), about 16 fp32 values per thread: the
 # unfused forward's larger tile (64 per thread) leaves this kernel's output pass too few warps.
 FP8_TILE = 4096
+# Rows a program owns at least: its columnwise bytes are GROUP_M-byte runs per column.
+GROUP_ROWS = 16
 
 if triton is not None:
     from ._fp8_codec import _delayed_scale, _encode_slice, _round_as, _store_words
@@ -235,12 +238,14 @@ def _use_triton(x: torch.Tensor) -> bool:
 
 
 @functools.lru_cache(maxsize=1024)
-def fp8_config(config: tuple[int, int, int, bool], out_tile: int = OUT_TILE) -> tuple[int, int]:
+def fp8_config(
+    config: tuple[int, int, int, bool], out_tile: int = OUT_TILE, group_rows: int = GROUP_ROWS
+) -> tuple[int, int]:
     """(GROUP_M, OUT_BLOCK_N) for the norm config (BLOCK_M, BLOCK_N, num_warps, chunked):
-    rows per program, a multiple of 16 and of BLOCK_M; columns per output step, at most BLOCK_N
-    and about out_tile / (GROUP_M / 4)."""
+    rows per program, at least group_rows (a power of two >= 16) and a multiple of BLOCK_M;
+    columns per output step, at most BLOCK_N and about out_tile / (GROUP_M / 4)."""
     block_m, block_n, _, _ = config
-    group_m = max(COLUMNWISE_ALIGN, block_m)
+    group_m = max(group_rows, COLUMNWISE_ALIGN, block_m)
     out_block_n = min(block_n, max(16, out_tile // (group_m // 4)))
     return group_m, out_block_n
 
@@ -255,18 +260,19 @@ def _forward_fp8(
     spec: CastSpec,
     config: tuple[int, int, int, bool] | None = None,
     out_tile: int = OUT_TILE,
+    group_rows: int = GROUP_ROWS,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Launch _norm_fwd_fp8_kernel on x (M, N), M > 0: (rowwise, columnwise or None, scale_inv,
     mean (None for RMS), rstd). config is the unfused kernel's (BLOCK_M, BLOCK_N, num_warps,
     chunked), by default norm.row_config's for (M, N) with FP8_TILE; pass the same one to
-    norm._forward to compare."""
+    norm._forward to compare. out_tile, group_rows: fp8_config's."""
     if not x.is_contiguous():
         x = x.contiguous()
     rows, cols = x.shape
     if config is None:
         config = norm_mod.row_config(rows, cols, norm_mod.FWD_MAX_BLOCK_N, FP8_TILE)
     block_m, block_n, num_warps, chunked = config
-    group_m, out_block_n = fp8_config(config, out_tile)
+    group_m, out_block_n = fp8_config(config, out_tile, group_rows)
     device = x.device
     fp8_dtype, columnwise, scale, amax = spec.fp8_dtype, spec.columnwise, spec.scale, spec.amax
     scale_inv = torch.empty(1, dtype=torch.float32, device=device)

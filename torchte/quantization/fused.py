@@ -9,6 +9,10 @@ is fused (benchmarks/fused_block.py, H100): the activation's forward, and an out
 cast with its bias gradient (also after the activation's backward); the norm runs in high
 precision, then the cast (a fused norm -> 1x128 kernel, statistics pass then tiles, took
 1.3-1.6x the pair's time), as does the activation's backward (the fused one took 1.07-1.13x).
+Under one scale per tensor the norm -> FP8 kernel runs only for small inputs
+(NORM_FUSED_MAX), the one-launch form where host time is the bound; larger ones, where the
+pair takes less GPU time, run the norm then the cast. An output gradient's cast sums its
+columns into the bias gradient under either scaling (kernels/cast_dbias).
 Modules reach these kernels only through here. Shapes: x, z (M, K); h (M, K) with K = 2N for
 gated activations (else N); a (M, N); `shape` is the value's shape as the module sees it.
 """
@@ -18,14 +22,21 @@ from __future__ import annotations
 import torch
 
 from torchte.kernels import activation as act_kernels
-from torchte.kernels import activation_fp8, grouped_activation_fp8, norm_fp8
+from torchte.kernels import activation_fp8, cast_dbias, grouped_activation_fp8, norm_fp8
 from torchte.kernels import norm as norm_kernels
 
 from .blockwise import Float8BlockwiseQTensorStorage
-from .float8 import Float8Storage
+from .float8 import Float8CurrentScalingQuantizer, Float8Quantizer, Float8Storage
 from .fused_block_act import activation_to_block, fusable_1x128, quantize_with_dbias
 from .grouped import GroupedStorage
 from .grouped_quantizer import split_offsets
+
+# Elements of x up to which norm_to_fp8 runs the fused norm -> FP8 kernel (one launch): past
+# it the norm then the cast take less GPU time (H200, `benchmarks/norm.py --fp8-sweep`:
+# 16384 x 2048 0.087 ms against the fused kernel's best tile 0.102 ms, 16384 x 8192 0.326 ms
+# against 0.450 ms), while below it the GPU time is a few microseconds and one launch fewer
+# saves more host time than that.
+NORM_FUSED_MAX = 1 << 20
 
 __all__ = [
     "activation_grad_to_fp8",
@@ -41,8 +52,9 @@ def norm_to_fp8(
     quantizer, x, weight, bias, rms: bool, eps: float, zero_centered_gamma: bool, columnwise, shape
 ) -> tuple[Float8Storage, torch.Tensor | None, torch.Tensor]:
     """z = LayerNorm(x) (rms False) or RMSNorm(x) written in FP8 by the norm kernel, x (M, K):
-    (z as a Float8Storage of `shape`, mean (M,) fp32 or None for RMSNorm, rstd (M,) fp32)."""
-    if fusable_1x128(quantizer):  # the norm, then the cast (module docstring)
+    (z as a Float8Storage of `shape`, mean (M,) fp32 or None for RMSNorm, rstd (M,) fp32).
+    Past NORM_FUSED_MAX elements the norm runs in high precision and the cast after it."""
+    if fusable_1x128(quantizer) or x.numel() > NORM_FUSED_MAX:  # (module docstring)
         if rms:
             z, rstd = norm_kernels.rmsnorm_forward(x, weight, eps, zero_centered_gamma)
             mean = None
@@ -95,12 +107,26 @@ def activation_grad_to_fp8(
 
 def grad_output_with_dbias(
     quantizer, dy2d, usage
-) -> tuple[Float8BlockwiseQTensorStorage, torch.Tensor] | None:
+) -> tuple[Float8Storage | Float8BlockwiseQTensorStorage, torch.Tensor] | None:
     """(dy2d (M, N) quantized with usage (rowwise, columnwise), its column sums (N,) in dy2d's
-    dtype) from one pass where the quantizer's format allows it (1x128 blocks), else None."""
-    if not fusable_1x128(quantizer):
+    dtype) from one pass where the quantizer's format allows it (1x128 blocks; one scale for
+    the tensor, delayed or current, without an amax reduction over ranks), else None."""
+    if fusable_1x128(quantizer):
+        return quantize_with_dbias(quantizer, dy2d, usage, dy2d.shape)
+    if not _one_scale_fusable(quantizer):
         return None
-    return quantize_with_dbias(quantizer, dy2d, usage, dy2d.shape)
+    data, data_t, scale_inv, dbias = cast_dbias.quantize_dbias(dy2d, quantizer.cast_spec(*usage))
+    return quantizer.fused_output(data, data_t, scale_inv, tuple(dy2d.shape)), dbias
+
+
+def _one_scale_fusable(quantizer) -> bool:
+    """Whether cast_dbias writes this quantizer's output: an internal Float8Quantizer (delayed)
+    or Float8CurrentScalingQuantizer whose amax is its own (no reduction over ranks between
+    the amax and the cast); exact classes, so a subclass's own quantize is never bypassed."""
+    kind = type(quantizer)
+    if kind is Float8CurrentScalingQuantizer:
+        return quantizer.internal and quantizer.amax_reduction is None
+    return kind is Float8Quantizer and quantizer.internal
 
 
 def scaled_activation_to_grouped_fp8(
