@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from ._triton import tl, triton
+from ._triton import cdiv, next_power_of_2, tl, triton
 
 __all__ = ["merge_into", "merge_reference"]
 
@@ -95,9 +95,9 @@ def merge_into(
         raise ValueError("merge_into: the log-sum-exps must be fp32")
     if rows == 0 or b * heads == 0:
         return
-    grid = (triton.cdiv(rows, _ROWS), b * heads)
+    grid = (cdiv(rows, _ROWS), b * heads)
     _merge_kernel[grid](
         acc, acc_lse, block, block_lse, first_row, rows, heads, dv,
         *acc.stride(), *block.stride(), *acc_lse.stride(), *block_lse.stride(),
-        ROWS=_ROWS, DV=triton.next_power_of_2(dv), num_warps=4,
+        ROWS=_ROWS, DV=next_power_of_2(dv), num_warps=4,
     )  # fmt: skip

@@ -38,7 +38,16 @@ from torchte._sizes import round_up
 
 from ._compile import compiled_as_op
 from ._fp8_codec import FP8_MAX, check_fp8_dtype
-from ._triton import FastLaunch, int_key, ptr_key, sm_count, tl, triton, triton_available
+from ._triton import (
+    FastLaunch,
+    int_key,
+    next_power_of_2,
+    ptr_key,
+    sm_count,
+    tl,
+    triton,
+    triton_available,
+)
 from .block_cast_reference import (
     block_dequantize,
     block_quantize_reference,
@@ -456,7 +465,7 @@ def _quantize_grouped(x, row_offsets, fp8_dtype, amax_epsilon, consts, config):
     groups = row_offsets.shape[0] - 1
     blocks = max_blocks(rows, groups)
     out = _alloc_1x128(x, fp8_dtype, consts[3], consts[4], blocks)
-    block_g = max(triton.next_power_of_2(groups), 2)
+    block_g = max(next_power_of_2(groups), 2)
     warps, order, grid = _launch_config(x, config, blocks, -(-cols // BLOCK))
     words = 2 if rows % 16 == 0 else int(rows % 4 == 0)
     consts = (*consts, BLOCK, words, *order, block_g)

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import torch
 
-from ._triton import tl, triton, triton_available
+from ._triton import cdiv, next_power_of_2, tl, triton, triton_available
 
 __all__ = [
     "cross_entropy_backward",
@@ -290,7 +290,7 @@ def _check_backward(
 
 def _launch_shape(n_cols: int, max_block: int) -> tuple[int, int]:
     """(BLOCK, num_warps) for a row of n_cols elements."""
-    block = min(triton.next_power_of_2(n_cols), max_block)
+    block = min(next_power_of_2(n_cols), max_block)
     return block, max(1, min(MAX_WARPS, block // 256))
 
 
@@ -350,9 +350,9 @@ def _backward_triton(
     dx = grad if in_place else torch.empty(n_rows, n_cols, dtype=dtype, device=grad.device)
     if dx.numel() == 0:
         return dx
-    block = min(block, triton.next_power_of_2(n_cols))
+    block = min(block, next_power_of_2(n_cols))
     stride = 0 if scale.shape[0] == 1 else 1
-    grid = (n_rows, triton.cdiv(n_cols, block))
+    grid = (n_rows, cdiv(n_cols, block))
     num_warps = max(1, min(BACKWARD_WARPS, block // 256))
     _scale_kernel[grid](grad, scale, dx, n_cols, stride, BLOCK=block, num_warps=num_warps)
     return dx

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from ._triton import FastLaunch, int_key, ptr_key, tl, triton, triton_available
+from ._triton import FastLaunch, cdiv, int_key, ptr_key, tl, triton, triton_available
 
 __all__ = ["EPILOGUE_CONFIG", "scale_epilogue", "scale_epilogue_reference"]
 
@@ -105,7 +105,7 @@ def _epilogue_triton(acc, factor_a, factor_b, bias, out_dtype, config=EPILOGUE_C
     flags = (factor_a is not None, factor_b is not None, bias is not None)
     # An argument that is absent is never read: any pointer will do.
     args = tuple(acc if t is None else t for t in (factor_a, factor_b, bias))
-    grid = (triton.cdiv(rows, block_m), triton.cdiv(cols, block_n), 1)
+    grid = (cdiv(rows, block_m), cdiv(cols, block_n), 1)
     key = (out_dtype, args[2].dtype, *flags, config, *int_key(rows), *int_key(cols))
     key += ptr_key(acc, *args, out)
     _launch_epilogue(

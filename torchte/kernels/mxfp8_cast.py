@@ -55,7 +55,7 @@ from torchte._sizes import round_up
 
 from ._compile import compiled_as_op
 from ._fp8_codec import FP8_MAX, check_fp8_dtype
-from ._triton import FastLaunch, tl, triton, triton_available
+from ._triton import FastLaunch, cdiv, tl, triton, triton_available
 
 __all__ = [
     "BLOCK",
@@ -456,7 +456,7 @@ def _dequantize_triton(
     block_m, block_k, num_warps = config
     out = torch.empty(rows, cols, dtype=dtype, device=data.device)
     scale_cols = scale_inv.stride(0)
-    grid = (triton.cdiv(rows, block_m), triton.cdiv(cols, block_k), 1)
+    grid = (cdiv(rows, block_m), cdiv(cols, block_k), 1)
     key = (
         dtype, data.dtype, rowwise, config, rows & 15, rows >> 31, cols & 15, cols >> 31,
         scale_cols == 1, scale_cols & 15, data.data_ptr() & 15, scale_inv.data_ptr() & 15,

@@ -42,7 +42,7 @@ from ._fp4_codec import (
     global_scales_reference,
     random_bytes_reference,
 )
-from ._triton import FastLaunch, int_key, ptr_key, tl, triton, triton_available
+from ._triton import FastLaunch, cdiv, int_key, ptr_key, tl, triton, triton_available
 from .hadamard import TE_SIGN_MASK, rht16_reference
 from .nvfp4_cols import quantize_columnwise, rht_amax
 
@@ -277,7 +277,7 @@ def _amax_triton(x: torch.Tensor, spec: NVFP4Spec) -> torch.Tensor:
     rows, cols = x.shape
     block_m, block_k, num_warps = AMAX_CONFIG
     amax = torch.zeros(2, dtype=torch.float32, device=x.device)
-    grid = (triton.cdiv(rows, block_m), triton.cdiv(cols, block_k), 1)
+    grid = (cdiv(rows, block_m), cdiv(cols, block_k), 1)
     key = (x.dtype, AMAX_CONFIG, *int_key(rows), *int_key(cols), *ptr_key(x, amax))
     _launch_amax(key, grid, num_warps, x, amax, rows, cols, block_m, block_k)
     return amax
@@ -308,7 +308,7 @@ def _quantize_triton(x, amax, spec, rng):
     if spec.rowwise:
         rng_in = amax if rng is None else rng  # read only when stochastic
         block_m, block_k, num_warps = CAST_CONFIG
-        grid = (triton.cdiv(rows, block_m), triton.cdiv(cols, block_k), 1)
+        grid = (cdiv(rows, block_m), cdiv(cols, block_k), 1)
         stride = scale.stride(0)
         flags = (spec.two_d, spec.stochastic)
         key = (x.dtype, *flags, CAST_CONFIG, *int_key(rows), *int_key(cols), *int_key(stride))
@@ -338,7 +338,7 @@ def _values_triton(data, scale, dtype):
     rows, cols = data.shape[0], data.shape[1] * 2
     out = torch.empty(rows, cols, dtype=dtype, device=data.device)
     block_r, block_c, num_warps = VALUES_CONFIG
-    grid = (triton.cdiv(rows, block_r), triton.cdiv(cols, block_c), 1)
+    grid = (cdiv(rows, block_r), cdiv(cols, block_c), 1)
     stride = scale.stride(0)
     key = (dtype, VALUES_CONFIG, *int_key(rows), *int_key(cols), *int_key(stride))
     key += ptr_key(data, scale, out)

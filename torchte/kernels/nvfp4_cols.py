@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from ._triton import FastLaunch, int_key, ptr_key, tl, triton
+from ._triton import FastLaunch, cdiv, int_key, ptr_key, tl, triton
 
 __all__ = ["COLS_CONFIG", "quantize_columnwise", "rht_amax"]
 
@@ -200,7 +200,7 @@ if triton is not None:
 
 def _grid(rows: int, cols: int) -> tuple[int, int, int]:
     block_g, block_k, _ = COLS_CONFIG
-    return triton.cdiv(rows // 16, block_g), triton.cdiv(cols, block_k), 1
+    return cdiv(rows // 16, block_g), cdiv(cols, block_k), 1
 
 
 def quantize_columnwise(x, amax, spec, rng, data_t, scale_t) -> None:

@@ -27,7 +27,7 @@ import functools
 import torch
 
 from ._compile import compiled_as_op
-from ._triton import FastLaunch, triton_available
+from ._triton import FastLaunch, cdiv, next_power_of_2, triton_available
 
 # Columns a program takes, elements of the history one chunk holds (BLOCK_L * BLOCK_N), and the
 # warps of a program.
@@ -99,8 +99,8 @@ if triton is not None:
 @functools.cache
 def _blocks(rows: int, cols: int) -> tuple[int, int]:
     """(BLOCK_L, BLOCK_N) for a history of (rows, cols): a program's columns, rows in chunks."""
-    block_n = min(triton.next_power_of_2(cols), COLUMNS_PER_PROGRAM)
-    block_l = min(triton.next_power_of_2(rows), max(CHUNK_ELEMENTS // block_n, 1))
+    block_n = min(next_power_of_2(cols), COLUMNS_PER_PROGRAM)
+    block_l = min(next_power_of_2(rows), max(CHUNK_ELEMENTS // block_n, 1))
     return block_l, block_n
 
 
@@ -150,7 +150,7 @@ def _launch_update(
     key = (rows == 1, rows & 15, cols == 1, cols & 15, most_recent, block_l, block_n)
     key += tuple(t.data_ptr() & 15 for t in tensors)
     _launch_update_kernel(
-        key, (triton.cdiv(cols, block_n), 1, 1), NUM_WARPS, amax_history, scale, nonfinite,
+        key, (cdiv(cols, block_n), 1, 1), NUM_WARPS, amax_history, scale, nonfinite,
         rows, cols, float(fp8_max), float(2**margin), most_recent, block_l, block_n,
     )  # fmt: skip
 
