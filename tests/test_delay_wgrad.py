@@ -30,8 +30,13 @@ def _build(kind: str, delay: bool, dtype, fuse: bool = False, **kw):
     if kind == "linear_split":
         return te.Linear(H, F, parameters_split={"a": 16, "b": 32}, **common, **kw)
     if kind == "ln_linear":
-        return te.LayerNormLinear(H, F, **common, **kw)
-    return te.LayerNormMLP(H, F, activation="swiglu", **common, **kw)
+        module = te.LayerNormLinear(H, F, **common, **kw)
+    else:
+        module = te.LayerNormMLP(H, F, activation="swiglu", **common, **kw)
+    # The reference runs the module's Function too: without FP8 a plain module would take
+    # torch's own ops instead (its `_plain` shortcut), which round elsewhere.
+    module._fast_setattr("_plain", False)
+    return module
 
 
 def _weights(module) -> list[torch.nn.Parameter]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tolerances import assert_close
 from torch.func import functional_call, grad, vjp, vmap
 
 import torchte as te
@@ -62,13 +63,20 @@ def test_grad_through_functional_call_equals_autograd(name, recipe):
 
 
 def assert_grad_equals_autograd(module, recipe, x) -> None:
-    """torch.func.grad of the loss through functional_call equals autograd's .grad, exactly."""
+    """torch.func.grad of the loss through functional_call equals autograd's .grad, exactly;
+    to fp32 rounding for a LayerNormMLP on torch's own ops (its `_plain` shortcut, without
+    FP8): torch.func differentiates F.silu through torch's decomposition of its backward, not
+    the eager kernel, as for torch's own modules."""
     params = {k: v.detach() for k, v in module.named_parameters()}
     grads = grad(loss_of(module, recipe))(params, x)
     with te.autocast(enabled=recipe is not None, recipe=recipe):
         module(*inputs(module, x)).float().square().mean().backward()
+    torch_ops = recipe is None and isinstance(module, te.LayerNormMLP) and module._plain
     for k, p in module.named_parameters():
-        assert torch.equal(grads[k], p.grad), k
+        if torch_ops:
+            assert_close(grads[k], p.grad, torch.float32, msg=k)
+        else:
+            assert torch.equal(grads[k], p.grad), k
 
 
 def test_vjp_gives_the_input_gradient():

@@ -126,6 +126,9 @@ def reference(mlp, x, dy, dtype, recipe_name=None):
 
 
 def run(mlp, x, dy, fp8_recipe=None):
+    """(y, dx, {name: grad}) of the module's Function, whose rounding `reference` follows
+    (without FP8 a plain module takes torch's own ops instead: test_layernorm_torch_path.py)."""
+    mlp._fast_setattr("_plain", False)
     x = x.clone().requires_grad_()
     with te.autocast(enabled=fp8_recipe is not None, recipe=fp8_recipe):
         y = mlp(x)

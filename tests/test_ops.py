@@ -77,6 +77,9 @@ def _norm_linear_pair(normalization, device):
     module = te.LayerNormLinear(
         64, 32, normalization=normalization, device=device, params_dtype=torch.bfloat16
     )
+    # The module's Function, whose kernels the ops share (in bf16 a plain LayerNormLinear
+    # takes torch's own ops instead: its `_plain` shortcut).
+    module._fast_setattr("_plain", False)
     with torch.no_grad():
         ops[0].weight.copy_(representable(64, torch.bfloat16, scale=1.0) + 1)
         module.layer_norm_weight.copy_(ops[0].weight)

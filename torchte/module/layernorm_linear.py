@@ -14,6 +14,10 @@ the GEMM (under FP8 as FP8 bytes, cast by each rank with the scale of the whole 
 precision where z is handed out), dz reduce-scattered back (overlapping the wgrad GEMM), and
 the norm's weight gradients are partial sums (marked sequence_parallel, for Megatron-Core to
 all-reduce).
+
+Without FP8 a plain layer (see `plain_module` and `LayerNormLinear._plain_path`) takes torch's
+own ops instead of the Function: F.layer_norm (or F.rms_norm), then F.linear, under torch's
+C++ autograd, whose host time per call is lower than a Python autograd.Function's.
 """
 
 from __future__ import annotations
@@ -21,7 +25,12 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+
+from torchte import _nvtx
+from torchte.autocast import autocast_state
+from torchte.quantization.base import QuantizedTensor
 
 from . import _tp_gemm as tp_gemm
 from ._common import absent_output, restore_saved, save_for_backward
@@ -38,7 +47,56 @@ from ._linear_core import (
 from ._norm_spec import NormSpec
 from ._tensor_parallel import check_divides, forked_init, tensor_parallel
 
-__all__ = ["LayerNormLinear"]
+__all__ = ["LayerNormLinear", "plain_module", "torch_forward_applies", "torch_norm"]
+
+_STATE = autocast_state()
+
+
+def plain_module(module) -> bool:
+    """What a norm-in-front module (LayerNormLinear, LayerNormMLP) needs for torch's own ops to
+    do what its Function does: no collective (no tensor-parallel split), the weight gradients
+    made in backward (no delay_wgrad_compute), high-precision parameters (none quantized, none
+    made under quantized_model_init) and no NVTX range to open (TORCHTE_NVTX=1)."""
+    return (
+        not module._tp.split
+        and module._wgrad_store is None
+        and module._model_init_recipe is None
+        and not any(isinstance(p, QuantizedTensor) for p in module._parameters.values())
+        and not _nvtx.ENABLED
+    )
+
+
+def torch_forward_applies(module, inp, dtype: torch.dtype) -> bool:
+    """Per call, for a module whose flag `_plain` is set: no FP8 autocast nor calibration,
+    `inp` already in the compute dtype `dtype`, no torch.autocast (the Function norms with the
+    parameters as they are, in the autocast dtype; torch's autocast would run its norm in fp32),
+    and two public settings a client may write at any time, read here: no fused wgrad
+    accumulation, and no norm output handed out (return_layernorm_output: where only that is
+    used, the Function gives the GEMM weights zero gradients, torch's autograd none)."""
+    state = _STATE
+    autocast = module._autocast_type
+    return (
+        getattr(inp, "dtype", None) is dtype
+        and not (state.enabled or state.calibrating)
+        and not (module.fuse_wgrad_accumulation or module.return_layernorm_output)
+        and not (autocast is not None and torch.is_autocast_enabled(autocast))
+    )
+
+
+def torch_norm(inp: torch.Tensor, norm: NormSpec, weight, bias) -> torch.Tensor:
+    """z = norm(inp) by torch's own op (F.layer_norm, F.rms_norm), for a norm without
+    zero_centered_gamma: inp (..., K) -> z (..., K) in inp's dtype; weight, bias (K,)."""
+    if norm.rms:
+        return F.rms_norm(inp, weight.shape, weight, norm.eps)
+    if inp.is_cpu and inp.dtype is not torch.float32:
+        # Torch's CPU LayerNorm backward sums the weight and bias gradients in bf16 / fp16
+        # (their error grows with the rows): there the norm runs in fp32 and its affine part
+        # is an fp32 addcmul of the parameters as they are (no copies of them saved), as the
+        # kernels' math does, z and each gradient rounded once.
+        xhat = F.layer_norm(inp.float(), weight.shape, eps=norm.eps)
+        z = xhat * weight if bias is None else torch.addcmul(bias, xhat, weight)
+        return z.to(inp.dtype)
+    return F.layer_norm(inp, weight.shape, weight, bias, norm.eps)
 
 
 def _ln_linear_forward(
@@ -191,7 +249,26 @@ class LayerNormLinear(LinearCore):
             if param is not None:
                 param.sequence_parallel = tp.sequence_parallel
         self._defer_wgrad(delay_wgrad_compute, self.weight_names)
+        self._plain = self._plain_path()
         self._finish_init()
+
+    def _plain_path(self) -> bool:
+        """One plain weight and a norm torch has (no zero-centered gamma) on a plain module
+        (plain_module): torch's own ops apply (recomputed where a setting it reads changes)."""
+        return (
+            self.weight_names == ["weight"]
+            and not self._norm.zero_centered_gamma
+            and plain_module(self)
+        )
+
+    def set_tensor_parallel_group(self, tp_group) -> None:
+        super().set_tensor_parallel_group(tp_group)
+        self._fast_setattr("_plain", self._plain_path())
+
+    def _parameters_replaced(self) -> None:
+        super()._parameters_replaced()
+        if self.__dict__.get("_initialized"):
+            self._fast_setattr("_plain", self._plain_path())
 
     def _wgrad_parameters(self, gemm: int) -> list[nn.Parameter]:
         return self._weight_params()
@@ -225,6 +302,10 @@ class LayerNormLinear(LinearCore):
     ):
         """inp (..., in_features) -> y (..., out_features) [, bias] [, norm output]."""
         dtype = self._compute_dtype()
+        if self._plain and not fp8_output and torch_forward_applies(self, inp, dtype):
+            bias = self._parameters["bias"]
+            y, z = self._torch_forward(inp, None if self.return_bias else bias)
+            return self._outputs(y, bias, z, dtype)
         self._check_input(inp, self.in_features)
         if self._tp.gathers_sequence:
             self._tp.group_or_raise()
@@ -233,6 +314,22 @@ class LayerNormLinear(LinearCore):
         bias = self._full(self.bias_names) if self.use_bias else None
         fused_bias = None if self.return_bias else bias
         y, z = self._forward_function(inp, weight, fused_bias, plan, is_first_microbatch)
+        return self._outputs(y, bias, z, dtype)
+
+    def _torch_forward(self, inp: torch.Tensor, bias):
+        """(y, z) by torch's own ops under torch's autograd (the `_plain` shortcut): the same
+        function as _LayerNormLinearFunction's; `bias` the one added to y (None: none)."""
+        params = self._parameters
+        try:
+            z = torch_norm(inp, self._norm, params["layer_norm_weight"], params["layer_norm_bias"])
+            return F.linear(z, params["weight"], bias), z
+        except RuntimeError:
+            self._check_input(inp, self.in_features)  # a clearer error where it has one
+            raise
+
+    def _outputs(self, y, bias, z, dtype: torch.dtype):
+        """y, then the bias (in the compute dtype) if return_bias, then the norm's output z if
+        return_layernorm_output: one tensor or a tuple, as Transformer Engine returns."""
         out = (y,)
         if self.return_bias:
             out += (cast_to(bias, dtype),)

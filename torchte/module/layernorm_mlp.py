@@ -15,14 +15,22 @@ output all-gathered before fc1 (sequence parallel), fc2's partial output all-red
 reduce-scattered before fc2's bias is added, and in backward fc2's output gradient all-gathered
 (sequence parallel) and fc1's input gradient reduced before the norm backward, as te.Linear and
 te.LayerNormLinear do.
+
+Without FP8 a plain MLP (see `LayerNormMLP._plain_path`) whose activation torch has as one op
+takes torch's own ops instead of the Function: F.layer_norm (or F.rms_norm), F.linear, the
+activation, F.linear, under torch's C++ autograd, whose host time per call is lower than a
+Python autograd.Function's.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from torchte.kernels import activation as act_kernels
@@ -52,8 +60,47 @@ from ._tensor_parallel import (
     tensor_parallel,
 )
 from .base import PlanKey, TransformerEngineBaseModule, check_fp8_dims
+from .layernorm_linear import plain_module, torch_forward_applies, torch_norm
 
 __all__ = ["LayerNormMLP"]
+
+
+def _gated(act: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The gated form of `act`: h (..., 2F) = [x1, x2] -> act(x1) * x2 (..., F)."""
+
+    def gated(h: torch.Tensor) -> torch.Tensor:
+        x1, x2 = h.chunk(2, dim=-1)
+        return act(x1) * x2
+
+    return gated
+
+
+_gelu = partial(F.gelu, approximate="tanh")  # activation.py's gelu is the tanh approximation
+# The activations torch computes as kernels/activation.py defines them, one torch op each (a
+# gated one: that op of h's first half, times the second half; glu's sigmoid of the first half,
+# as Transformer Engine's, not F.glu): the `_plain` shortcut's. qgelu, srelu and their gated
+# forms take more ops, clamped_swiglu more still: they keep the fused kernel.
+_TORCH_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "gelu": _gelu,
+    "relu": F.relu,
+    "silu": F.silu,
+    "geglu": _gated(_gelu),
+    "reglu": _gated(F.relu),
+    "swiglu": _gated(F.silu),
+    "glu": _gated(torch.sigmoid),
+}
+
+# Gated activations take the shortcut only while rows * ffn_hidden_size (the elements of the
+# activation's output) is at most this. Torch's composition runs two elementwise kernels
+# forward (act, mul) and more backward (the mul's two products, the act's gradient, the halves
+# joined into dh) where the fused kernel runs one each way, and it keeps act(x1) for backward:
+# device time and memory that grow with rows * ffn, while the host time the shortcut saves is
+# the same at every size. Few-token MLPs, whose step waits for the host (what the shortcut is
+# for), stay far below it; toward 2**24 elements (32 MiB per bf16 copy of the activation) the
+# GEMMs and these passes keep the GPU busy longer than the host takes to launch them, so from
+# there on the fused kernel's single pass is kept (a bound set by this reasoning, not a
+# measured crossover).
+GATED_TORCH_MAX_ELEMENTS = 2**24
 
 
 @dataclass(frozen=True, slots=True)
@@ -316,7 +363,32 @@ class LayerNormMLP(TransformerEngineBaseModule):
             if param is not None:
                 param.sequence_parallel = tp.sequence_parallel
         self._defer_wgrad(delay_wgrad_compute, ["fc1_weight", "fc2_weight"])
+        # The largest input (elements) the shortcut takes: gated activations up to
+        # GATED_TORCH_MAX_ELEMENTS elements of a (rows * ffn), others any.
+        self._plain_max_numel = (
+            GATED_TORCH_MAX_ELEMENTS // ffn_hidden_size * hidden_size
+            if act_kernels.is_gated(activation)
+            else math.inf
+        )
+        self._plain = self._plain_path()
         self._finish_init()
+
+    def _plain_path(self) -> bool:
+        """A norm torch has (no zero-centered gamma), an activation torch has as one op
+        (_TORCH_ACTIVATIONS), h kept (no checkpoint), on a plain module (plain_module): torch's
+        own ops apply (recomputed where a setting it reads changes)."""
+        spec = self._spec
+        return (
+            spec.activation in _TORCH_ACTIVATIONS
+            and not spec.norm.zero_centered_gamma
+            and not spec.checkpoint
+            and plain_module(self)
+        )
+
+    def _parameters_replaced(self) -> None:
+        super()._parameters_replaced()
+        if self.__dict__.get("_initialized"):
+            self._fast_setattr("_plain", self._plain_path())
 
     def _wgrad_parameters(self, gemm: int) -> list[nn.Parameter]:
         return [self._parameters["fc2_weight" if gemm else "fc1_weight"]]
@@ -326,6 +398,7 @@ class LayerNormMLP(TransformerEngineBaseModule):
         Transformer Engine; its size must be tp_size."""
         self._fast_setattr("_tp", set_group("te.LayerNormMLP", self._tp, tp_group))
         self.__dict__.update(_plans={}, _last_plan=None)  # the plans hold the old setting
+        self._fast_setattr("_plain", self._plain_path())
 
     def _parameter_inits(self) -> list[ParameterInit]:
         return [
@@ -379,20 +452,51 @@ class LayerNormMLP(TransformerEngineBaseModule):
     def forward(self, inp: torch.Tensor, is_first_microbatch: bool | None = None):
         """inp (..., hidden_size) -> y (..., hidden_size) [, fc2 bias] [, norm output]."""
         dtype = self._compute_dtype()
+        fc2_bias = self._parameters["fc2_bias"]
+        bias = None if self.return_bias else fc2_bias  # the bias added to y
+        if (
+            self._plain
+            and torch_forward_applies(self, inp, dtype)
+            and inp.numel() <= self._plain_max_numel
+        ):
+            y, z = self._torch_forward(inp, bias)
+        else:
+            y, z = self._function_forward(inp, bias, dtype, is_first_microbatch)
+        out = (y,)
+        if self.return_bias:
+            out += (cast_to(fc2_bias, dtype),)
+        if self.return_layernorm_output:
+            out += (z,)
+        return out if len(out) > 1 else y
+
+    def _torch_forward(self, inp: torch.Tensor, fc2_bias):
+        """(y, z) by torch's own ops under torch's autograd (the `_plain` shortcut): the same
+        function as _LayerNormMLPFunction's; fc2_bias the one added to y (None: none)."""
+        p, spec = self._parameters, self._spec
+        try:
+            z = torch_norm(inp, spec.norm, p["layer_norm_weight"], p["layer_norm_bias"])
+            a = _TORCH_ACTIVATIONS[spec.activation](F.linear(z, p["fc1_weight"], p["fc1_bias"]))
+            return F.linear(a, p["fc2_weight"], fc2_bias), z
+        except RuntimeError:
+            self._check_input(inp, self.hidden_size, "hidden_size")  # a clearer error
+            raise
+
+    def _function_forward(self, inp, fc2_bias, dtype, is_first_microbatch):
+        """(y, z) from _LayerNormMLPFunction (FP8, calibration, fused kernels and the rest),
+        exception-safe; fc2_bias the one added to y (None: none)."""
         self._check_input(inp, self.hidden_size, "hidden_size")
         if self._tp.split:
             self._tp.group_or_raise()
             self._tp.check_output_rows(inp)
         plans: MLPPlan = self._plan(dtype, is_first_microbatch, False, False)
         p = self._parameters
-        fc2_bias = p["fc2_bias"]
         params = (
             p["layer_norm_weight"],
             p["layer_norm_bias"],
             p["fc1_weight"],
             p["fc1_bias"],
             p["fc2_weight"],
-            None if self.return_bias else fc2_bias,
+            fc2_bias,
         )
 
         def run():
@@ -410,13 +514,7 @@ class LayerNormMLP(TransformerEngineBaseModule):
             needs = (False, False, False, False)
             return _mlp_forward(inp, params, (w1, w2), plans, self._spec, needs)[:2]
 
-        y, z = self._guarded_forward(plans.fc1.setup, plans.fc1.group, run)
-        out = (y,)
-        if self.return_bias:
-            out += (cast_to(fc2_bias, dtype),)
-        if self.return_layernorm_output:
-            out += (z,)
-        return out if len(out) > 1 else y
+        return self._guarded_forward(plans.fc1.setup, plans.fc1.group, run)
 
     def extra_repr(self) -> str:
         return (
