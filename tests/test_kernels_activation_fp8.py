@@ -20,6 +20,7 @@ from tolerances import assert_close, assert_close_to_scale
 
 from torchte.kernels import activation as act
 from torchte.kernels import activation_fp8 as afp8
+from torchte.kernels import column_sums
 from torchte.kernels._triton import triton_available
 from torchte.kernels.cast_spec import CastSpec
 from torchte.quantization.float8 import Float8Quantizer
@@ -330,7 +331,7 @@ def test_backward_row_split_covers_the_rows_once(rows, col_blocks, sms):
     """Row blocks of whole BLOCK_M steps, none empty, covering every row; a single block
     (dbias written by the kernel itself) where the column blocks fill the GPU or rows are few."""
     block_m = afp8.BACKWARD_FP8_CONFIG[0]
-    per, splits = afp8.backward_row_split(rows, col_blocks, block_m, sms)
+    per, splits = column_sums.row_split(rows, col_blocks, block_m, sms)
     assert per % block_m == 0 and per * (splits - 1) < rows <= per * splits
     steps = -(-rows // block_m)
     assert col_blocks * splits >= min(4 * sms, col_blocks * steps)

@@ -20,10 +20,10 @@ differently by an ulp.
 
 Launches per call (non-empty h): activation_forward_fp8 1; activation_backward_fp8 1 when the
 rows are few, else 2. The backward grid is (column blocks, row blocks): with one row block
-(backward_row_split keeps one while the column blocks alone give about 4 programs per SM) each
-program walks all M rows and owns the full column sums of its block, so dbias needs no atomics
-and no second launch; with more, each row block writes fp32 partial sums and one torch sum
-over the row blocks, in a fixed order, makes dbias.
+(column_sums.row_split keeps one while the column blocks alone give about 4 programs per SM)
+each program walks all M rows and owns the full column sums of its block, so dbias needs no
+atomics and no second launch; with more, each row block writes fp32 partial sums, which
+column_sums.sum_partials adds in the row blocks' order (one launch) into dbias.
 
 On CUDA with Triton the kernels run; elsewhere (and for an empty h) the torch references below,
 composed of activation.py's reference and _fp8_codec's cast.
@@ -38,6 +38,7 @@ from ._compile import compiled_as_op
 from ._fp8_codec import FP8_MAX, alloc_outputs, check_producer_spec, encode_reference
 from ._triton import FastLaunch, sm_count, tl, triton, triton_available
 from .cast_spec import CastSpec
+from .column_sums import row_split, sum_partials
 
 __all__ = [
     "BACKWARD_FP8_CONFIG",
@@ -47,14 +48,13 @@ __all__ = [
     "activation_backward_fp8_reference",
     "activation_forward_fp8",
     "activation_forward_fp8_reference",
-    "backward_row_split",
 ]
 
 # (BLOCK_M, BLOCK_N, num_warps). BLOCK_M is a multiple of 16 (_fp8_codec's columnwise
 # alignment) so the row blocks that cover M also cover the padding up to Mp. Forward: the tile
 # of cast_transpose's CAST_CONFIG, over a 2-D grid. Backward: BLOCK_M rows per loop step over
 # a column-block grid, the rows split into blocks until there are about 4 programs per SM
-# (backward_row_split); BLOCK_N = 64 (GELU backward at 16384 x 8192 on an H200,
+# (column_sums.row_split); BLOCK_N = 64 (GELU backward at 16384 x 8192 on an H200,
 # `benchmarks/activation.py --fp8-sweep`: 0.335 ms against 0.403 ms with BLOCK_N = 32 and
 # 0.349 ms with (32, 128, 4)); gated activations, which hold two column sets a step, keep
 # BLOCK_N = 32 (not yet measured wider).
@@ -357,7 +357,7 @@ def _backward_fp8_triton(
     scale, amax = spec.scale, spec.amax
     col_blocks = (n + block_n - 1) // block_n
     sms = sm_count(h.device.index) if h.is_cuda else 1  # the interpreter's tests: a few blocks
-    rows_per, splits = backward_row_split(rows, col_blocks, block_m, sms)
+    rows_per, splits = row_split(rows, col_blocks, block_m, sms)
     scale_inv = torch.empty(1, dtype=torch.float32, device=h.device)
     data, data_t = alloc_outputs(rows, cols, fp8_dtype, h.device, rowwise, columnwise)
     split = splits > 1
@@ -382,18 +382,8 @@ def _backward_fp8_triton(
         gated, rowwise, columnwise, split, block_m, block_n,
     )  # fmt: skip
     if split:
-        dbias = partial.sum(0).to(dy.dtype)  # a fixed order of the row blocks' sums
+        dbias = sum_partials(partial, dy.dtype)  # the row blocks' sums in a fixed order
     return data, data_t, scale_inv, dbias
-
-
-def backward_row_split(rows: int, col_blocks: int, block_m: int, sms: int) -> tuple[int, int]:
-    """(rows per program, row blocks) of _backward_fp8_kernel's grid (col_blocks, row blocks):
-    enough programs for about 4 per SM; one row block (dbias written directly, no reduction
-    launched after) when the column blocks alone fill the GPU or rows are few."""
-    steps = (rows + block_m - 1) // block_m
-    want = max(1, -(-4 * sms // col_blocks))
-    per = -(-steps // min(steps, want)) * block_m
-    return per, -(-rows // per)
 
 
 # ----------------------------------------------------------------------------------------------

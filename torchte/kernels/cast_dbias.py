@@ -14,9 +14,9 @@ order: an ulp of dy's dtype apart at most, in a few columns).
 
 Grid: (column tiles, row blocks). A program walks its row block's tiles one after another and
 keeps its columns' sums in registers. With one row block (few rows, or column tiles enough to
-fill the GPU; activation_fp8.backward_row_split) it writes dbias itself; with more, each row
-block writes fp32 partial sums, which a second launch adds up in the row blocks' order
-(deterministic) and rounds once to dbias.
+fill the GPU; column_sums.row_split) it writes dbias itself; with more, each row block writes
+fp32 partial sums, which a second launch (column_sums.sum_partials) adds up in the row blocks'
+order (deterministic) and rounds once to dbias.
 
 Launches per call (non-empty dy): delayed scaling 1 (+1 with row blocks); current scaling,
 when dy is small (cast_transpose.small_tile: at most 64K elements), 1: every program reads all
@@ -33,9 +33,9 @@ import torch
 from ._compile import compiled_as_op
 from ._fp8_codec import CAST_CONFIG, FP8_MAX, alloc_outputs, check_fp8_dtype, encode_reference
 from ._triton import FastLaunch, sm_count, tl, triton, triton_available
-from .activation_fp8 import backward_row_split
 from .cast_spec import CastSpec
 from .cast_transpose import _launch_amax, small_tile
+from .column_sums import row_split, sum_partials
 
 __all__ = ["quantize_dbias", "quantize_dbias_reference"]
 
@@ -132,28 +132,7 @@ if triton is not None:
         if SCALING == 0:
             tl.atomic_max(amax_ptr.to(tl.pointer_type(tl.int32)), tl.max(bits), sem="relaxed")
 
-    @triton.jit
-    def _sum_partials_kernel(
-        partial_ptr,  # (S, N) fp32, contiguous
-        dbias_ptr,  # (N,) fp32 / bf16 / fp16: the sums over S, rounded once
-        S,
-        N,
-        BLOCK_N: tl.constexpr,
-    ):
-        """dbias[c] = sum over s of partial[s, c], in order of s (deterministic)."""
-        cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        col_in = cols < N
-        acc = tl.zeros((BLOCK_N,), tl.float32)
-        for s in range(0, S):
-            acc += tl.load(partial_ptr + s * N + cols, mask=col_in, other=0.0)
-        dbias = _round_as(acc, dbias_ptr).to(dbias_ptr.dtype.element_ty)
-        tl.store(dbias_ptr + cols, dbias, mask=col_in)
-
     _launch_cast_dbias = FastLaunch(_cast_dbias_kernel)
-    _launch_sum_partials = FastLaunch(_sum_partials_kernel)
-
-# Columns a program of _sum_partials_kernel sums.
-SUM_BLOCK_N = 256
 
 
 @compiled_as_op("(Tensor dy, CastSpec spec) -> (Tensor, Tensor, Tensor, Tensor)")
@@ -197,7 +176,7 @@ def _cast_dbias_triton(
     col_blocks = (cols + block_n - 1) // block_n
     if sms is None:  # current scaling: twice the programs (measured 10% faster on an H200)
         sms = sm_count(dy.device.index) * (1 if scaling == DELAYED else 2)
-    rows_per, splits = backward_row_split(rows, col_blocks, block_m, sms)
+    rows_per, splits = row_split(rows, col_blocks, block_m, sms)
     data, data_t = alloc_outputs(rows, cols, fp8_dtype, dy.device, rowwise, columnwise)
     split = splits > 1
     if split:
@@ -220,11 +199,7 @@ def _cast_dbias_triton(
         columnwise, split, block_m, block_n,
     )  # fmt: skip
     if split:
-        dbias = torch.empty(cols, dtype=dy.dtype, device=dy.device)
-        key = (dy.dtype, splits == 1, splits & 15, cols == 1, cols & 15, cols >> 31)
-        key += (partial.data_ptr() & 15, dbias.data_ptr() & 15)
-        grid = ((cols + SUM_BLOCK_N - 1) // SUM_BLOCK_N, 1, 1)
-        _launch_sum_partials(key, grid, 4, partial, dbias, splits, cols, SUM_BLOCK_N)
+        dbias = sum_partials(partial, dy.dtype)
     return data, data_t, scale_inv, dbias
 
 
