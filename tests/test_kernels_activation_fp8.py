@@ -22,8 +22,9 @@ from torchte.kernels import activation as act
 from torchte.kernels import activation_fp8 as afp8
 from torchte.kernels import column_sums
 from torchte.kernels._triton import triton_available
+from torchte.kernels.cast_dbias import quantize_dbias
 from torchte.kernels.cast_spec import CastSpec
-from torchte.quantization.float8 import Float8Quantizer
+from torchte.quantization.float8 import Float8CurrentScalingQuantizer, Float8Quantizer
 
 FP8_DTYPES = [torch.float8_e4m3fn, torch.float8_e5m2]
 NAMES = ["gelu", "swiglu", "srelu", "clamped_swiglu"]
@@ -198,22 +199,51 @@ def test_bad_inputs_raise():
         afp8.activation_backward_fp8(h, h, "swiglu", 7.0, 1.7, spec)
 
 
-def test_spec_without_scale_or_rowwise_raises():
-    """Both kernels write with a scale known before the values exist (delayed scaling); the
-    forward always writes the rowwise data. A current-scaling spec is refused by both, a
-    columnwise-only spec by the forward (the backward takes it: test_reference_backward_usage).
-    """
-    h, dy = draw("swiglu", 3, 4, torch.float32)
+def test_spec_without_rowwise_raises():
+    """The forward always writes the rowwise data: a columnwise-only spec is refused by it (the
+    backward takes it: test_reference_backward_usage)."""
+    h, _ = draw("swiglu", 3, 4, torch.float32)
     fp8 = torch.float8_e4m3fn
     scale, amax = quant_state(fp8)
-    current = CastSpec(fp8, True, True, amax=amax)
-    with pytest.raises(ValueError, match="delayed scaling only"):
-        afp8.activation_forward_fp8(h, "swiglu", 7.0, 1.7, current)
-    with pytest.raises(ValueError, match="delayed scaling only"):
-        afp8.activation_backward_fp8(dy, h, "swiglu", 7.0, 1.7, current)
     with pytest.raises(ValueError, match="always writes rowwise data"):
         afp8.activation_forward_fp8(h, "swiglu", 7.0, 1.7, CastSpec(fp8, False, True, scale, amax))
     assert amax.item() == 0.25  # refused before anything was written
+
+
+def current_spec(fp8_dtype, rowwise=True, columnwise=True, power_2=False) -> CastSpec:
+    return CastSpec(fp8_dtype, rowwise, columnwise, amax_epsilon=0.0, power_2_scale=power_2)
+
+
+def unfused_current(dy, h, name, fp8_dtype, power_2, device="cpu"):
+    """What LayerNormMLP ran under current scaling before: the activation (and its backward),
+    then the current quantizer's cast (and the gradient's cast with its column sums)."""
+    quantizer = Float8CurrentScalingQuantizer(fp8_dtype, power_2_scale=power_2)
+    a = act.activation_forward(h, name, **PARAMS)
+    qa = quantizer.quantize(a)
+    dh = act.activation_backward(dy, h, name, **PARAMS)
+    data, data_t, scale_inv, dbias = quantize_dbias(dh, quantizer.cast_spec(True, True))
+    return (qa.rowwise_data, qa.columnwise_data), qa.scale_inv, (data, data_t), scale_inv, dbias
+
+
+@pytest.mark.parametrize("power_2", [False, True])
+@pytest.mark.parametrize("name", ["gelu", "swiglu"])
+def test_current_scaling_equals_the_unfused_path(name, power_2):
+    """Under current scaling (no scale given) both functions cast with the scale of the values'
+    own amax: the same bytes, scale_inv and dbias as the activation then the cast."""
+    h, dy = draw(name, 37, 48, torch.bfloat16, seed=3)
+    fp8 = torch.float8_e4m3fn
+    want_a, want_a_inv, want_dh, want_dh_inv, want_dbias = unfused_current(
+        dy, h, name, fp8, power_2
+    )
+    spec = current_spec(fp8, power_2=power_2)
+    *got_a, got_a_inv = afp8.activation_forward_fp8(h, name, PARAMS["limit"], PARAMS["alpha"], spec)
+    assert_same_bytes(got_a, want_a, name)
+    assert torch.equal(got_a_inv, want_a_inv)
+    *got_dh, got_dh_inv, got_dbias = afp8.activation_backward_fp8(
+        dy, h, name, PARAMS["limit"], PARAMS["alpha"], spec
+    )
+    assert_same_bytes(got_dh, want_dh, name)
+    assert torch.equal(got_dh_inv, want_dh_inv) and torch.equal(got_dbias, want_dbias)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -284,6 +314,31 @@ def test_triton_backward(name, m, n, dtype, fp8_dtype):
         assert_near_bytes(out, ref, fp8_dtype, where)
         assert_close(amax, amax_ref, dtype, msg=str(where))
     assert_close_to_scale(dbias, dbias_ref, dtype, msg=str(where))
+
+
+@pytest.mark.gpu
+@requires_triton
+@pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
+@pytest.mark.parametrize("m,n", [(16, 1024), (257, 4096), (4096, 1000)])
+@pytest.mark.parametrize("name", ["gelu", "swiglu", "srelu", "clamped_swiglu"])
+def test_triton_current_scaling_equals_the_unfused_path(name, m, n, fp8_dtype):
+    """Current scaling on the GPU: the amax pass and the fused kernel give the bytes,
+    scale_inv and (within the tolerance of dy's dtype: another summation order) the dbias of
+    the activation kernel followed by the current cast."""
+    h, dy = draw(name, m, n, torch.bfloat16, device="cuda", seed=m + n)
+    want_a, want_a_inv, want_dh, want_dh_inv, want_dbias = unfused_current(
+        dy, h, name, fp8_dtype, False, "cuda"
+    )
+    spec = current_spec(fp8_dtype)
+    *got_a, got_a_inv = afp8.activation_forward_fp8(h, name, PARAMS["limit"], PARAMS["alpha"], spec)
+    assert_same_bytes(got_a, want_a, (name, m, n))
+    assert torch.equal(got_a_inv, want_a_inv)
+    *got_dh, got_dh_inv, got_dbias = afp8.activation_backward_fp8(
+        dy, h, name, PARAMS["limit"], PARAMS["alpha"], spec
+    )
+    assert_same_bytes(got_dh, want_dh, (name, m, n))
+    assert torch.equal(got_dh_inv, want_dh_inv)
+    assert_close_to_scale(got_dbias, want_dbias, torch.bfloat16, msg=str((name, m, n)))
 
 
 @pytest.mark.gpu
@@ -444,6 +499,30 @@ defaults = (afp8.FORWARD_FP8_CONFIG, afp8.BACKWARD_FP8_CONFIG)
 check(h, dy.float(), "swiglu", torch.float8_e4m3fn, defaults)
 for usage in [(True, False), (False, True), (False, False)]:
     check(h, dy, "swiglu", torch.float8_e5m2, ((16, 16, 4), (16, 16, 4)), usage)
+# Current scaling (no scale given): the amax pass, then the fused kernels with its scale; the
+# bytes and scale_inv of the unfused values cast by the reference under current scaling.
+def check_current(h, dy, name, fp8, configs, power_2):
+    kind, gated = act._SPECS[name]
+    n = dy.shape[1]
+    where = ("current", name, tuple(h.shape), h.dtype, fp8, configs, power_2)
+    spec = CastSpec(fp8, True, True, amax_epsilon=0.0, power_2_scale=power_2)
+    *out, scale_inv = afp8._forward_fp8_triton(h, n, kind, gated, LIMIT, ALPHA, spec, configs[0])
+    a = act._forward_triton(h.float(), name, LIMIT, ALPHA).to(h.dtype)
+    *want, want_inv = ct.quantize_reference(a, spec)
+    same(out, want, where)
+    assert torch.equal(scale_inv, want_inv), where
+    *out, scale_inv, dbias = afp8._backward_fp8_triton(dy, h, n, kind, gated, LIMIT, ALPHA,
+                                                       spec, configs[1])
+    dh = act._backward_triton(dy.float(), h.float(), name, LIMIT, ALPHA).to(h.dtype)
+    *want, want_inv = ct.quantize_reference(dh, spec)
+    same(out, want, where)
+    assert torch.equal(scale_inv, want_inv), where
+    assert_close_to_scale(dbias, dh.sum(0).to(dy.dtype), h.dtype, msg=str(where))
+
+for i, name in enumerate(["gelu", "swiglu", "srelu", "clamped_swiglu"]):
+    for (m, n), configs in CASES[1:]:
+        check_current(*draw(name, m, n, torch.bfloat16, seed=500 + i + m), name, FP8[i % 2],
+                      configs, power_2=bool(i % 2))
 # Huge inputs (saturating FP8, x^3 overflowing fp32) and clamped_swiglu around its limit.
 huge = torch.tensor([1e30, -1e30, 1e20, -1e20, 100.0, -100.0, 0.0, 1.0, 7.0, 7.5, -7.5, -7.0])
 for name in ["gelu", "qgelu", "silu", "srelu", "geglu", "glu", "swiglu", "clamped_swiglu"]:

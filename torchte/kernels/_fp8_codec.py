@@ -242,14 +242,17 @@ def check_fp8_dtype(fp8_dtype: torch.dtype, error: type[Exception] = TypeError) 
         raise error(f"fp8_dtype must be one of {known}, got {fp8_dtype}")
 
 
-def check_producer_spec(spec: CastSpec, op: str, needs_rowwise: bool) -> None:
+def check_producer_spec(
+    spec: CastSpec, op: str, needs_rowwise: bool, current: bool = False
+) -> None:
     """The CastSpec rules of a fused producer (norm -> FP8, activation -> FP8): TypeError
     unless spec.fp8_dtype is an FP8 dtype; ValueError unless the scaling is delayed (spec.scale
-    given: the scale must be known before the values exist) and, when `needs_rowwise`, unless
-    spec.rowwise (the kernel always writes the rowwise data)."""
+    given: the scale known before the values exist) or `current` says the producer also takes
+    current scaling (an amax pass first), and, when `needs_rowwise`, unless spec.rowwise (the
+    kernel always writes the rowwise data)."""
     if spec.fp8_dtype not in FP8_MAX:
         check_fp8_dtype(spec.fp8_dtype)
-    if spec.scale is None:
+    if spec.scale is None and not current:
         raise ValueError(
             f"{op} supports delayed scaling only (spec.scale given: the scale must be known "
             f"before the values exist), got {spec!r}"

@@ -1,10 +1,12 @@
-"""LayerNormMLP's activation fused with its FP8 quantization (delayed scaling), one launch each.
+"""LayerNormMLP's activation fused with its FP8 quantization: one launch each under delayed
+scaling, an amax pass and that launch under current scaling.
 
 Legend: h (M, K) the activation's input, K = 2N for gated activations (else N); a = act(h)
 (M, N); dy (M, N) the gradient of a; dh (M, K) the gradient of h. FP8 data is laid out as in
 _fp8_codec: rowwise (rows, cols) and columnwise (cols, Mp), Mp = round_up(M, 16), the padding
-columns zero. How the output is written comes in a CastSpec of delayed scaling: its scale and
-amax, and the scale_inv returned, are fp32 tensors of shape (1,) on h's device.
+columns zero. How the output is written comes in a CastSpec of one scale for the tensor:
+delayed (its scale and amax, fp32 (1,) on h's device) or current (the scale made from the
+values' own amax); the scale_inv returned is fp32 (1,).
 
 Under delayed scaling these replace two launches (forward) and three (backward, the dbias sum
 included) with one, and never write a or dh in high precision:
@@ -18,12 +20,20 @@ _fp8_codec's FP8 encoder, stored as uint8 bytes (rowwise) and as int32 words pac
 the rounded dh, then rounded to dy's dtype: the unfused dh.sum(0) in dh's dtype may round it
 differently by an ulp.
 
+Under current scaling the scale needs the amax of all of a (or dh) first: an amax pass computes
+the values as the fused kernel does and keeps only their amax (reading h, and dy, once more;
+writing nothing else), then the fused kernel casts with the scale made from it. Against the
+unfused activation, amax pass and cast, this never writes a or dh in high precision nor reads
+them back: the forward moves 3 of the 5 bf16-sized passes over the activation, the backward
+5 of 6.
+
 Launches per call (non-empty h): activation_forward_fp8 1; activation_backward_fp8 1 when the
-rows are few, else 2. The backward grid is (column blocks, row blocks): with one row block
-(column_sums.row_split keeps one while the column blocks alone give about 4 programs per SM)
-each program walks all M rows and owns the full column sums of its block, so dbias needs no
-atomics and no second launch; with more, each row block writes fp32 partial sums, which
-column_sums.sum_partials adds in the row blocks' order (one launch) into dbias.
+rows are few, else 2; current scaling 2 more (the zeroed amax, the amax pass). The backward
+grid is (column blocks, row blocks): with one row block (column_sums.row_split keeps one while
+the column blocks alone give about 4 programs per SM) each program walks all M rows and owns
+the full column sums of its block, so dbias needs no atomics and no second launch; with more,
+each row block writes fp32 partial sums, which column_sums.sum_partials adds in the row
+blocks' order (one launch) into dbias.
 
 On CUDA with Triton the kernels run; elsewhere (and for an empty h) the torch references below,
 composed of activation.py's reference and _fp8_codec's cast.
@@ -65,10 +75,12 @@ BACKWARD_FP8_GATED_CONFIG = (64, 32, 4)
 if triton is not None:
     from ._fp8_codec import (
         _abs_bits,
+        _current_scale_inv,
         _delayed_scale,
         _encode,
         _encode_slice,
         _round_as,
+        _scale_from_amax,
         _store_bytes,
         _store_words,
     )
@@ -125,6 +137,51 @@ if triton is not None:
         return _round_as(dx1, h_ptr), _round_as(dx2, h_ptr)
 
     @triton.jit
+    def _producer_scale(
+        scale_ptr, amax_ptr, scale_inv_ptr, first, amax_epsilon, FP8_MAX: tl.constexpr,
+        CURRENT: tl.constexpr, POWER_2: tl.constexpr,
+    ):  # fmt: skip
+        """The scale a fused producer casts with (fp32 scalar): delayed, the given scale;
+        current, the one made from the amax an amax pass wrote (_act_amax_kernel). Writes
+        scale_inv where `first`."""
+        if CURRENT:
+            amax = tl.load(amax_ptr)
+            scale = _scale_from_amax(amax, amax_epsilon, FP8_MAX, POWER_2)
+            tl.store(scale_inv_ptr, _current_scale_inv(amax, scale), mask=first)
+        else:
+            scale = _delayed_scale(scale_ptr, scale_inv_ptr, first)
+        return scale
+
+    @triton.jit
+    def _act_amax_kernel(
+        dy_ptr,  # (M, N) fp32 / bf16 / fp16, contiguous; read when BACKWARD
+        h_ptr,  # (M, K) fp32 / bf16 / fp16, contiguous; K = 2N when GATED else N
+        amax_ptr,  # (1,) fp32, zeroed, max-accumulated as int32 bits
+        M,
+        N,
+        limit,  # fp32; clamped_silu only
+        alpha,  # fp32; clamped_silu only
+        ACT: tl.constexpr,
+        GATED: tl.constexpr,
+        BACKWARD: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+    ):
+        """max |a| (forward) or max |dh| (BACKWARD) of tile (pid_m, pid_n), over the values as
+        the fused kernels cast them (rounded to h's dtype), into amax: current scaling's pass
+        before the cast, which writes nothing else."""
+        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask = (rows < M)[:, None] & (cols < N)[None, :]
+        if BACKWARD:
+            dx1, dx2 = _grad_values(dy_ptr, h_ptr, rows, cols, mask, N, limit, alpha, ACT, GATED)
+            bits = tl.maximum(_abs_bits(dx1), _abs_bits(dx2))
+        else:
+            a = _act_values(h_ptr, rows, cols, mask, N, limit, alpha, ACT, GATED)
+            bits = _abs_bits(a)
+        tl.atomic_max(amax_ptr.to(tl.pointer_type(tl.int32)), tl.max(bits), sem="relaxed")
+
+    @triton.jit
     def _forward_fp8_kernel(
         h_ptr,  # (M, K) fp32 / bf16 / fp16, contiguous; K = 2N when GATED else N
         scale_ptr,  # (1,) fp32
@@ -136,16 +193,22 @@ if triton is not None:
         N,
         limit,  # fp32; clamped_silu only
         alpha,  # fp32; clamped_silu only
+        amax_epsilon,  # fp32; CURRENT only
         FP8_MAX: tl.constexpr,  # 448.0 (e4m3) or 57344.0 (e5m2)
         ACT: tl.constexpr,  # gelu, qgelu, relu, srelu, silu, sigmoid, clamped_silu
         GATED: tl.constexpr,
         COLUMNWISE: tl.constexpr,
+        CURRENT: tl.constexpr,  # amax_ptr holds max |a| (read), not a running amax (written)
+        POWER_2: tl.constexpr,  # CURRENT only
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
     ):
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
-        scale = _delayed_scale(scale_ptr, scale_inv_ptr, (pid_m == 0) & (pid_n == 0))
+        first = (pid_m == 0) & (pid_n == 0)
+        scale = _producer_scale(
+            scale_ptr, amax_ptr, scale_inv_ptr, first, amax_epsilon, FP8_MAX, CURRENT, POWER_2
+        )
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         col_in = cols < N
         # Rows 4i + k of the tile, k = 0..3, as four slices: their bytes pack into int32 words.
@@ -159,12 +222,13 @@ if triton is not None:
             a = _act_values(h_ptr, rows, cols, mask, N, limit, alpha, ACT, GATED)
             offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
             bits, words = _encode_slice(
-                a, k, row_in, offs, mask, scale, bits, words, out_ptr, FP8_MAX, True, True,
-                COLUMNWISE,
+                a, k, row_in, offs, mask, scale, bits, words, out_ptr, FP8_MAX, not CURRENT,
+                True, COLUMNWISE,
             )  # fmt: skip
         if COLUMNWISE:
             _store_words(out_t_ptr, words, cols, col_in, pid_m * (BLOCK_M // 4), M, BLOCK_M)
-        tl.atomic_max(amax_ptr.to(tl.pointer_type(tl.int32)), tl.max(bits), sem="relaxed")
+        if not CURRENT:
+            tl.atomic_max(amax_ptr.to(tl.pointer_type(tl.int32)), tl.max(bits), sem="relaxed")
 
     @triton.jit
     def _backward_fp8_kernel(
@@ -182,12 +246,15 @@ if triton is not None:
         rows_per_program,  # a multiple of BLOCK_M
         limit,  # fp32; clamped_silu only
         alpha,  # fp32; clamped_silu only
+        amax_epsilon,  # fp32; CURRENT only
         FP8_MAX: tl.constexpr,  # 448.0 (e4m3) or 57344.0 (e5m2)
         ACT: tl.constexpr,  # gelu, qgelu, relu, srelu, silu, sigmoid, clamped_silu
         GATED: tl.constexpr,
         ROWWISE: tl.constexpr,
         COLUMNWISE: tl.constexpr,
         SPLIT: tl.constexpr,
+        CURRENT: tl.constexpr,  # amax_ptr holds max |dh| (read), not a running amax (written)
+        POWER_2: tl.constexpr,  # CURRENT only
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
     ):
@@ -197,7 +264,10 @@ if triton is not None:
         row q of partial (summed afterwards in a fixed order: deterministic)."""
         pid = tl.program_id(0)
         pid_m = tl.program_id(1)
-        scale = _delayed_scale(scale_ptr, scale_inv_ptr, (pid == 0) & (pid_m == 0))
+        first = (pid == 0) & (pid_m == 0)
+        scale = _producer_scale(
+            scale_ptr, amax_ptr, scale_inv_ptr, first, amax_epsilon, FP8_MAX, CURRENT, POWER_2
+        )
         cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         col_in = cols < N
         k_cols = N * 2 if GATED else N
@@ -250,10 +320,12 @@ if triton is not None:
             if GATED:
                 dbias2 = _round_as(tl.sum(sum2, 0), dbias_ptr).to(bias_ty)
                 tl.store(dbias_ptr + N + cols, dbias2, mask=col_in)
-        tl.atomic_max(amax_ptr.to(tl.pointer_type(tl.int32)), tl.max(bits), sem="relaxed")
+        if not CURRENT:
+            tl.atomic_max(amax_ptr.to(tl.pointer_type(tl.int32)), tl.max(bits), sem="relaxed")
 
     _launch_forward_fp8 = FastLaunch(_forward_fp8_kernel)
     _launch_backward_fp8 = FastLaunch(_backward_fp8_kernel)
+    _launch_act_amax = FastLaunch(_act_amax_kernel)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -267,12 +339,13 @@ if triton is not None:
 def activation_forward_fp8(
     h: torch.Tensor, name: str, limit: float, alpha: float, spec: CastSpec
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """a = name(h) quantized as spec says (delayed scaling, rowwise always): h (M, K) ->
-    (rowwise (M, N), columnwise (N, Mp) or None, scale_inv (1,)). Max-accumulates max |a| into
-    spec.amax (1,). Same bytes as activation_forward then cast_transpose.quantize."""
+    """a = name(h) quantized as spec says (rowwise always): h (M, K) -> (rowwise (M, N),
+    columnwise (N, Mp) or None, scale_inv (1,)). Delayed scaling max-accumulates max |a| into
+    spec.amax (1,); current scaling makes the scale from max |a| (an amax pass over h first).
+    Same bytes as activation_forward then cast_transpose.quantize."""
     act, gated = act_mod._spec(name)
     n = act_mod._out_cols(h, gated, name)
-    check_producer_spec(spec, "activation_forward_fp8", needs_rowwise=True)
+    check_producer_spec(spec, "activation_forward_fp8", needs_rowwise=True, current=True)
     h2d = _as_2d(h)
     if h2d.is_cuda and triton_available() and h2d.numel() > 0:
         return _forward_fp8_triton(h2d, n, act, gated, limit, alpha, spec)
@@ -286,13 +359,14 @@ def activation_forward_fp8(
 def activation_backward_fp8(
     dy: torch.Tensor, h: torch.Tensor, name: str, limit: float, alpha: float, spec: CastSpec
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor, torch.Tensor]:
-    """dh = dy * d name(h) / dh quantized as spec says (delayed scaling): dy (M, N), h (M, K) ->
-    (rowwise (M, K) or None, columnwise (K, Mp) or None, scale_inv (1,), dbias (K,) in dy's
-    dtype), dbias the column sums of dh. Max-accumulates max |dh| into spec.amax (1,)."""
+    """dh = dy * d name(h) / dh quantized as spec says: dy (M, N), h (M, K) -> (rowwise (M, K)
+    or None, columnwise (K, Mp) or None, scale_inv (1,), dbias (K,) in dy's dtype), dbias the
+    column sums of dh. Delayed scaling max-accumulates max |dh| into spec.amax (1,); current
+    scaling makes the scale from max |dh| (an amax pass over dy and h first)."""
     act, gated = act_mod._spec(name)
     n = act_mod._out_cols(h, gated, name)
     act_mod._check_dy(dy, h, n, name)
-    check_producer_spec(spec, "activation_backward_fp8", needs_rowwise=False)
+    check_producer_spec(spec, "activation_backward_fp8", needs_rowwise=False, current=True)
     h2d, dy2d = _as_2d(h), _as_2d(dy)
     if h2d.is_cuda and triton_available() and h2d.numel() > 0:
         return _backward_fp8_triton(dy2d, h2d, n, act, gated, limit, alpha, spec)
@@ -315,25 +389,53 @@ def _forward_fp8_triton(
     spec: CastSpec,
     config: tuple[int, int, int] = FORWARD_FP8_CONFIG,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """Launch _forward_fp8_kernel on a contiguous, non-empty h (M, K); a is (M, n)."""
+    """Launch _forward_fp8_kernel on a contiguous, non-empty h (M, K); a is (M, n). Current
+    scaling (spec.scale None): the amax pass first (zeroing its buffer, _act_amax_kernel)."""
     rows = h.shape[0]
     block_m, block_n, num_warps = config
-    fp8_dtype, columnwise, scale, amax = spec.fp8_dtype, spec.columnwise, spec.scale, spec.amax
+    fp8_dtype, columnwise = spec.fp8_dtype, spec.columnwise
+    current = spec.scale is None
     scale_inv = torch.empty(1, dtype=torch.float32, device=h.device)
+    if current:
+        amax = _act_amax(h, h, rows, n, act, gated, limit, alpha, False, config)
+        scale = amax  # not read
+    else:
+        scale, amax = spec.scale, spec.amax
     data, data_t = alloc_outputs(rows, n, fp8_dtype, h.device, True, columnwise)
     out_t = scale_inv if data_t is None else data_t  # never stored to when not asked for
     grid = ((rows + block_m - 1) // block_m, (n + block_n - 1) // block_n, 1)
+    power_2 = bool(spec.power_2_scale)
     key = (
-        h.dtype, fp8_dtype, act, gated, columnwise, config,
+        h.dtype, fp8_dtype, act, gated, columnwise, config, current, power_2,
         rows == 1, rows & 15, rows >> 31, n == 1, n & 15, n >> 31,
         h.data_ptr() & 15, scale.data_ptr() & 15, amax.data_ptr() & 15,
         scale_inv.data_ptr() & 15, data.data_ptr() & 15, out_t.data_ptr() & 15,
     )  # fmt: skip
     _launch_forward_fp8(
         key, grid, num_warps, h, scale, amax, scale_inv, data, out_t, rows, n, float(limit),
-        float(alpha), FP8_MAX[fp8_dtype], act, gated, columnwise, block_m, block_n,
+        float(alpha), float(spec.amax_epsilon), FP8_MAX[fp8_dtype], act, gated, columnwise,
+        current, power_2, block_m, block_n,
     )  # fmt: skip
     return data, data_t, scale_inv
+
+
+def _act_amax(dy, h, rows, n, act, gated, limit, alpha, backward: bool, config) -> torch.Tensor:
+    """(1,) fp32: max |a| (forward) or max |dh| (backward) over h (M, K) (and dy (M, n)), the
+    values rounded to h's dtype as the fused kernels cast them; two launches (the zeroed
+    buffer, _act_amax_kernel over config's tiles)."""
+    block_m, block_n, num_warps = config
+    amax = torch.zeros(1, dtype=torch.float32, device=h.device)
+    grid = ((rows + block_m - 1) // block_m, (n + block_n - 1) // block_n, 1)
+    key = (
+        dy.dtype, h.dtype, act, gated, backward, config,
+        rows == 1, rows & 15, rows >> 31, n == 1, n & 15, n >> 31,
+        dy.data_ptr() & 15, h.data_ptr() & 15, amax.data_ptr() & 15,
+    )  # fmt: skip
+    _launch_act_amax(
+        key, grid, num_warps, dy, h, amax, rows, n, float(limit), float(alpha), act, gated,
+        backward, block_m, block_n,
+    )  # fmt: skip
+    return amax
 
 
 def _backward_fp8_triton(
@@ -354,7 +456,12 @@ def _backward_fp8_triton(
         config = BACKWARD_FP8_GATED_CONFIG if gated else BACKWARD_FP8_CONFIG
     block_m, block_n, num_warps = config
     fp8_dtype, rowwise, columnwise = spec.fp8_dtype, spec.rowwise, spec.columnwise
-    scale, amax = spec.scale, spec.amax
+    current = spec.scale is None
+    if current:  # the amax pass first, over the forward's tiles
+        amax = _act_amax(dy, h, rows, n, act, gated, limit, alpha, True, FORWARD_FP8_CONFIG)
+        scale = amax  # not read
+    else:
+        scale, amax = spec.scale, spec.amax
     col_blocks = (n + block_n - 1) // block_n
     sms = sm_count(h.device.index) if h.is_cuda else 1  # the interpreter's tests: a few blocks
     rows_per, splits = row_split(rows, col_blocks, block_m, sms)
@@ -369,17 +476,19 @@ def _backward_fp8_triton(
         partial = dbias  # never stored to
     out = scale_inv if data is None else data  # never stored to when not asked for
     out_t = scale_inv if data_t is None else data_t
+    power_2 = bool(spec.power_2_scale)
     key = (
-        dy.dtype, h.dtype, fp8_dtype, act, gated, rowwise, columnwise, config, split,
-        rows == 1, rows & 15, rows >> 31, n == 1, n & 15, n >> 31, rows_per & 15,
+        dy.dtype, h.dtype, fp8_dtype, act, gated, rowwise, columnwise, config, split, current,
+        power_2, rows == 1, rows & 15, rows >> 31, n == 1, n & 15, n >> 31, rows_per & 15,
         dy.data_ptr() & 15, h.data_ptr() & 15, scale.data_ptr() & 15, amax.data_ptr() & 15,
         scale_inv.data_ptr() & 15, out.data_ptr() & 15, out_t.data_ptr() & 15,
         dbias.data_ptr() & 15,
     )  # fmt: skip
     _launch_backward_fp8(
         key, (col_blocks, splits, 1), num_warps, dy, h, scale, amax, scale_inv, out, out_t,
-        dbias, partial, rows, n, rows_per, float(limit), float(alpha), FP8_MAX[fp8_dtype], act,
-        gated, rowwise, columnwise, split, block_m, block_n,
+        dbias, partial, rows, n, rows_per, float(limit), float(alpha), float(spec.amax_epsilon),
+        FP8_MAX[fp8_dtype], act, gated, rowwise, columnwise, split, current, power_2, block_m,
+        block_n,
     )  # fmt: skip
     if split:
         dbias = sum_partials(partial, dy.dtype)  # the row blocks' sums in a fixed order

@@ -34,7 +34,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from torchte.kernels import activation as act_kernels
-from torchte.quantization.fused import activation_grad_to_fp8, activation_to_fp8
+from torchte.quantization.fused import (
+    activation_grad_to_fp8,
+    activation_to_fp8,
+    writes_activation,
+)
 from torchte.quantization.model_init import make_fp8_parameter, model_init_settings
 
 from . import _tp_gemm as tp_gemm
@@ -116,19 +120,19 @@ class MLPSpec:
 
     def activate(self, h2d, quantizer, columnwise: bool, shape):
         """a = act(h), h2d (M, K) -> a of `shape`: in FP8 straight from the activation kernel
-        where fc2's input quantizer allows it (fusable), else in h's dtype."""
+        where fc2's input quantizer allows it (writes_activation), else in h's dtype."""
         act = (self.activation, self.limit, self.alpha)
-        if quantizer is not None and quantizer.fusable:
+        if quantizer is not None and writes_activation(quantizer, h2d.numel()):
             return activation_to_fp8(quantizer, h2d, *act, columnwise, shape)  # one launch
         return act_kernels.activation_forward(h2d, *act).view(shape)
 
     def activation_grad(self, da2d, h2d, record: GemmRecord, quantizer):
         """(dh, dbias) from da2d (M, N) = the gradient of a: dh in FP8 with fc1's bias
-        gradient, from one launch, where fc1's gradient quantizer allows it (fusable); else
-        (dh (..., K) in h's dtype, None)."""
+        gradient, from the activation's backward kernel, where fc1's gradient quantizer allows it
+        (writes_activation); else (dh (..., K) in h's dtype, None)."""
         act = (self.activation, self.limit, self.alpha)
         shape = (*record.inp_shape[:-1], h2d.shape[-1])
-        if quantizer is not None and quantizer.fusable:
+        if quantizer is not None and writes_activation(quantizer, h2d.numel()):
             usage = (record.need_dgrad, record.need_wgrad)
             return activation_grad_to_fp8(quantizer, da2d, h2d, *act, usage, shape)
         return act_kernels.activation_backward(da2d, h2d, *act).view(shape), None

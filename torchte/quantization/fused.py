@@ -4,15 +4,19 @@ Each function takes the quantizer of the value, which must be `fusable`: its sca
 before the values exist (delayed scaling: the kernel asks the quantizer for its CastSpec and
 hands what it wrote back to the quantizer, which makes the Float8Storage), or every scale
 comes from values one tile holds (Float8BlockScaling's 1x128 blocks: fused_block_act.py
-writes a Float8BlockwiseQTensorStorage). Under 1x128 blocks only what measured faster fused
-is fused (benchmarks/fused_block.py, H100): the activation's forward, and an output gradient's
-cast with its bias gradient (also after the activation's backward); the norm runs in high
-precision, then the cast (a fused norm -> 1x128 kernel, statistics pass then tiles, took
-1.3-1.6x the pair's time), as does the activation's backward (the fused one took 1.07-1.13x).
-Under one scale per tensor the norm -> FP8 kernel runs only for small inputs
-(NORM_FUSED_MAX), the one-launch form where host time is the bound; larger ones, where the
-pair takes less GPU time, run the norm then the cast. An output gradient's cast sums its
-columns into the bias gradient under either scaling (kernels/cast_dbias).
+writes a Float8BlockwiseQTensorStorage). The activation's kernels also take current scaling
+of large inputs (writes_activation): an amax pass first, then the fused kernel.
+
+Under 1x128 blocks only what measured faster fused is fused (benchmarks/fused_block.py, H100):
+the activation's forward, and an output gradient's cast with its bias gradient (also after the
+activation's backward); the norm runs in high precision, then the cast (a fused norm -> 1x128
+kernel, statistics pass then tiles, took 1.3-1.6x the pair's time), as does the activation's
+backward (the fused one took 1.07-1.13x). Under one scale per tensor the norm -> FP8 kernel
+runs only for small inputs (NORM_FUSED_MAX), the one-launch form where host time is the bound;
+larger ones, where the pair takes less GPU time, run the norm then the cast. An output
+gradient's cast sums its columns into the bias gradient under either scaling
+(kernels/cast_dbias).
+
 Modules reach these kernels only through here. Shapes: x, z (M, K); h (M, K) with K = 2N for
 gated activations (else N); a (M, N); `shape` is the value's shape as the module sees it.
 """
@@ -22,7 +26,13 @@ from __future__ import annotations
 import torch
 
 from torchte.kernels import activation as act_kernels
-from torchte.kernels import activation_fp8, cast_dbias, grouped_activation_fp8, norm_fp8
+from torchte.kernels import (
+    activation_fp8,
+    cast_dbias,
+    cast_transpose,
+    grouped_activation_fp8,
+    norm_fp8,
+)
 from torchte.kernels import norm as norm_kernels
 
 from .blockwise import Float8BlockwiseQTensorStorage
@@ -38,13 +48,20 @@ from .grouped_quantizer import split_offsets
 # saves more host time than that.
 NORM_FUSED_MAX = 1 << 20
 
+# Elements of an activation's input up to which current scaling keeps the activation, then the
+# cast (one launch fewer: the cast of a tensor this small reads its own amax, cast_transpose's
+# small_tile); past it the amax pass and the fused kernel move fewer bytes (kernels/activation_fp8).
+CURRENT_FUSED_MIN = cast_transpose.SMALL_TILE * cast_transpose.SMALL_MAX_TILES
+
 __all__ = [
+    "CURRENT_FUSED_MIN",
     "activation_grad_to_fp8",
     "activation_to_fp8",
     "grad_output_with_dbias",
     "norm_to_fp8",
     "scaled_activation_grad_to_grouped_fp8",
     "scaled_activation_to_grouped_fp8",
+    "writes_activation",
 ]
 
 
@@ -76,10 +93,22 @@ def norm_to_fp8(
     return quantizer.fused_output(data, data_t, scale_inv, shape), mean, rstd
 
 
+def writes_activation(quantizer, elements: int) -> bool:
+    """Whether activation_to_fp8 / activation_grad_to_fp8 write this quantizer's values, for an
+    activation input of `elements`: always where the scale is known before the values
+    (`fusable`: delayed scaling, 1x128 blocks); under current scaling (one scale for the
+    tensor, no reduction over ranks) past CURRENT_FUSED_MIN elements."""
+    if quantizer.fusable:
+        return True
+    current = type(quantizer) is Float8CurrentScalingQuantizer
+    return current and _one_scale_fusable(quantizer) and elements > CURRENT_FUSED_MIN
+
+
 def activation_to_fp8(
     quantizer, h, activation: str, limit: float, alpha: float, columnwise: bool, shape
 ) -> Float8Storage:
-    """a = activation(h) written in FP8 by the activation kernel: a Float8Storage of `shape`."""
+    """a = activation(h) written in FP8 by the activation kernel (under current scaling after an
+    amax pass): a Float8Storage of `shape`."""
     if fusable_1x128(quantizer):
         return activation_to_block(quantizer, h, activation, limit, alpha, columnwise, shape)
     spec = quantizer.cast_spec(True, columnwise)
