@@ -173,6 +173,22 @@ if triton is not None:
         return scale
 
     @triton.jit
+    def _tensor_scale(
+        scale_ptr, amax_ptr, scale_inv_ptr, first, amax_epsilon, FP8_MAX: tl.constexpr,
+        CURRENT: tl.constexpr, POWER_2: tl.constexpr,
+    ):  # fmt: skip
+        """The one scale a kernel casts a whole tensor with (fp32 scalar): delayed, the given
+        scale; CURRENT, the one made from the amax (1,) an amax pass wrote. Writes scale_inv
+        where `first` (true in one program only)."""
+        if CURRENT:
+            amax = tl.load(amax_ptr)
+            scale = _scale_from_amax(amax, amax_epsilon, FP8_MAX, POWER_2)
+            tl.store(scale_inv_ptr, _current_scale_inv(amax, scale), mask=first)
+        else:
+            scale = _delayed_scale(scale_ptr, scale_inv_ptr, first)
+        return scale
+
+    @triton.jit
     def _current_scale_inv(amax, scale):
         """scale_inv of a tensor quantized under current scaling: 1 / scale, or NaN when its
         amax is NaN or inf, so that what is computed from it is non-finite as the input was

@@ -75,14 +75,12 @@ BACKWARD_FP8_GATED_CONFIG = (64, 32, 4)
 if triton is not None:
     from ._fp8_codec import (
         _abs_bits,
-        _current_scale_inv,
-        _delayed_scale,
         _encode,
         _encode_slice,
         _round_as,
-        _scale_from_amax,
         _store_bytes,
         _store_words,
+        _tensor_scale,
     )
     from .activation import _act_and_grad, _gate
 
@@ -135,22 +133,6 @@ if triton is not None:
             g = tl.load(h_ptr + offs + N, mask=mask, other=0.0).to(tl.float32)
         dx1, dx2, _ = grads_of(dy, x, g, limit, alpha, ACT, GATED)
         return _round_as(dx1, h_ptr), _round_as(dx2, h_ptr)
-
-    @triton.jit
-    def _producer_scale(
-        scale_ptr, amax_ptr, scale_inv_ptr, first, amax_epsilon, FP8_MAX: tl.constexpr,
-        CURRENT: tl.constexpr, POWER_2: tl.constexpr,
-    ):  # fmt: skip
-        """The scale a fused producer casts with (fp32 scalar): delayed, the given scale;
-        current, the one made from the amax an amax pass wrote (_act_amax_kernel). Writes
-        scale_inv where `first`."""
-        if CURRENT:
-            amax = tl.load(amax_ptr)
-            scale = _scale_from_amax(amax, amax_epsilon, FP8_MAX, POWER_2)
-            tl.store(scale_inv_ptr, _current_scale_inv(amax, scale), mask=first)
-        else:
-            scale = _delayed_scale(scale_ptr, scale_inv_ptr, first)
-        return scale
 
     @triton.jit
     def _act_amax_kernel(
@@ -206,7 +188,7 @@ if triton is not None:
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         first = (pid_m == 0) & (pid_n == 0)
-        scale = _producer_scale(
+        scale = _tensor_scale(
             scale_ptr, amax_ptr, scale_inv_ptr, first, amax_epsilon, FP8_MAX, CURRENT, POWER_2
         )
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -265,7 +247,7 @@ if triton is not None:
         pid = tl.program_id(0)
         pid_m = tl.program_id(1)
         first = (pid == 0) & (pid_m == 0)
-        scale = _producer_scale(
+        scale = _tensor_scale(
             scale_ptr, amax_ptr, scale_inv_ptr, first, amax_epsilon, FP8_MAX, CURRENT, POWER_2
         )
         cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)

@@ -70,8 +70,8 @@ if triton is not None:
         _abs_bits,
         _cast_transpose_tile,
         _current_scale_inv,
-        _delayed_scale,
         _scale_from_amax,
+        _tensor_scale,
     )
 
     @triton.jit
@@ -96,12 +96,9 @@ if triton is not None:
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         first = (pid_m == 0) & (pid_n == 0)
-        if CURRENT:
-            amax = tl.load(amax_ptr)
-            scale = _scale_from_amax(amax, amax_epsilon, FP8_MAX, POWER_2)
-            tl.store(scale_inv_ptr, _current_scale_inv(amax, scale), mask=first)
-        else:
-            scale = _delayed_scale(scale_ptr, scale_inv_ptr, first)
+        scale = _tensor_scale(
+            scale_ptr, amax_ptr, scale_inv_ptr, first, amax_epsilon, FP8_MAX, CURRENT, POWER_2
+        )
         bits = _cast_transpose_tile(
             x_ptr, out_ptr, out_t_ptr, M, N, pid_m, pid_n, scale,
             FP8_MAX, not CURRENT, ROWWISE, COLUMNWISE, BLOCK_M, BLOCK_N,
