@@ -382,7 +382,7 @@ def test_triton_one_launch_per_call(name):
     "rows,col_blocks,sms",
     [(16, 128, 132), (16384, 256, 132), (70, 1, 1), (1, 1, 132), (4096, 8, 16)],
 )
-def test_backward_row_split_covers_the_rows_once(rows, col_blocks, sms):
+def test_row_split_covers_the_rows_once(rows, col_blocks, sms):
     """Row blocks of whole BLOCK_M steps, none empty, covering every row; a single block
     (dbias written by the kernel itself) where the column blocks fill the GPU or rows are few."""
     block_m = afp8.BACKWARD_FP8_CONFIG[0]
