@@ -408,10 +408,14 @@ def test_parameters_split_dict_sizes_and_trailing_underscore():
     assert "weight" not in params
 
 
-@pytest.mark.parametrize("split", [("query", "key", "value"), {"a": 8, "b": 40}])
+@pytest.mark.parametrize(
+    "split", [("query", "key", "value"), {"a": 8, "b": 40}, ("only",), {"whole": 48}]
+)
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("recipe", [None, DelayedScaling(), Float8CurrentScaling()])
 def test_parameters_split_equals_unsplit(split, bias, recipe):
+    """A split layer (one named split too: its parameter is `{name}_weight`, not `weight`)
+    computes what the unsplit one does, its gradients split by rows."""
     layer, full = split_layer(split, bias=bias)
     x = representable((2, 5, 32), torch.float32)
     dy = representable((2, 5, 48), torch.float32)

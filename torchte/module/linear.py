@@ -209,7 +209,7 @@ class Linear(SaveOriginalInputMixin, LinearCore):
         """One plain weight, fused bias, high-precision parameters, no collective, the weight
         gradient made in backward: nn.Linear's path applies."""
         return (
-            len(self._splits) == 1
+            self.weight_names == ["weight"]  # one split named by the user is `{name}_weight`
             and not self.return_bias
             and not self.fuse_wgrad_accumulation
             and not isinstance(self.weight, Float8Tensor)
