@@ -47,7 +47,13 @@ from ._linear_core import (
 from ._norm_spec import NormSpec
 from ._tensor_parallel import check_divides, forked_init, tensor_parallel
 
-__all__ = ["LayerNormLinear", "plain_module", "torch_forward_applies", "torch_norm"]
+__all__ = [
+    "LayerNormLinear",
+    "norm_module_outputs",
+    "plain_module",
+    "torch_forward_applies",
+    "torch_norm",
+]
 
 _STATE = autocast_state()
 
@@ -81,6 +87,18 @@ def torch_forward_applies(module, inp, dtype: torch.dtype) -> bool:
         and not (module.fuse_wgrad_accumulation or module.return_layernorm_output)
         and not (autocast is not None and torch.is_autocast_enabled(autocast))
     )
+
+
+def norm_module_outputs(module, y, bias, z, dtype: torch.dtype):
+    """What a norm-in-front module returns: y, then the bias (in the compute dtype) if
+    module.return_bias, then the norm's output z if module.return_layernorm_output; one tensor
+    or a tuple, as Transformer Engine returns."""
+    out = (y,)
+    if module.return_bias:
+        out += (cast_to(bias, dtype),)
+    if module.return_layernorm_output:
+        out += (z,)
+    return out if len(out) > 1 else y
 
 
 def torch_norm(inp: torch.Tensor, norm: NormSpec, weight, bias) -> torch.Tensor:
@@ -305,7 +323,7 @@ class LayerNormLinear(LinearCore):
         if self._plain and not fp8_output and torch_forward_applies(self, inp, dtype):
             bias = self._parameters["bias"]
             y, z = self._torch_forward(inp, None if self.return_bias else bias)
-            return self._outputs(y, bias, z, dtype)
+            return norm_module_outputs(self, y, bias, z, dtype)
         self._check_input(inp, self.in_features)
         if self._tp.gathers_sequence:
             self._tp.group_or_raise()
@@ -314,7 +332,7 @@ class LayerNormLinear(LinearCore):
         bias = self._full(self.bias_names) if self.use_bias else None
         fused_bias = None if self.return_bias else bias
         y, z = self._forward_function(inp, weight, fused_bias, plan, is_first_microbatch)
-        return self._outputs(y, bias, z, dtype)
+        return norm_module_outputs(self, y, bias, z, dtype)
 
     def _torch_forward(self, inp: torch.Tensor, bias):
         """(y, z) by torch's own ops under torch's autograd (the `_plain` shortcut): the same
@@ -326,16 +344,6 @@ class LayerNormLinear(LinearCore):
         except RuntimeError:
             self._check_input(inp, self.in_features)  # a clearer error where it has one
             raise
-
-    def _outputs(self, y, bias, z, dtype: torch.dtype):
-        """y, then the bias (in the compute dtype) if return_bias, then the norm's output z if
-        return_layernorm_output: one tensor or a tuple, as Transformer Engine returns."""
-        out = (y,)
-        if self.return_bias:
-            out += (cast_to(bias, dtype),)
-        if self.return_layernorm_output:
-            out += (z,)
-        return out if len(out) > 1 else y
 
     def extra_repr(self) -> str:
         return f"normalization={self.normalization}, eps={self.eps}, " + super().extra_repr()

@@ -64,7 +64,12 @@ from ._tensor_parallel import (
     tensor_parallel,
 )
 from .base import PlanKey, TransformerEngineBaseModule, check_fp8_dims
-from .layernorm_linear import plain_module, torch_forward_applies, torch_norm
+from .layernorm_linear import (
+    norm_module_outputs,
+    plain_module,
+    torch_forward_applies,
+    torch_norm,
+)
 
 __all__ = ["LayerNormMLP"]
 
@@ -466,12 +471,7 @@ class LayerNormMLP(TransformerEngineBaseModule):
             y, z = self._torch_forward(inp, bias)
         else:
             y, z = self._function_forward(inp, bias, dtype, is_first_microbatch)
-        out = (y,)
-        if self.return_bias:
-            out += (cast_to(fc2_bias, dtype),)
-        if self.return_layernorm_output:
-            out += (z,)
-        return out if len(out) > 1 else y
+        return norm_module_outputs(self, y, fc2_bias, z, dtype)
 
     def _torch_forward(self, inp: torch.Tensor, fc2_bias):
         """(y, z) by torch's own ops under torch's autograd (the `_plain` shortcut): the same

@@ -98,10 +98,9 @@ def writes_activation(quantizer, elements: int) -> bool:
     activation input of `elements`: always where the scale is known before the values
     (`fusable`: delayed scaling, 1x128 blocks); under current scaling (one scale for the
     tensor, no reduction over ranks) past CURRENT_FUSED_MIN elements."""
-    if quantizer.fusable:
+    if quantizer.fusable:  # (a delayed quantizer is, so one-scale here means current)
         return True
-    current = type(quantizer) is Float8CurrentScalingQuantizer
-    return current and _one_scale_fusable(quantizer) and elements > CURRENT_FUSED_MIN
+    return _one_scale_fusable(quantizer) and elements > CURRENT_FUSED_MIN
 
 
 def activation_to_fp8(
