@@ -78,13 +78,16 @@ def run_checked(steps: dict[str, Step], rows: dict[str, dict], calls: int) -> di
 
 
 def measure_gpu(steps, rows, opts) -> None:
-    """Median ms per step: CUDA events over `reps` calls, rounds interleaved across steps."""
+    """Median ms per step: CUDA events over `reps` timings of `opts.inner` calls each (1 unless
+    the benchmark sets it), rounds interleaved across steps."""
     alive = run_checked(steps, rows, 3)
     samples = {name: [] for name in alive}
     for _ in range(opts.rounds):
         for name, step in list(alive.items()):
             try:
-                samples[name].append(gpu_ms(step, reps=opts.reps, warmup=1))
+                samples[name].append(
+                    gpu_ms(step, reps=opts.reps, inner=getattr(opts, "inner", 1), warmup=1)
+                )
             except Exception as exc:  # e.g. out of memory: report it, keep the others
                 rows[name]["status"] = failure(exc)
                 del alive[name], samples[name]
