@@ -2,7 +2,8 @@
 (a missing name or an unavailable device becomes a row status, not a crash), measured together
 with their rounds interleaved (GPU time by CUDA events, or host time), and printed as a table of
 values, TFLOP/s, launches and ratios to the case's best baseline, with any target marked ok or
-MISS. benchmarks/attention.py is built on it; nothing here asserts.
+MISS on a GPU (targets are for one: on the CPU each is shown as a GPU target, with no verdict).
+benchmarks/attention.py is built on it; nothing here asserts.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from timing import fmt, gpu_ms
+from timing import GPU_TARGETS_NOTE, fmt, gpu_ms
 
 Step = Callable[[], None]
 
@@ -169,17 +170,23 @@ def add_ratios(rows: list[dict], flops: float | None) -> None:
             r["ratio"] = r["value"] / min(base)
 
 
-def cell_target(r: dict) -> str:
-    """The target column: the bound, and ok / MISS once there is a ratio."""
+def cell_target(r: dict, on_gpu: bool = True) -> str:
+    """The target column: the bound, and ok / MISS once there is a ratio measured on a GPU;
+    off a GPU the bound marked "(GPU target)", with no verdict."""
     if r.get("target") is None:
         return ""
+    bound = f"<={r['target']:.2f}"
+    if not on_gpu:
+        return f"{bound} (GPU target)"
     if "ratio" not in r:
-        return f"<={r['target']:.2f}"
-    return f"<={r['target']:.2f} {'ok' if r['ratio'] <= r['target'] else 'MISS'}"
+        return bound
+    return f"{bound} {'ok' if r['ratio'] <= r['target'] else 'MISS'}"
 
 
 def print_table(rows: list[dict], opts) -> None:
-    """One block per case: value, TFLOP/s, launches, ratio to the best baseline, target."""
+    """One block per case: value, TFLOP/s, launches, ratio to the best baseline, target
+    (without a verdict, and a note saying why, when opts.device is the CPU)."""
+    on_gpu = opts.device != "cpu"
     print(f"\n{'impl':38s} {'value':>10s} {'TFLOP/s':>8s} {'launch':>6s} {'vs base':>8s}  target")
     for case, group in itertools.groupby(rows, key=lambda r: (r["section"], r["case"])):
         group = list(group)
@@ -191,8 +198,10 @@ def print_table(rows: list[dict], opts) -> None:
             name = r["impl"] + (" *" if r["baseline"] else "")
             print(
                 f"  {name:36s} {text:>10s} {fmt(r.get('tflops'), '.1f'):>8s} "
-                f"{fmt(r.get('launches'), 'd'):>6s} {ratio:>8s}  {cell_target(r)}"
+                f"{fmt(r.get('launches'), 'd'):>6s} {ratio:>8s}  {cell_target(r, on_gpu)}"
             )
             if r["status"] != "ok":
                 print(f"    {r['status'][:300]}")
     print("* baseline; vs base: value / the case's best baseline (lower is better)")
+    if not on_gpu and any(r.get("target") is not None for r in rows):
+        print(GPU_TARGETS_NOTE)

@@ -59,6 +59,14 @@ def fmt(value, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
+# Printed under a table of figures measured on the CPU beside targets set for a GPU, which
+# then get no verdict (a CPU run says nothing of whether a GPU meets them).
+GPU_TARGETS_NOTE = (
+    "note: the targets are for a CUDA GPU; on the CPU they are shown as GPU targets, with no "
+    "ok / MISS"
+)
+
+
 def _sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()

@@ -84,7 +84,7 @@ def test_hp_linear_matches_fp64():
 
 
 @pytest.mark.parametrize("a_dtype,b_dtype", [(E4M3, E4M3), (E5M2, E4M3), (E4M3, E5M2)])
-@pytest.mark.parametrize("m,n,k", [(1, 16, 16), (17, 32, 48), (5, 3, 7), (64, 16, 32)])
+@pytest.mark.parametrize("m,n,k", [(1, 16, 16), (17, 32, 48), (5, 48, 16), (64, 16, 32)])
 def test_fp8_gemm_exact_against_fp64(a_dtype, b_dtype, m, n, k):
     a, a_si, a_ref = fp8_operand((m, k), a_dtype, 2.0**-3)
     b, b_si, b_ref = fp8_operand((n, k), b_dtype, 2.0**5)

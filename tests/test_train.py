@@ -7,10 +7,6 @@ import io
 import itertools
 import math
 import re
-import struct
-import sys
-import types
-import zlib
 from pathlib import Path
 
 import pytest
@@ -79,7 +75,7 @@ def test_each_recipe_trains_and_writes_its_outputs(
     header = next(i for i, line in enumerate(lines) if line.startswith("recipe "))
     kind = compute if recipe == "bf16" else f"fp8+{compute}"
     assert lines[header + 2].split()[:3] == [label, kind, "6"]
-    assert "(max RSS)" in lines[header + 2]
+    assert "(peak RSS)" in lines[header + 2]
     assert lines[header + 3].startswith(f"compute {compute} (--compute-dtype {compute})")
     with (out / "losses.csv").open() as f:
         rows = list(csv.DictReader(f))
@@ -409,141 +405,7 @@ ROWS = [
 ]
 
 
-def _png_size_and_pixels(png: bytes) -> tuple[int, int, bytes]:
-    """(width, height, filtered scanlines) of an 8-bit RGB PNG made of one IDAT chunk."""
-    assert png.startswith(plot.PNG_SIGNATURE)
-    width, height = struct.unpack(">II", png[16:24])
-    idat = png.index(b"IDAT")
-    (length,) = struct.unpack(">I", png[idat - 4 : idat])
-    return width, height, zlib.decompress(png[idat + 4 : idat + 4 + length])
-
-
-def test_builtin_png_writer_draws_without_matplotlib(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` now fails
-    path = tmp_path / "plots" / "losses.png"
-    assert plot.write_plot(path, ROWS) == "built-in"
-    width, height, raw = _png_size_and_pixels(path.read_bytes())
-    assert (width, height) == (plot.WIDTH, plot.HEIGHT)
-    assert len(raw) == height * (1 + 3 * width)
-    stride = 1 + 3 * width
-    pixels = {
-        raw[row * stride + 1 + 3 * i : row * stride + 4 + 3 * i]
-        for row in range(height)
-        for i in range(width)
-    }
-    pale = [bytes((c + 255) // 2 for c in color) for color in plot.COLORS[:2]]
-    drawn = {bytes(c) for c in plot.COLORS[:2]} | set(pale)  # val and train, per recipe
-    assert pixels == drawn | {b"\xff" * 3, b"\x00" * 3, bytes((225, 225, 225))}
-
-
-@pytest.mark.parametrize(
-    ("low", "high", "integer"),
-    [
-        (2.07, 5.6, False),
-        (1.23, 1.31, False),
-        (0.0012, 0.0047, False),
-        (3.0, 3.0, False),
-        (0, 400, True),
-        (0, 6, True),
-        (5, 1234, True),
-    ],
-)
-def test_plot_ticks_are_round_and_cover_the_data(low: float, high: float, integer: bool) -> None:
-    ticks = plot.nice_ticks(low, high, integer=integer)
-    assert 3 <= len(ticks) <= 8 and ticks[0] <= low and ticks[-1] >= high
-    step = ticks[1] - ticks[0]
-    mantissa = step / 10 ** math.floor(math.log10(step) + 1e-9)
-    assert any(math.isclose(mantissa, m) for m in (1, 2, 2.5, 5)), step
-    assert all(math.isclose(b - a, step) for a, b in itertools.pairwise(ticks))
-    assert all(math.isclose(t / step, round(t / step), abs_tol=1e-9) for t in ticks)
-    labels = plot.tick_labels(ticks)
-    assert [float(label) for label in labels] == ticks  # each written exactly, and short
-    assert max(len(label) for label in labels) <= len(f"{max(map(abs, ticks)):.0f}") + 5
-    if integer:
-        assert step >= 1 and not any("." in label for label in labels)
-
-
-def test_plot_ticks_of_a_typical_run() -> None:
-    assert plot.tick_labels(plot.nice_ticks(2.07, 5.6)) == ["2", "3", "4", "5", "6"]
-    assert plot.tick_labels(plot.nice_ticks(1.23, 1.31))[:2] == ["1.22", "1.24"]
-    assert plot.tick_labels(plot.nice_ticks(2.1, 2.9)) == ["2.0", "2.2", "2.4", "2.6", "2.8", "3.0"]
-
-
-def _rgb_rows(png: bytes) -> list[list[bytes]]:
-    """The pixels of a PNG written by the built-in writer, row by row."""
-    width, height, raw = _png_size_and_pixels(png)
-    stride = 1 + 3 * width
-    return [
-        [raw[y * stride + 1 + 3 * x : y * stride + 4 + 3 * x] for x in range(width)]
-        for y in range(height)
-    ]
-
-
-def _black(rows: list[list[bytes]], ys: range, xs: range) -> int:
-    return sum(rows[y][x] == b"\x00" * 3 for y in ys for x in xs)
-
-
-def test_builtin_plot_has_a_title_axis_labels_and_round_ticks() -> None:
-    series = plot.series_from_rows(ROWS)
-    titled = _rgb_rows(plot.render_png(series, "loss (nats/byte): 2 layers, x=1/2"))
-    bare = _rgb_rows(plot.render_png(series))
-    title_band = range(0, plot.TOP - 8)  # above the top tick label
-    assert _black(titled, title_band, range(plot.WIDTH)) > 100
-    assert _black(bare, title_band, range(plot.WIDTH)) == 0
-    y_label = range(plot.TOP, plot.BOTTOM), range(0, 20)  # drawn upward along the left edge
-    assert _black(titled, *y_label) > 100
-    x_label = range(plot.BOTTOM + 26, plot.BOTTOM + 40), range(plot.LEFT, plot.RIGHT)
-    assert _black(titled, *x_label) > 30
-    # The y axis spans whole ticks: grid rows only at the interior ones.
-    ticks = plot.nice_ticks(3.0, 5.5)  # ROWS' losses
-    grid = bytes((225, 225, 225))
-    plot_x = range(plot.LEFT + 1, plot.RIGHT)
-    grid_rows = [y for y in range(plot.TOP + 1, plot.BOTTOM) if titled[y][plot.LEFT + 2] == grid]
-    assert len(grid_rows) == len(ticks) - 2
-    assert all(sum(titled[y][x] != b"\xff" * 3 for x in plot_x) > 400 for y in grid_rows)
-
-
-def test_builtin_font_draws_what_the_labels_use() -> None:
-    for char in "()/:,+=_%" + plot.X_LABEL.upper() + plot.Y_LABEL.upper():
-        canvas = plot.Canvas(8, 12)
-        canvas.text(0, 0, char)
-        inked = canvas.pixels.count(0) // 3  # black pixels
-        assert (inked == 0) == (char == " "), char
-    assert plot.Canvas(40, 12).text(0, 0, "ab") is None  # lowercase draws as capitals
-    lower, upper = plot.Canvas(40, 12), plot.Canvas(40, 12)
-    lower.text(0, 0, "step")
-    upper.text(0, 0, "STEP")
-    assert lower.pixels == upper.pixels
-
-
-class _Recorder:
-    """Stands in for a matplotlib object: records each method's positional arguments."""
-
-    def __init__(self) -> None:
-        self.calls: dict[str, list[tuple]] = {}
-
-    def __getattr__(self, name: str):
-        return lambda *args, **kwargs: self.calls.setdefault(name, []).append(args)
-
-
-def test_matplotlib_plot_gets_round_ticks_labels_and_a_title(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    fig, ax = _Recorder(), _Recorder()
-    pyplot = types.SimpleNamespace(subplots=lambda **kwargs: (fig, ax), close=lambda f: None)
-    monkeypatch.setitem(sys.modules, "matplotlib", types.SimpleNamespace(use=str, pyplot=pyplot))
-    monkeypatch.setitem(sys.modules, "matplotlib.pyplot", pyplot)
-    assert plot.write_plot(tmp_path / "p.png", ROWS, "the title") == "matplotlib"
-    y_ticks, y_labels = ax.calls["set_yticks"][0]
-    assert y_ticks == plot.nice_ticks(3.0, 5.5) and y_labels == plot.tick_labels(y_ticks)
-    assert ax.calls["set_ylim"] == [(y_ticks[0], y_ticks[-1])]
-    x_ticks, _ = ax.calls["set_xticks"][0]
-    assert x_ticks == plot.nice_ticks(0, 20, integer=True)
-    assert ax.calls["set_title"] == [("the title",)]
-    assert ax.calls["set_xlabel"] == [("step",)]
-    assert ax.calls["set_ylabel"] == [("loss (nats/byte)",)]
+# The loss plot's tests are in tests/test_train_plot.py.
 
 
 def test_csv_holds_every_logged_row(tmp_path: Path) -> None:
@@ -561,7 +423,7 @@ def test_csv_holds_every_logged_row(tmp_path: Path) -> None:
 
 def test_table_shows_losses_speed_and_peak_memory() -> None:
     peak, kind = report.peak_memory(torch.device("cpu"))
-    assert kind == "max RSS" and peak > 10 * 2**20  # torch alone takes more than 10 MiB
+    assert kind == "process peak RSS" and peak > 10 * 2**20  # torch alone takes over 10 MiB
     result = loop.RunResult("delayed", ROWS[3:], 20, 12345.6)
     summary = report.summarize(result, (3 * 2**30 // 2, "GPU allocated"), "fp8+fp32")
     assert (summary.first_val_loss, summary.val_loss, summary.train_loss) == (5.5, 3.1, 3.0)

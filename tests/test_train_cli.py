@@ -142,15 +142,15 @@ def test_resume_past_steps_or_stop_at_is_refused_before_training(
 ) -> None:
     ckpt = tmp_path / "run.pt"
     args = tiny(corpus_dir, tmp_path, "--compare", "--steps", "4", "--eval-every", "2")
-    cli.train([*args, "--save", str(ckpt)])
+    cli.train([*args, "--stop-at", "2", "--save", str(ckpt)])
     monkeypatch.setattr(runner, "Trainer", lambda *a, **k: pytest.fail("training started"))
-    with pytest.raises(SystemExit, match=r"at step 4, past --steps 3; pass --steps 4 or more"):
-        cli.train([*args, "--steps", "3", "--resume", str(ckpt)])
-    with pytest.raises(SystemExit, match=r"at step 4, past --stop-at 2; pass a --stop-at of 4"):
-        cli.train([*args, "--steps", "8", "--stop-at", "2", "--resume", str(ckpt)])
+    with pytest.raises(SystemExit, match=r"at step 2, so --steps 2 leaves nothing to train; pass"):
+        cli.train([*args, "--steps", "2", "--resume", str(ckpt)])
+    with pytest.raises(SystemExit, match=r"at step 2, so --stop-at 1 leaves nothing to train"):
+        cli.train([*args, "--stop-at", "1", "--resume", str(ckpt)])
     (tmp_path / "run-delayed.pt").write_bytes(b"garbage")  # the second recipe's: found first
     with pytest.raises(SystemExit, match=r"run-delayed\.pt: not a readable checkpoint"):
-        cli.train([*args, "--steps", "8", "--resume", str(ckpt)])
+        cli.train([*args, "--resume", str(ckpt)])
 
 
 @pytest.mark.parametrize("content", ["random", "pickled object"])

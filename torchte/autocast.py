@@ -16,6 +16,7 @@ import contextlib
 import functools
 import threading
 from collections.abc import Iterator
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -29,6 +30,7 @@ __all__ = [
     "default_recipe",
     "fp8_autocast",
     "pending_backward_updates",
+    "refuse_recipe",
     "update_after_backward",
 ]
 
@@ -152,19 +154,81 @@ def pending_backward_updates() -> dict[int, dict[DelayedScalingState, tuple]]:
     return _BACKWARD.pending
 
 
-@contextlib.contextmanager
+_IN_AUTOCAST = "a recipe goes to te.autocast(recipe=...), around the forward calls"
+
+
+def refuse_recipe(owner: str, advice: str = _IN_AUTOCAST, **flags) -> None:
+    """TypeError where one of `owner`'s flag arguments (given as name=value) holds a recipe,
+    as a recipe passed positionally does (te.autocast(recipe) puts it in `enabled`, where it
+    would read as True): the message names the argument, then `advice` says where it goes
+    (by default: to te.autocast, for a module's arguments)."""
+    for name, value in flags.items():
+        if isinstance(value, Recipe):
+            raise TypeError(f"{owner} got a recipe as `{name}`; {advice}")
+
+
+class _Keywords(NamedTuple):
+    """One region function's names: its own, its recipe keyword, the other function's
+    keywords (-> its own for the same argument), and the other function's name."""
+
+    owner: str
+    recipe: str
+    foreign: dict[str, str]
+    other: str
+
+
+_AUTOCAST_KEYWORDS = _Keywords(
+    "te.autocast",
+    "recipe",
+    {"fp8_recipe": "recipe", "fp8_group": "amax_reduction_group"},
+    "te.fp8_autocast",
+)
+_FP8_AUTOCAST_KEYWORDS = _Keywords(
+    "te.fp8_autocast",
+    "fp8_recipe",
+    {"recipe": "fp8_recipe", "amax_reduction_group": "fp8_group"},
+    "te.autocast",
+)
+
+
+def _check_region_arguments(keywords: _Keywords, enabled, calibrating, misnamed) -> None:
+    """A recipe given as `enabled` or `calibrating` (positionally), or a keyword of the other
+    region function: TypeError naming the keyword to use."""
+    owner = keywords.owner
+    refuse_recipe(
+        owner, f"pass it as {keywords.recipe}=...", enabled=enabled, calibrating=calibrating
+    )
+    for name in misnamed:
+        ours = keywords.foreign.get(name)
+        if ours is None:
+            raise TypeError(f"{owner} got an unexpected keyword argument {name!r}")
+        raise TypeError(
+            f"{owner} takes {ours}=, not {name}= ({keywords.other}'s name for it): "
+            f"use {ours}= (or {keywords.other})"
+        )
+
+
 def autocast(
     enabled: bool = True,
     calibrating: bool = False,
     recipe: Recipe | None = None,
     amax_reduction_group: dist.ProcessGroup | None = None,
-) -> Iterator[None]:
+    **misnamed,
+) -> contextlib.AbstractContextManager[None]:
     """Run te modules in FP8 under `recipe` (default: DelayedScaling()).
 
     enabled=False runs them in high precision; calibrating=True (with enabled=False) computes in
     high precision while recording amaxes, so delayed scales are ready when FP8 is turned on.
-    Regions nest; the innermost settings apply.
+    Regions nest; the innermost settings apply. A recipe given positionally (as `enabled`) or
+    te.fp8_autocast's keywords (fp8_recipe=, fp8_group=) are a TypeError naming the keyword.
     """
+    _check_region_arguments(_AUTOCAST_KEYWORDS, enabled, calibrating, misnamed)
+    return _region(enabled, calibrating, recipe, amax_reduction_group)
+
+
+@contextlib.contextmanager
+def _region(enabled, calibrating, recipe: Recipe | None, amax_reduction_group) -> Iterator[None]:
+    """The region te.autocast and te.fp8_autocast open (their arguments checked)."""
     if recipe is None:
         recipe = _DEFAULT_RECIPE
     if not isinstance(recipe, Recipe):
@@ -206,9 +270,12 @@ def fp8_autocast(
     fp8_recipe: Recipe | None = None,
     fp8_group: dist.ProcessGroup | None = None,
     _graph: bool = False,
+    **misnamed,
 ) -> contextlib.AbstractContextManager[None]:
-    """Transformer Engine's older name for `autocast`."""
-    return autocast(enabled, calibrating, fp8_recipe, fp8_group)
+    """Transformer Engine's older name for `autocast`, with its keywords (fp8_recipe,
+    fp8_group); te.autocast's (recipe=, amax_reduction_group=) are a TypeError naming them."""
+    _check_region_arguments(_FP8_AUTOCAST_KEYWORDS, enabled, calibrating, misnamed)
+    return _region(enabled, calibrating, fp8_recipe, fp8_group)
 
 
 def _update(entries) -> None:

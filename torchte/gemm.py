@@ -2,7 +2,9 @@
 
 High precision: torch.nn.functional.linear / torch.mm / torch.addmm (fp32 output for wgrad
 accumulation). FP8: torch._scaled_mm on a GPU; on a CPU the FP8 operands are multiplied in fp32
-(products of FP8 values are exact there) and scaled after.
+(products of FP8 values are exact there) and scaled after. torch._scaled_mm needs the shared
+dim K and b's rows N divisible by 16 (a's rows M may be any number): fp8_gemm refuses other
+shapes on both devices with the same ValueError, so a run on a laptop fails where the GPU would.
 
 Every FP8 GEMM here takes both operands "K-major": a (M, K) and b (N, K), row-major, and gives
 out (M, N) = (a * a_scale_inv) @ (b * b_scale_inv).T.
@@ -40,6 +42,7 @@ from .kernels.grouped_gemm_fp8 import (
 )
 
 __all__ = [
+    "FP8_GEMM_ALIGN",
     "block_grouped_dgrad",
     "block_grouped_fprop",
     "block_grouped_wgrad",
@@ -56,6 +59,10 @@ __all__ = [
     "scaled_grouped_fprop",
     "scaled_grouped_mm_supported",
 ]
+
+
+# torch._scaled_mm (per-tensor scales, on a GPU) needs K and N multiples of this; M is free.
+FP8_GEMM_ALIGN = 16
 
 
 def hp_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -94,11 +101,18 @@ def fp8_gemm(
     """a (M, K) fp8, b (N, K) fp8, scale_invs (1,) fp32 -> (M, N) in out_dtype (+ bias (N,)).
 
     With `out` (M, N) fp32 the result is written into it, or added to it (accumulate=True).
+    K and N must be multiples of 16 (any M), on the CPU as on a GPU: ValueError otherwise.
     """
     m, k = a.shape
     n = b.shape[0]
     if m == 0 or n == 0 or k == 0:
         return _empty_product(m, n, a.device, out_dtype, bias, out, accumulate)
+    if k % FP8_GEMM_ALIGN or n % FP8_GEMM_ALIGN:
+        raise ValueError(
+            f"fp8_gemm: FP8 GEMMs need the shared dim K and b's rows N divisible by "
+            f"{FP8_GEMM_ALIGN} (torch._scaled_mm's rule on a GPU, kept on the CPU), got a "
+            f"{tuple(a.shape)} and b {tuple(b.shape)}; a's rows M may be any number"
+        )
     if a.is_cuda:
         return _scaled_mm_cuda(
             a, a_scale_inv, b, b_scale_inv, out_dtype, bias, out, accumulate, use_fast_accum

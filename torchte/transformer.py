@@ -25,6 +25,7 @@ from torchte._transformer_parts import (
     check_layer_options,
     check_userbuffers,
 )
+from torchte.attention.formats import check_hidden_states
 from torchte.attention.multi_head_attention import MultiheadAttention
 from torchte.module.layernorm_mlp import LayerNormMLP
 from torchte.module.norm import LayerNorm, RMSNorm
@@ -307,7 +308,16 @@ class TransformerLayer(nn.Module):
 
     def _checked_input(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """hidden_states, contiguous, in torch.autocast's dtype where it is on; ValueError when
-        a sequence-parallel input does not hold this rank's seq_length / tp_size rows."""
+        its layout is not attn_input_format's with hidden_size features, or a sequence-parallel
+        input does not hold this rank's seq_length / tp_size rows."""
+        check_hidden_states(
+            "te.TransformerLayer",
+            "hidden_states",
+            hidden_states,
+            self.self_attention.hidden_size,
+            self.attn_input_format,
+            "attn_input_format",
+        )
         if self.sequence_parallel and self.seq_length is not None:
             rows = self.seq_length // self.tp_size
             if hidden_states.shape[0] != rows:

@@ -12,10 +12,29 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["QKV_FORMATS", "Shapes", "check_qkv", "check_qkv_format", "from_bhsd", "to_bhsd"]
+__all__ = [
+    "QKV_FORMATS",
+    "Shapes",
+    "check_hidden_states",
+    "check_qkv",
+    "check_qkv_format",
+    "from_bhsd",
+    "to_bhsd",
+]
 
 QKV_FORMATS = ("sbhd", "bshd", "thd")
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# The layouts, in words, of a layer's input (hidden) and of attention's q, k, v (heads).
+_HIDDEN_LAYOUTS = {
+    "sbhd": "3-D [seq, batch, hidden]",
+    "bshd": "3-D [batch, seq, hidden]",
+    "thd": "2-D [tokens, hidden]",
+}
+_HEADS_LAYOUTS = {
+    "sbhd": "[seq, batch, heads, head_dim]",
+    "bshd": "[batch, seq, heads, head_dim]",
+    "thd": "[tokens, heads, head_dim]",
+}
 
 
 def check_qkv_format(qkv_format: str) -> str:
@@ -23,6 +42,26 @@ def check_qkv_format(qkv_format: str) -> str:
     if qkv_format not in QKV_FORMATS:
         raise ValueError(f"qkv_format must be one of {QKV_FORMATS}, got {qkv_format!r}")
     return qkv_format
+
+
+def check_hidden_states(
+    owner: str, name: str, x, hidden_size: int, qkv_format: str, format_arg: str
+) -> None:
+    """The input of a layer that attends (te.TransformerLayer, te.MultiheadAttention): a
+    tensor of the layout `qkv_format` names (format_arg: the layer's argument that set it)
+    whose last dim is hidden_size; TypeError / ValueError naming that layout, before any
+    projection runs."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{owner}: {name} must be a torch.Tensor, got {type(x).__name__}")
+    rank = 2 if qkv_format == "thd" else 3
+    if x.dim() == rank and x.shape[-1] == hidden_size:
+        return
+    others = ", ".join(f"{f!r} {_HIDDEN_LAYOUTS[f]}" for f in QKV_FORMATS if f != qkv_format)
+    raise ValueError(
+        f"{owner}: {name} must be {_HIDDEN_LAYOUTS[qkv_format]} with hidden = hidden_size = "
+        f"{hidden_size} ({format_arg}={qkv_format!r}; the other formats take {others}), got "
+        f"shape {list(x.shape)}"
+    )
 
 
 @dataclass(frozen=True)
@@ -57,7 +96,8 @@ def check_qkv(
     for name, x in zip(names, (q, k, v), strict=True):
         if x.dim() != rank:
             raise ValueError(
-                f"{name} must be {rank}-D for qkv_format={qkv_format!r}, got shape {list(x.shape)}"
+                f"{name} must be {rank}-D {_HEADS_LAYOUTS[qkv_format]} for "
+                f"qkv_format={qkv_format!r}, got shape {list(x.shape)}"
             )
         if x.dtype not in _FLOAT_DTYPES:
             raise TypeError(f"{name} must be fp32, bf16 or fp16, got {x.dtype}")

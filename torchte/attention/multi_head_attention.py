@@ -35,6 +35,7 @@ from torchte.module.norm import LayerNorm, RMSNorm
 
 from . import _mha_config as config
 from ._qkv_layout import split_kv, split_qkv
+from .formats import check_hidden_states
 
 __all__ = ["MultiheadAttention"]
 
@@ -282,6 +283,7 @@ class MultiheadAttention(nn.Module):
                 "te.MultiheadAttention: the recipe's fp8_mha=True (FP8 between the projections "
                 "and attention) is not implemented; attention runs in high precision"
             )
+        self._check_inputs(hidden_states, encoder_output)
         config.check_inference(inference_params, self.core_attention)
         q, k, v, norm_out = self._query_key_value(
             hidden_states, encoder_output, is_first_microbatch
@@ -337,6 +339,14 @@ class MultiheadAttention(nn.Module):
         if k.dtype is not dtype:
             k = k.to(dtype)
         return q, k
+
+    def _check_inputs(self, hidden_states, encoder_output) -> None:
+        """hidden_states (and cross attention's encoder_output, where given) in qkv_format's
+        layout with hidden_size features: ValueError naming the layout otherwise."""
+        owner, size, fmt = "te.MultiheadAttention", self.hidden_size, self.qkv_format
+        check_hidden_states(owner, "hidden_states", hidden_states, size, fmt, "qkv_format")
+        if encoder_output is not None and self.attention_type == "cross":
+            check_hidden_states(owner, "encoder_output", encoder_output, size, fmt, "qkv_format")
 
     def _query_key_value(self, hidden_states, encoder_output, is_first_microbatch):
         """(q (..., np, hn), k, v (..., ng, hn), the input norm's output or None)."""

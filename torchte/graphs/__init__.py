@@ -27,14 +27,15 @@ capture is kept: a module switched to the other mode runs eagerly under the same
 `reset()` on a returned callable frees its graphs (a module gets its own forward back).
 While it runs, is_graph_capturing() is True (state.py, with Transformer Engine's other
 helpers of `transformer_engine.pytorch.graph`: save_fp8_tensors, restore_fp8_tensors, ...).
-On a machine without a GPU the modules run eagerly under the autocast arguments (nothing is
-captured, the warm-up and capture-time hooks are not called), so code using this runs
-unchanged.
+On a machine without a GPU (or with sample arguments not all on one) the modules run eagerly
+under the autocast arguments (nothing is captured, the warm-up and capture-time hooks are not
+called), so code using this runs unchanged; a UserWarning says so, once per process.
 """
 
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -330,8 +331,21 @@ def _graphed_result(modules, passes, eager, schedule: Schedule, ordered: bool):
     return tuple(made) if ordered else modules
 
 
+@functools.cache  # once per process
+def _warn_eager() -> None:
+    """The UserWarning that nothing is captured here (said once per process)."""
+    why = "no CUDA" if not torch.cuda.is_available() else "sample arguments not all on the GPU"
+    warnings.warn(
+        f"{why}: make_graphed_callables runs the callables eagerly (nothing is captured; "
+        "each call runs under the given autocast arguments). Said once per process.",
+        UserWarning,
+        stacklevel=5,  # make_graphed_callables' caller
+    )
+
+
 def _eager_result(modules, callables, eager, schedule: Schedule, ordered: bool):
     """No GPU: the same result as on one, running eagerly under the autocast arguments."""
+    _warn_eager()
     if not ordered:
         for module, forward in zip(callables, eager, strict=True):
             _install(module, forward, None, functools.partial(_run_deferred, module))

@@ -43,7 +43,7 @@ import torch
 from torch import nn
 
 from torchte._group_splits import GroupSplits, group_splits
-from torchte.autocast import autocast_state
+from torchte.autocast import autocast_state, refuse_recipe
 from torchte.gemm import (
     grouped_dgrad,
     grouped_fprop,
@@ -393,10 +393,22 @@ class GroupedLinear(SaveOriginalInputMixin, TransformerEngineBaseModule):
         save_original_input: bool = False,
         **unsupported,
     ) -> None:
+        module = "te.GroupedLinear"
+        refuse_recipe(
+            module,
+            sequence_parallel=sequence_parallel,
+            fuse_wgrad_accumulation=fuse_wgrad_accumulation,
+            bias=bias,
+            return_bias=return_bias,
+            single_grouped_weight=single_grouped_weight,
+            single_grouped_bias=single_grouped_bias,
+            use_grouped_tensor=use_grouped_tensor,
+            delay_wgrad_compute=delay_wgrad_compute,
+            save_original_input=save_original_input,
+        )
         if not isinstance(num_gemms, int) or num_gemms <= 0:
             raise ValueError(f"num_gemms must be a positive int, got {num_gemms!r}")
         super().__init__(device, params_dtype, num_gemms=num_gemms)
-        module = "te.GroupedLinear"
         check_unknown(module, unsupported)
         check_layout_flags(single_grouped_weight, single_grouped_bias, use_grouped_tensor)
         if single_grouped_weight and model_init_settings() is not None:
@@ -530,6 +542,8 @@ class GroupedLinear(SaveOriginalInputMixin, TransformerEngineBaseModule):
     def forward(self, inp: torch.Tensor, m_splits, is_first_microbatch: bool | None = None):
         """inp (..., in_features) with the groups' rows stacked -> y (..., out_features)
         [, the biases]."""
+        if is_first_microbatch is not None and is_first_microbatch.__class__ is not bool:
+            refuse_recipe("te.GroupedLinear.forward", is_first_microbatch=is_first_microbatch)
         dtype = self._compute_dtype()
         self._check_input(inp, self.in_features)
         tp = self._tp

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from torchte import _nvtx
-from torchte.autocast import autocast_state
+from torchte.autocast import autocast_state, refuse_recipe
 from torchte.quantization.base import QuantizedTensor
 
 from . import _tp_gemm as tp_gemm
@@ -213,8 +213,20 @@ class LayerNormLinear(LinearCore):
         delay_wgrad_compute: bool = False,
         **unsupported,
     ) -> None:
-        super().__init__(device, params_dtype)
         module = "te.LayerNormLinear"
+        refuse_recipe(
+            module,
+            eps=eps,
+            sequence_parallel=sequence_parallel,
+            fuse_wgrad_accumulation=fuse_wgrad_accumulation,
+            bias=bias,
+            return_bias=return_bias,
+            return_layernorm_output=return_layernorm_output,
+            return_layernorm_output_gathered=return_layernorm_output_gathered,
+            zero_centered_gamma=zero_centered_gamma,
+            delay_wgrad_compute=delay_wgrad_compute,
+        )
+        super().__init__(device, params_dtype)
         check_unknown(module, unsupported)
         tp = tensor_parallel(module, tp_group, tp_size, parallel_mode, sequence_parallel)
         if tp.mode == "row":
@@ -319,6 +331,8 @@ class LayerNormLinear(LinearCore):
         fp8_output: bool = False,
     ):
         """inp (..., in_features) -> y (..., out_features) [, bias] [, norm output]."""
+        if is_first_microbatch is not None and is_first_microbatch.__class__ is not bool:
+            refuse_recipe("te.LayerNormLinear.forward", is_first_microbatch=is_first_microbatch)
         dtype = self._compute_dtype()
         if self._plain and not fp8_output and torch_forward_applies(self, inp, dtype):
             bias = self._parameters["bias"]

@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from torchte.autocast import refuse_recipe
 from torchte.kernels import activation as act_kernels
 from torchte.quantization.fused import (
     activation_grad_to_fp8,
@@ -312,8 +313,22 @@ class LayerNormMLP(TransformerEngineBaseModule):
         delay_wgrad_compute: bool = False,
         **unsupported,
     ) -> None:
-        super().__init__(device, params_dtype, num_gemms=2)
         module = "te.LayerNormMLP"
+        refuse_recipe(
+            module,
+            eps=eps,
+            sequence_parallel=sequence_parallel,
+            return_bias=return_bias,
+            bias=bias,
+            fuse_wgrad_accumulation=fuse_wgrad_accumulation,
+            return_layernorm_output=return_layernorm_output,
+            return_layernorm_output_gathered=return_layernorm_output_gathered,
+            set_parallel_mode=set_parallel_mode,
+            zero_centered_gamma=zero_centered_gamma,
+            checkpoint=checkpoint,
+            delay_wgrad_compute=delay_wgrad_compute,
+        )
+        super().__init__(device, params_dtype, num_gemms=2)
         check_unknown(module, unsupported)
         mode = "column" if set_parallel_mode else None  # fc1's; fc2 is then row-parallel
         tp = tensor_parallel(module, tp_group, tp_size, mode, sequence_parallel)
@@ -460,6 +475,8 @@ class LayerNormMLP(TransformerEngineBaseModule):
 
     def forward(self, inp: torch.Tensor, is_first_microbatch: bool | None = None):
         """inp (..., hidden_size) -> y (..., hidden_size) [, fc2 bias] [, norm output]."""
+        if is_first_microbatch is not None and is_first_microbatch.__class__ is not bool:
+            refuse_recipe("te.LayerNormMLP.forward", is_first_microbatch=is_first_microbatch)
         dtype = self._compute_dtype()
         fc2_bias = self._parameters["fc2_bias"]
         bias = None if self.return_bias else fc2_bias  # the bias added to y

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from torchte import distributed as te_dist
-from torchte.autocast import autocast_state
+from torchte.autocast import autocast_state, refuse_recipe
 from torchte.quantization.float8_tensor import Float8Tensor
 
 from . import _tp_gemm as tp_gemm
@@ -177,6 +177,15 @@ class Linear(SaveOriginalInputMixin, LinearCore):
         save_original_input: bool = False,
         **unsupported,
     ) -> None:
+        refuse_recipe(
+            "te.Linear",
+            bias=bias,
+            return_bias=return_bias,
+            fuse_wgrad_accumulation=fuse_wgrad_accumulation,
+            sequence_parallel=sequence_parallel,
+            delay_wgrad_compute=delay_wgrad_compute,
+            save_original_input=save_original_input,
+        )
         super().__init__(device, params_dtype)
         check_unknown("te.Linear", unsupported)
         tp = tensor_parallel("te.Linear", tp_group, tp_size, parallel_mode, sequence_parallel)
@@ -234,6 +243,8 @@ class Linear(SaveOriginalInputMixin, LinearCore):
         fp8_grad: bool = False,
     ):
         """inp (..., in_features) -> (..., out_features) [, bias if return_bias]."""
+        if is_first_microbatch is not None and is_first_microbatch.__class__ is not bool:
+            refuse_recipe("te.Linear.forward", is_first_microbatch=is_first_microbatch)
         dtype = self._compute_dtype()
         state = _STATE
         if (

@@ -1,6 +1,7 @@
 """The options of `python -m torchte.train`, their checks, and the model and run configurations
 they make (parse_args). Bad values end the program with a message that names the option and the
-fix (argparse's exit status 2); an FP8 recipe the device cannot run ends it with status 1.
+fix, and a pointer to --help (exit status 2); an FP8 recipe the device cannot run ends it with
+status 1. --help gives every option's default, the computed ones in words.
 """
 
 from __future__ import annotations
@@ -29,10 +30,12 @@ from .cuda_graph import CUDA_GRAPH_MODES, resolve_cuda_graph
 from .ep_run import check_ep
 from .fsdp_run import check_fsdp, data_parallel_ranks
 from .optimizer_choice import MOMENT_DTYPES, OPTIMIZERS, check_optimizer
+from .option_types import finite_float
 from .parallel import check_launch, launch_mismatch
 from .precision import choose_compute_dtype
+from .threads import choose_threads, parse_threads
 
-__all__ = ["DESCRIPTION", "build_parser", "parse_args"]
+__all__ = ["DESCRIPTION", "HELP_POINTER", "build_parser", "parse_args"]
 
 DESCRIPTION = """\
 Train a small GPT built from torchte modules as a byte-level language model without FP8 and
@@ -45,20 +48,54 @@ runs bf16 fast, else in fp32 (--compute-dtype).
 Writes to --out: losses.csv (every logged step) and losses.png (the loss curves); prints a
 table of final losses, tokens/s and peak memory."""
 
+HELP_POINTER = "run with --help for the options"
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, whose errors are the message and a pointer to --help (not the whole
+    usage first, which pushes the message off a small terminal)."""
+
+    def error(self, message: str):
+        """Print `prog: error: message` and HELP_POINTER to stderr; exit with status 2."""
+        self.exit(2, f"{self.prog}: error: {message}\n{HELP_POINTER}\n")
+
+
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """The description as written; each option's default after its help, unless the help
+    already says it (as it must where the default is computed, a default of None)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or action.default in (None, argparse.SUPPRESS):
+            return text
+        if action.default is False:  # a flag
+            return f"{text} (default: off)"
+        return f"{text} (default: %(default)s)"
+
+
+def _by_size(field: str) -> str:
+    """'(default by --size: tiny 300, small 1000, ...)' for a field of the size presets, or
+    '(default: 16)' where every size has the same."""
+    values = {name: f"{getattr(preset, field):g}" for name, preset in SIZES.items()}
+    if len(set(values.values())) == 1:
+        return f"(default: {next(iter(values.values()))})"
+    return f"(default by --size: {', '.join(f'{k} {v}' for k, v in values.items())})"
+
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser (defaults of None are filled in from --size and the device)."""
     script = Path(sys.argv[0]).name
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="python -m torchte.train" if script == "__main__.py" else script,
         description=DESCRIPTION,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=_HelpFormatter,
     )
     p.add_argument(
         "--recipe",
         choices=RECIPES,
         help="bf16 (FP8 off: all in --compute-dtype), FP8 delayed or current scaling, block "
-        "(1x128 / 128x128 block-scaled FP8), mxfp8 or nvfp4 (emulated on Hopper and the CPU)",
+        "(1x128 / 128x128 block-scaled FP8), mxfp8 or nvfp4 (emulated on Hopper and the CPU) "
+        "(default: --compare of bf16 and delayed)",
     )
     p.add_argument(
         "--compare",
@@ -105,16 +142,30 @@ def build_parser() -> argparse.ArgumentParser:
         "--size", choices=tuple(SIZES), help="model size (default: tiny on the CPU, large on a GPU)"
     )
     p.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda if available")
-    p.add_argument("--steps", type=int, help="optimizer steps per recipe (default by --size)")
-    p.add_argument("--batch-size", type=int, help="sequences per step (default by --size)")
-    p.add_argument("--seq-len", type=int, help="tokens per sequence (default by --size)")
-    p.add_argument("--lr", type=float, help="peak learning rate (default by --size)")
+    p.add_argument(
+        "--threads",
+        type=parse_threads,
+        default="auto",
+        metavar="{auto,N}",
+        help="CPU threads torch computes with (default: auto: on the CPU 1, unless a probe of a "
+        "fraction of a second finds torch's default count, one per core, clearly faster, which "
+        "it seldom is where other programs run; an OMP_NUM_THREADS set in the environment is "
+        "kept; on a GPU torch's default)",
+    )
+    p.add_argument("--steps", type=int, help=f"optimizer steps per recipe {_by_size('steps')}")
+    p.add_argument("--batch-size", type=int, help=f"sequences per step {_by_size('batch_size')}")
+    p.add_argument("--seq-len", type=int, help=f"tokens per sequence {_by_size('seq_len')}")
+    p.add_argument("--lr", type=finite_float, help=f"peak learning rate {_by_size('lr')}")
     p.add_argument("--warmup", type=int, help="warmup steps (default: steps / 10, at most 200)")
     p.add_argument("--seed", type=int, default=0, help="seed of weights and batch order")
     p.add_argument("--log-every", type=int, help="steps between logged rows (default: steps / 50)")
     p.add_argument("--eval-every", type=int, help="steps between validations (default: steps / 10)")
     p.add_argument("--eval-batches", type=int, default=8, help="validation batches (default 8)")
-    p.add_argument("--experts", type=int, help="mixture of N experts instead of the dense MLP")
+    p.add_argument(
+        "--experts",
+        type=int,
+        help="mixture of N experts instead of the dense MLP (default: none, the dense MLP)",
+    )
     p.add_argument("--top-k", type=int, default=2, help="experts per token (default 2)")
     p.add_argument(
         "--normalization",
@@ -211,15 +262,24 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--out", type=Path, default=Path("train_out"), help="output folder")
     p.add_argument(
-        "--save", type=Path, help="checkpoint file (a folder with --fsdp), written at the end"
+        "--save",
+        type=Path,
+        help="checkpoint file (a folder with --fsdp), written at the end (default: none)",
     )
-    p.add_argument("--save-every", type=int, default=0, help="also save every N steps")
-    p.add_argument("--resume", type=Path, help="continue from this checkpoint")
+    p.add_argument(
+        "--save-every",
+        type=int,
+        default=0,
+        help="also save every N steps (default: 0, at the end only)",
+    )
+    p.add_argument(
+        "--resume", type=Path, help="continue from this checkpoint (default: none, from step 0)"
+    )
     p.add_argument(
         "--stop-at",
         type=int,
         help="stop after this step of the --steps schedule (save with --save, go on later with "
-        "--resume)",
+        "--resume) (default: --steps)",
     )
     return p
 
@@ -407,7 +467,14 @@ def parse_args(argv: list[str] | None = None) -> tuple[ModelConfig, RunConfig]:
     compute = choose_compute_dtype(
         args.compute_dtype, config.device, model_config.hidden, model_config.ffn
     )
-    config = dataclasses.replace(config, compute_dtype=compute.name, compute_reason=compute.reason)
+    threads = choose_threads(args.threads, config.device, model_config.hidden, model_config.ffn)
+    config = dataclasses.replace(
+        config,
+        compute_dtype=compute.name,
+        compute_reason=compute.reason,
+        threads=threads.count,
+        threads_reason=threads.reason,
+    )
     if config.master_weights and compute.name != "bf16":
         p.error(
             f"--master-weights keeps the weights in bf16, but this run computes in "

@@ -4,7 +4,8 @@ A checkpoint is one torch.save file (loaded with weights_only=True) holding:
 
 - "format", "recipe", "compute_dtype" ("bf16" or "fp32"; files without it computed in bf16),
   "step", "model_config" (ModelConfig fields), "corpus" (the corpus fingerprint) and "run"
-  (the training settings, for the record);
+  (the training settings: "steps", "warmup" and "lr" define the learning-rate schedule,
+  which a resumed run must continue, check_schedule);
 - "model": the model's state_dict, in which each te module's extra state (a uint8 tensor;
   torchte's older dict form in files written before, which load too) carries its
   delayed-scaling scales and amax histories;
@@ -125,20 +126,64 @@ def check_compatible(
         )
 
 
-def check_steps(state: dict[str, Any], path: Path, steps: int, stop_at: int | None) -> None:
-    """SystemExit unless the checkpoint's step lies within --steps (and --stop-at)."""
+def check_schedule(
+    state: dict[str, Any], path: Path, schedule: dict[str, Any], stop_at: int | None
+) -> None:
+    """SystemExit unless this run continues the checkpoint's learning-rate schedule: the same
+    --steps, --warmup and --lr (`schedule`: this run's), and a --stop-at past its step. A
+    checkpoint at the end of its schedule passes (another recipe's may go on; the runner
+    refuses a resume that trains nothing). One that does not record its schedule resumes
+    under this run's, with a note saying so."""
     step = int(state["step"])
-    if step > steps:
-        raise SystemExit(
-            f"--resume {path}: the checkpoint is at step {step}, past --steps {steps}; pass "
-            f"--steps {step} or more to continue it (the schedule it was saved with had "
-            f"--steps {state['run']['steps']})"
+    saved = state.get("run", {})
+    if "steps" not in saved:
+        print(
+            f"note: --resume {path} does not record the schedule it was trained under; its "
+            f"learning rates from step {step + 1} on follow this run's --steps "
+            f"{schedule['steps']}",
+            flush=True,
         )
-    if stop_at is not None and step > stop_at:
+        saved = {"steps": schedule["steps"]}
+    steps = int(saved["steps"])
+    changed = [
+        key for key in ("steps", "warmup", "lr") if key in saved and schedule[key] != saved[key]
+    ]
+    if changed and step >= steps:
         raise SystemExit(
-            f"--resume {path}: the checkpoint is at step {step}, past --stop-at {stop_at}; "
-            f"pass a --stop-at of {step} or more, or leave it out"
+            f"--resume {path}: {at_the_end(step, steps)}; a longer or another schedule needs a "
+            "new run (without --resume)"
         )
+    if changed and schedule["steps"] <= step:
+        raise SystemExit(
+            f"--resume {path}: the checkpoint is already at step {step}, so --steps "
+            f"{schedule['steps']} leaves nothing to train; pass --steps {steps} (its schedule's) "
+            "to continue it"
+        )
+    if changed:
+        now = ", ".join(
+            f"--{key} {schedule[key]} (the checkpoint's: {saved[key]})" for key in changed
+        )
+        same = " ".join(f"--{key} {saved[key]}" for key in changed)
+        raise SystemExit(
+            f"--resume {path}: this run's learning-rate schedule differs from the checkpoint's: "
+            f"{now}, which would change its learning rates from step {step + 1} on; pass "
+            f"{same} to continue the same schedule (another schedule needs a new run, without "
+            "--resume)"
+        )
+    if stop_at is not None and stop_at <= step < steps:
+        raise SystemExit(
+            f"--resume {path}: the checkpoint is already at step {step}, so --stop-at {stop_at} "
+            f"leaves nothing to train; pass a --stop-at between {step + 1} and {steps}, or leave "
+            "it out"
+        )
+
+
+def at_the_end(step: int, steps: int, whose: str = "the checkpoint") -> str:
+    """What a checkpoint (`whose`) at step `step` of a schedule of `steps`, its end, is."""
+    return (
+        f"{whose} is already at step {step}, the end of its schedule (--steps {steps}): "
+        "nothing is left to train"
+    )
 
 
 def rng_states(device: torch.device, data_state: torch.Tensor) -> dict[str, Any]:

@@ -213,6 +213,11 @@ class RunConfig:
     FP8 GEMMs; see precision.py."""
     compute_reason: str = ""
     """Why that dtype (the option, or what the device does fast), for the log and the table."""
+    threads: int | None = None
+    """CPU threads torch computes with (torch.set_num_threads; threads.py); None: torch's
+    default, left alone."""
+    threads_reason: str = ""
+    """Why that count (the option, the environment, or what a probe found), for the log."""
     cuda_graph: bool = False
     """Capture the transformer blocks' forwards and backwards as CUDA graphs (cuda_graph.py):
     one process, not packed. On the CPU the same code runs the blocks eagerly (what the tests
@@ -243,6 +248,8 @@ class RunConfig:
                 f"--compute-dtype must be one of {', '.join(COMPUTE_DTYPES)}, got "
                 f"{self.compute_dtype}"
             )
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"--threads must be at least 1, got {self.threads}")
         if self.max_bytes < 1:
             raise ValueError(f"--max-bytes must be positive, got {self.max_bytes}")
         if self.cuda_graph and (self.tp > 1 or self.fsdp or self.ep > 1 or self.cp > 1):

@@ -18,6 +18,10 @@ the graphs when it ends.
 Ctrl-C (KeyboardInterrupt) ends a run early: run() returns what was logged up to the last
 step that finished, marked interrupted, and saves nothing (a step cut short leaves the weights
 half updated); the last checkpoint written before it stays.
+
+A loss that becomes inf or nan ends it too: run() raises divergence.Diverged, found where the
+loss is read anyway (a logged row's mean, a validation, a checkpoint; once more at the end for
+steps after the last row), never by a read of every step's loss.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from torchte.optimizers import FusedAdam
 from . import checkpoint, cuda_graph
 from .config import ModelConfig, RunConfig
 from .data import BatchSampler, Corpus, validation_batches
+from .divergence import Diverged, first_non_finite
 from .ep_run import is_expert, reduce_dense_grads, shard_experts_from
 from .fsdp_run import DataParallel, local_rows, shard_model
 from .fsdp_state import load_sharded, read_position, save_sharded
@@ -371,14 +376,15 @@ class Trainer:
             loss = _mean_over(loss, self.dp.group, self.dp.size)
         return loss
 
-    def evaluate(self) -> float:
-        """Mean validation loss over the fixed batches; the FP8 scaling state is restored
-        afterwards, so evaluation does not change training."""
+    def evaluate(self, batches: list | None = None) -> float:
+        """Mean validation loss over the fixed batches (or `batches` of them); the FP8 scaling
+        state is restored afterwards, so evaluation does not change training."""
+        batches = self.val_batches if batches is None else batches
         snapshot = scaling_snapshot(self.model)
         self.model.eval()
         try:
             with torch.no_grad():
-                losses = [self._batch_mean(self._loss(*batch)) for batch in self.val_batches]
+                losses = [self._batch_mean(self._loss(*batch)) for batch in batches]
         finally:
             self.model.train()
             restore_scaling(self.model, snapshot)
@@ -397,10 +403,10 @@ class Trainer:
             self._train(progress, start, meter)
         except KeyboardInterrupt:
             interrupted = True
-        finally:
+        finally:  # after Diverged too
             self.release_graphs()  # the graphs' memory is free for the next recipe's run
+            progress.close()
         self.elapsed = time.perf_counter() - start
-        progress.close()
         return RunResult(self.label, self.rows, self.step, meter.rate(), interrupted, self.saved)
 
     def _train(self, progress: Progress, start: float, meter: Throughput) -> None:
@@ -429,12 +435,12 @@ class Trainer:
             if config.save_every and step % config.save_every == 0 and step < config.last_step:
                 self.save(start)
                 meter.restart()
+        self._check_window()  # the steps after the last logged row (with --stop-at)
         if config.save is not None:
             self.save(start)
 
     def _log(self, progress: Progress, step: int, val, speed, start: float) -> None:
         train = torch.stack(self.window).mean().item() if self.window else None
-        self.window = []
         self.elapsed = time.perf_counter() - start
         row = {
             "recipe": self.label,
@@ -446,6 +452,22 @@ class Trainer:
         }
         self.rows.append(row)
         progress.log(row)
+        self._check_finite(step, train, val)
+        self.window = []
+
+    def _check_finite(self, step: int, train: float | None, val: float | None) -> None:
+        """Diverged if `train` (the mean training loss of self.window, the steps up to `step`)
+        or `val` (the validation loss at `step`) is inf or nan."""
+        if train is not None and not math.isfinite(train):
+            bad_step, value = first_non_finite(self.window, step)
+            raise Diverged(self.label, bad_step, "training", value, self.config.lr)
+        if val is not None and not math.isfinite(val):
+            raise Diverged(self.label, step, "validation", val, self.config.lr)
+
+    def _check_window(self) -> None:
+        """_check_finite of the training losses since the last logged row (one read)."""
+        if self.window:
+            self._check_finite(self.step, torch.stack(self.window).mean().item(), None)
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -459,7 +481,9 @@ class Trainer:
 
     def save(self, start: float) -> None:
         """Write the checkpoint of the current step (see checkpoint.py for its contents; under
-        FSDP a folder of every rank's shards, fsdp_state.py)."""
+        FSDP a folder of every rank's shards, fsdp_state.py); Diverged instead of saving a
+        loss that became inf or nan."""
+        self._check_window()
         self.elapsed = time.perf_counter() - start
         path = self.checkpoint_path(self.config.save)
         if self.dp is not None:
@@ -535,9 +559,11 @@ def check_resumable(
     corpus: Corpus,
 ) -> None:
     """SystemExit unless the checkpoint `state` (read from `path`) fits this run of `recipe`:
-    the same model, recipe, corpus and compute dtype, and a step within --steps/--stop-at."""
+    the same model, recipe, corpus and compute dtype, the same learning-rate schedule, and
+    steps left to train (checkpoint.check_schedule)."""
     checkpoint.check_compatible(
         state, path, model_config.as_dict(), recipe, corpus.fingerprint(), config.compute_dtype
     )
     check_same_optimizer(state, path, config)
-    checkpoint.check_steps(state, path, config.steps, config.stop_at)
+    schedule = {"steps": config.steps, "warmup": config.warmup, "lr": config.lr}
+    checkpoint.check_schedule(state, path, schedule, config.stop_at)

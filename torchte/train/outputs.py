@@ -24,7 +24,8 @@ def write_outputs(
     write_csv(csv_path, rows)
     backend = write_plot(png_path, rows, plot_title(model_config, config))
     print()
-    print(format_table(summaries, compute_note(config.compute_dtype, config.compute_reason)))
+    fp8 = any(s.compute.startswith("fp8+") for s in summaries)  # an FP8 recipe ran
+    print(format_table(summaries, compute_note(config.compute_dtype, config.compute_reason, fp8)))
     print(f"\nwrote {csv_path} and {png_path} ({backend} plot)", flush=True)
 
 

@@ -15,16 +15,13 @@ in both dtypes, decides; bf16 must be at least as fast as fp32 to be chosen.
 from __future__ import annotations
 
 import functools
-import time
 from dataclasses import dataclass
 
 import torch
 
+from .timing import probe_shape, time_in_turn
+
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-PROBE_ROWS = 1024  # enough rows that the probe times arithmetic, not call overhead
-PROBE_DIMS = (128, 512)  # K and N of the probe: the model's, clamped to this range
-PROBE_REPEATS = 7  # timed runs per dtype at most, alternating (noise hits both alike)
-CLEAR_RATIO = 3.0  # after three runs each, a ratio beyond this (or its inverse) decides early
 
 
 @dataclass(frozen=True)
@@ -53,8 +50,7 @@ def choose_compute_dtype(
         if torch.cuda.is_bf16_supported():
             return ComputeChoice("bf16", "auto: bf16 on a GPU")
         return ComputeChoice("fp32", "auto: this GPU has no bf16")
-    lo, hi = PROBE_DIMS
-    slowdown = bf16_slowdown(PROBE_ROWS, min(max(hidden, lo), hi), min(max(ffn, lo), hi))
+    slowdown = bf16_slowdown(*probe_shape(hidden, ffn))
     if slowdown >= 2.0:
         return ComputeChoice(
             "fp32", f"auto: bf16 is emulated on this CPU, {slowdown:.0f}x slower than fp32"
@@ -67,24 +63,16 @@ def choose_compute_dtype(
 @functools.cache
 def bf16_slowdown(m: int, k: int, n: int) -> float:
     """Time of a (m, k) @ (k, n) matrix product on the CPU in bf16 over its time in fp32: the
-    best of a few runs each (fewer where the answer is clear), after one each to warm up;
-    measured once per shape. One thread: what is measured is the instructions, and a single
-    thread does not wait for a sibling that another process keeps off its core."""
+    best of a few runs each (timing.time_in_turn); measured once per shape. One thread: what is
+    measured is the instructions, and a single thread does not wait for a sibling that another
+    process keeps off its core."""
     a, b = torch.randn(m, k), torch.randn(k, n)
-    operands = {dtype: (a.to(dtype), b.to(dtype)) for dtype in (torch.float32, torch.bfloat16)}
-    best = dict.fromkeys(operands, float("inf"))
+    operands = [(a.to(dtype), b.to(dtype)) for dtype in (torch.float32, torch.bfloat16)]
+    work = [lambda x=x, w=w: torch.mm(x, w) for x, w in operands]
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        for run in range(PROBE_REPEATS + 1):
-            for dtype, (x, w) in operands.items():
-                start = time.perf_counter()
-                torch.mm(x, w)
-                if run:  # run 0 sets up the kernels
-                    best[dtype] = min(best[dtype], max(time.perf_counter() - start, 1e-9))
-            ratio = best[torch.bfloat16] / best[torch.float32] if run else 1.0
-            if run >= 3 and not 1 / CLEAR_RATIO < ratio < CLEAR_RATIO:
-                break
+        fp32_s, bf16_s = time_in_turn(work)
     finally:
         torch.set_num_threads(threads)
-    return ratio
+    return bf16_s / fp32_s

@@ -1,15 +1,19 @@
 """What a run leaves behind: the summary table (stdout), the CSV of logged rows, peak memory;
 and the check, before training, that its output folders can be written.
 
-Peak memory is torch.cuda.max_memory_allocated on a GPU (reset before each recipe, so it is
-that recipe's own) and the process's maximum resident set size on the CPU (which only grows:
-a later recipe's figure includes the earlier ones').
+Peak memory is each recipe's own: torch.cuda.max_memory_allocated on a GPU, and on the CPU the
+process's peak resident set size during the recipe ("peak RSS": Linux's high-water mark VmHWM,
+reset before each recipe by writing 5 to /proc/self/clear_refs; it counts what the process
+holds besides the recipe too, such as torch and the corpus). Where that reset is not possible
+(another OS, a kernel that refuses it) the figure is the process's peak since it started,
+labelled "process peak RSS": a later recipe's then includes the earlier ones'.
 """
 
 from __future__ import annotations
 
 import csv
 import math
+import re
 import resource
 import sys
 import tempfile
@@ -23,19 +27,43 @@ from .loop import RunResult
 CSV_FIELDS = ("recipe", "step", "train_loss", "val_loss", "tokens_per_s", "elapsed_s")
 
 
-def reset_peak_memory(device: torch.device) -> None:
-    """Start a recipe's peak-memory count (on a GPU; the CPU's max RSS cannot be reset)."""
+CLEAR_REFS = Path("/proc/self/clear_refs")  # Linux: writing "5" resets VmHWM
+PROC_STATUS = Path("/proc/self/status")
+
+
+def reset_peak_memory(device: torch.device) -> bool:
+    """Start a recipe's peak-memory count; whether it was reset (False on a CPU whose peak
+    RSS cannot be: peak_memory then gives the process's peak since it started)."""
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+        return True
+    try:
+        CLEAR_REFS.write_text("5")
+    except OSError:
+        return False
+    return _rss_high_water_mark() is not None
 
 
-def peak_memory(device: torch.device) -> tuple[int, str]:
-    """(bytes, what was measured): the GPU's peak allocation, or the process's max RSS."""
+def peak_memory(device: torch.device, since_reset: bool = False) -> tuple[int, str]:
+    """(bytes, what was measured): the GPU's peak allocation, or on the CPU the peak RSS since
+    reset_peak_memory (`since_reset`: what it returned) or else since the process started."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device), "GPU allocated"
+    high_water = _rss_high_water_mark() if since_reset else None
+    if high_water is not None:
+        return high_water, "peak RSS"
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     # Linux reports kilobytes, macOS bytes.
-    return (rss if sys.platform == "darwin" else rss * 1024), "max RSS"
+    return (rss if sys.platform == "darwin" else rss * 1024), "process peak RSS"
+
+
+def _rss_high_water_mark() -> int | None:
+    """Linux's VmHWM in bytes (the peak RSS since it was last reset); None elsewhere."""
+    try:
+        match = re.search(r"^VmHWM:\s+(\d+) kB", PROC_STATUS.read_text(), re.MULTILINE)
+    except OSError:
+        return None
+    return int(match.group(1)) * 1024 if match else None
 
 
 def format_bytes(n: int) -> str:
@@ -122,12 +150,11 @@ def format_table(summaries: list[Summary], note: str = "") -> str:
     return "\n".join([fmt(header), rule, *(fmt(row) for row in lines), *([note] if note else [])])
 
 
-def compute_note(compute_dtype: str, reason: str) -> str:
-    """The line under the table: the compute dtype, why, and what "fp8+" means."""
-    return (
-        f"compute {compute_dtype} ({reason}); fp8+{compute_dtype}: FP8 GEMMs, the rest in "
-        f"{compute_dtype}; --compute-dtype bf16|fp32 chooses"
-    )
+def compute_note(compute_dtype: str, reason: str, fp8: bool = True) -> str:
+    """The line under the table: the compute dtype, why, and (`fp8`: when an FP8 recipe ran)
+    what "fp8+" means."""
+    fp8_note = f"fp8+{compute_dtype}: FP8 GEMMs, the rest in {compute_dtype}; " if fp8 else ""
+    return f"compute {compute_dtype} ({reason}); {fp8_note}--compute-dtype bf16|fp32 chooses"
 
 
 def check_writable(folder: Path, what: str) -> None:
