@@ -1,0 +1,46 @@
+"""benchmarks/fp8_error.py on the CPU: each FP8 recipe's outputs and gradients of a tiny
+te.TransformerLayer are near, but not equal to, the block's without FP8; the saved tables
+compare side by side."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = str(Path(__file__).resolve().parents[1] / "benchmarks")
+TINY = (64, 128, 2, 2, 16)  # hidden, ffn, heads, batch, seq
+
+
+@pytest.fixture(scope="module")
+def fp8_error():
+    """benchmarks/fp8_error.py, imported with benchmarks/ on the path."""
+    sys.path.insert(0, BENCHMARKS)
+    try:
+        import fp8_error as module
+    finally:
+        sys.path.remove(BENCHMARKS)
+    return module
+
+
+def test_fp8_errors_are_small_and_not_zero(fp8_error):
+    table = fp8_error.errors(TINY, "cpu")
+    assert set(table) == set(fp8_error.RECIPES)
+    for recipe, errors in table.items():
+        assert {"output", "input grad", "grad layernorm_mlp.fc1_weight"} <= set(errors)
+        # FP8 changes the output, by about E4M3's precision, not more
+        assert 0 < errors["output"] < 0.1, (recipe, errors["output"])
+        assert 0 < errors["grad layernorm_mlp.fc1_weight"] < 0.3, recipe
+
+
+def test_saved_runs_compare_side_by_side(fp8_error, tmp_path, capsys):
+    table = {"delayed": {"output": 0.25, "input grad": 0.5}}
+    fp8_error.torch.save(table, tmp_path / "before.pt")
+    table["delayed"]["output"] = 0.125
+    fp8_error.torch.save(table, tmp_path / "after.pt")
+    fp8_error.main(["--compare", str(tmp_path / "before.pt"), str(tmp_path / "after.pt")])
+    out = capsys.readouterr().out
+    assert "before       after" in out
+    line = next(row for row in out.splitlines() if row.strip().startswith("output"))
+    assert line.split()[1:] == ["0.25000", "0.12500"]
