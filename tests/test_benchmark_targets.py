@@ -5,22 +5,9 @@ never as ok / MISS, while a run on a GPU gives each its verdict."""
 from __future__ import annotations
 
 import argparse
-import importlib
-import sys
-from pathlib import Path
 
 import pytest
-
-BENCHMARKS = str(Path(__file__).resolve().parents[1] / "benchmarks")
-
-
-def _benchmark(name: str):
-    """benchmarks/<name>.py, imported with benchmarks/ on the path for its own imports."""
-    sys.path.insert(0, BENCHMARKS)
-    try:
-        return importlib.import_module(name)
-    finally:
-        sys.path.remove(BENCHMARKS)
+from benchmark_modules import import_benchmark as _benchmark
 
 
 @pytest.fixture(scope="module")

@@ -5,25 +5,16 @@ does (the same weights, bf16)."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from benchmark_modules import import_benchmark
 from tolerances import representable
-
-BENCHMARKS = str(Path(__file__).resolve().parents[1] / "benchmarks")
 
 
 @pytest.fixture(scope="module")
 def block():
-    """benchmarks/block.py, imported with benchmarks/ on the path for its own imports."""
-    sys.path.insert(0, BENCHMARKS)
-    try:
-        import block as module
-    finally:
-        sys.path.remove(BENCHMARKS)
-    return module
+    """benchmarks/block.py."""
+    return import_benchmark("block")
 
 
 def test_every_contender_runs_with_finite_gradients(block):

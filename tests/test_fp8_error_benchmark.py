@@ -4,24 +4,16 @@ compare side by side."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
+from benchmark_modules import import_benchmark
 
-BENCHMARKS = str(Path(__file__).resolve().parents[1] / "benchmarks")
 TINY = (64, 128, 2, 2, 16)  # hidden, ffn, heads, batch, seq
 
 
 @pytest.fixture(scope="module")
 def fp8_error():
-    """benchmarks/fp8_error.py, imported with benchmarks/ on the path."""
-    sys.path.insert(0, BENCHMARKS)
-    try:
-        import fp8_error as module
-    finally:
-        sys.path.remove(BENCHMARKS)
-    return module
+    """benchmarks/fp8_error.py."""
+    return import_benchmark("fp8_error")
 
 
 def test_fp8_errors_are_small_and_not_zero(fp8_error):
