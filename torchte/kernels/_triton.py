@@ -63,6 +63,12 @@ def ptr_key(*tensors: torch.Tensor) -> tuple[int, ...]:
     return tuple([t.data_ptr() & 15 for t in tensors])
 
 
+# The current CUDA device's index straight from torch's C API where CUDA is built in:
+# torch.cuda.current_device() adds a lazy-initialization check to every call (a few us of a
+# launch's host time). CPU builds (the interpreter's tests) keep torch.cuda's own.
+_GET_DEVICE = getattr(torch._C, "_cuda_getDevice", None)
+
+
 @functools.cache
 def triton_available() -> bool:
     """True when triton imports and a CUDA device is present (computed once)."""
@@ -91,7 +97,7 @@ class FastLaunch:
     def __call__(
         self, key: tuple, grid: tuple[int, int, int], num_warps: int, *args, **options
     ) -> None:
-        device = torch.cuda.current_device()
+        device = _GET_DEVICE() if _GET_DEVICE is not None else torch.cuda.current_device()
         compiled = self.compiled.get((device, key))
         if compiled is None:
             compiled = self.kernel[grid](*args, num_warps=num_warps, **options)

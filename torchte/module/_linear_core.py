@@ -48,6 +48,9 @@ __all__ = [
 ]
 
 
+ALL_ROWS = slice(None)  # quantized_gemm's rows: all of A's
+
+
 def default_init_method(weight: torch.Tensor) -> None:
     """Transformer Engine's default weight init: normal with std 0.023."""
     nn.init.normal_(weight, mean=0.0, std=0.023)
@@ -127,7 +130,7 @@ def fprop(x, w, bias, plan: LinearPlan, residual=None) -> torch.Tensor:
 
 
 def quantized_gemm(a, a_usage, b, b_usage, out_dtype, bias=None, out=None, accumulate=False,
-                   rows=slice(None), fast=False):  # fmt: skip
+                   rows=ALL_ROWS, fast=False):  # fmt: skip
     """(R_a, R_b) = A @ B^T of two quantized values, each read through one usage ("rowwise":
     its (rows, K) data; "columnwise": its (K, rows) transpose copy), + bias; `rows` keeps
     rows of A only (fused wgrad accumulation into a split weight's main_grad); `out` (fp32)
@@ -135,10 +138,13 @@ def quantized_gemm(a, a_usage, b, b_usage, out_dtype, bias=None, out=None, accum
     cuBLAS fast accumulation, the forward's); block-scaled formats through their GEMM
     operands (gemm.operand_gemm)."""
     if type(a) is Float8Storage:
+        a_data = a.rowwise_data if a_usage == "rowwise" else a.columnwise_data
+        if rows != ALL_ROWS:  # a view costs the host a dispatcher call: only when it selects
+            a_data = a_data[rows]
+        b_data = b.rowwise_data if b_usage == "rowwise" else b.columnwise_data
         return fp8_gemm(
-            getattr(a, f"{a_usage}_data")[rows], a.scale_inv, getattr(b, f"{b_usage}_data"),
-            b.scale_inv, out_dtype, bias=bias, out=out, accumulate=accumulate,
-            use_fast_accum=fast,
+            a_data, a.scale_inv, b_data, b.scale_inv, out_dtype, bias=bias, out=out,
+            accumulate=accumulate, use_fast_accum=fast,
         )  # fmt: skip
     a_op = a.gemm_operand(a_usage).rows(rows)
     return operand_gemm(a_op, b.gemm_operand(b_usage), out_dtype, bias, out, accumulate)
