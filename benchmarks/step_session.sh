@@ -3,8 +3,8 @@
 # training step"): the gpu-marked tests of the step's kernels and modules (phase `tests`, in
 # parallel groups), the GPT / Llama block and TransformerLayer (`block`), host time per module
 # (`host`), the FP8 producer kernels' tile sweeps (`sweep`) and the training example under
-# every recipe and with FusedAdam (`train`); all by default; a short table last. Logs under
-# $OUT (default ./out).
+# every recipe and with FusedAdam (`train`, for each seed of SEEDS, default "0"); all by
+# default; a short table last. Logs under $OUT (default ./out).
 #   bash benchmarks/step_session.sh [tests] [block] [host] [sweep] [train]
 set -uo pipefail
 # shellcheck source=benchmarks/session_lib.sh
@@ -15,6 +15,7 @@ PHASES=${*:-tests block host sweep train}
 TEST_LIMIT=${TEST_LIMIT:-200}
 STEPS=${STEPS:-300}
 TRAIN_RUNS=${TRAIN_RUNS:-"bf16 delayed current block delayed:fused-adam"}
+SEEDS=${SEEDS:-0}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name --format=csv,noheader >"$OUT/device.txt"
 GROUPS_OF_TESTS=(
@@ -36,16 +37,19 @@ if [[ $PHASES == *sweep* ]]; then
     --fp8-sweep && timeout 60 python cast_dbias.py) >"$OUT/sweep.log" 2>&1
 fi
 if [[ $PHASES == *train* ]]; then
-  for run in $TRAIN_RUNS; do
-    recipe=${run%%:*}
-    args=(--recipe "$recipe")
-    case $run in
-      *:fused-adam) args+=(--optimizer fused-adam) ;;
-      *:master-bf16) args+=(--optimizer fused-adam --master-weights --adam-moments bf16) ;;
-    esac
-    timeout 110 python -m torchte.train --size large --steps "$STEPS" --seed 0 "${args[@]}" \
-      --out "$OUT/train_${run/:/_}" >"$OUT/train_${run/:/_}.log" 2>&1
-    echo "exit: $?" >>"$OUT/train_${run/:/_}.log"
+  for seed in $SEEDS; do
+    for run in $TRAIN_RUNS; do
+      recipe=${run%%:*}
+      args=(--recipe "$recipe")
+      case $run in
+        *:fused-adam) args+=(--optimizer fused-adam) ;;
+        *:master-bf16) args+=(--optimizer fused-adam --master-weights --adam-moments bf16) ;;
+      esac
+      name=train_${run/:/_}$([[ $seed == 0 ]] || echo "_seed$seed")
+      timeout $((60 + STEPS / 3)) python -m torchte.train --size large --steps "$STEPS" \
+        --seed "$seed" "${args[@]}" --out "$OUT/$name" >"$OUT/$name.log" 2>&1
+      echo "exit: $?" >>"$OUT/$name.log"
+    done
   done
 fi
 
