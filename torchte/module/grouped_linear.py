@@ -5,7 +5,7 @@ m_splits), W_g (N, K) and b_g (N,) group g's weight and bias, y (T, N) with
 y[rows of g] = x[rows of g] W_g^T + b_g.
 
 Four paths, chosen per setting (the plan's mode):
-- "grouped": bf16 on a GPU where torch._grouped_mm works (gemm.grouped_mm_supported), without
+- "grouped" (_grouped_hp.py): bf16 on a GPU where torch._grouped_mm works (gemm.grouped_mm_supported), without
   FP8 or fused wgrad accumulation: one grouped GEMM each for fprop, dgrad and wgrad, whatever
   G is, and no host-device synchronization when m_splits is a device tensor. The weights are
   views of one (G, N, K) buffer, so the GEMM reads them in place; the weight gradients come
@@ -18,7 +18,7 @@ Four paths, chosen per setting (the plan's mode):
   device (see _grouped_fp8.py).
 - "block": Float8BlockScaling (_grouped_block.py): 1x128 / 128x128 block-scaled FP8, every
   GEMM one grouped launch reading the group sizes on the device.
-- "per_group": everything else (fp32/fp16, calibration, bf16 main_grad, bf16 off the GPU): group g
+- "per_group" (_grouped_hp.py): everything else (fp32/fp16, calibration, bf16 main_grad, bf16 off the GPU): group g
   goes through te.Linear's own forward and backward (module/_linear_core.py) with GEMM g's
   quantizers. The weight gradients are stacked into one buffer and handed out as views.
 Outside the grouped fprop GEMMs, results equal a stack of te.Linear layers bit for bit; when
@@ -45,10 +45,7 @@ from torch import nn
 from torchte._group_splits import GroupSplits, group_splits
 from torchte.autocast import autocast_state, refuse_recipe
 from torchte.gemm import (
-    grouped_dgrad,
-    grouped_fprop,
     grouped_mm_supported,
-    grouped_wgrad,
 )
 from torchte.quantization.base import QuantizedTensor
 from torchte.quantization.float8_tensor import Float8Tensor
@@ -56,16 +53,11 @@ from torchte.quantization.model_init import make_fp8_parameter, model_init_setti
 
 from ._common import (
     as_output,
-    group_bias_rows,
-    group_sums,
-    restore_saved,
-    save_for_backward,
-    stack_parameters,
 )
-from ._deferred_wgrad import group_wgrads
 from ._functorch import apply, transforms_active
 from ._grouped_block import block_backward, block_forward, block_weights
 from ._grouped_fp8 import fp8_backward, fp8_forward, grouped_fp8_weights
+from ._grouped_hp import grouped_backward, grouped_forward, per_group_backward, per_group_forward
 from ._grouped_params import (
     GroupMainGrad,
     add_deferred_group_grads,
@@ -79,7 +71,6 @@ from ._grouped_params import (
     unpack_parameters,
 )
 from ._lifecycle import ParameterInit, fill
-from ._linear_backward import gemm_record, linear_backward
 from ._linear_core import (
     LinearPlan,
     cast_to,
@@ -87,7 +78,6 @@ from ._linear_core import (
     check_unknown,
     default_init_method,
     gemm_plan,
-    linear_forward,
 )
 from ._te_compat import SaveOriginalInputMixin
 from ._tensor_parallel import check_divides, forked_init, set_group, tensor_parallel
@@ -113,80 +103,6 @@ class GroupedPlan:
 
     gemms: list[LinearPlan]
     mode: str
-
-
-def _grouped_forward(ctx, x, splits: GroupSplits, plan: GroupedPlan, weights, biases, needs):
-    need_dgrad, need_wgrad = needs
-    dtype = plan.gemms[0].dtype
-    x_in, x = x, cast_to(x, dtype)
-    w = cast_to(stack_parameters(weights), dtype)
-    y = grouped_fprop(x, w, splits.offsets())
-    if biases:
-        y.add_(group_bias_rows(biases, splits, dtype))
-    x_saved = x_in if plan.gemms[0].save_original_input else x  # cast again in backward
-    ctx.save_for_backward(x_saved if need_wgrad else None, w if need_dgrad else None)
-    return y
-
-
-def _grouped_backward(ctx, dy: torch.Tensor):
-    x, w = ctx.saved_tensors
-    splits: GroupSplits = ctx.splits
-    dtype = ctx.plan.gemms[0].dtype
-    x = cast_to(x, dtype)
-    dy = cast_to(dy, dtype).contiguous()
-    offs = splits.offsets()
-    dx = grouped_dgrad(dy, w, offs) if ctx.need_dgrad else None
-    dws = [None] * ctx.num_gemms
-    if ctx.need_wgrad:
-
-        def compute() -> list:
-            return list(grouped_wgrad(dy, x, offs).to(ctx.weight_dtype).unbind(0))
-
-        dws = group_wgrads(ctx, compute, dy.device)
-    dbs = [None] * ctx.num_bias
-    if ctx.num_bias and ctx.bias_grad:
-        dbs = list(group_sums(dy, splits).to(ctx.weight_dtype).unbind(0))
-    return dx, dws, dbs
-
-
-def _per_group_forward(
-    ctx, x, splits: GroupSplits, plan: GroupedPlan, params, w_fp8, needs, param_grads
-):
-    """param_grads: per group, the (weight, bias) needs_input_grad of the Function."""
-    weights, biases = params
-    need_dgrad, need_wgrad = needs
-    xs = x.split(splits.sizes())
-    ys, saved, records = [], [], []
-    for g, gemm in enumerate(plan.gemms):
-        bias = biases[g] if biases else None
-        y, x_saved, w_saved = linear_forward(
-            xs[g], weights[g], bias, w_fp8 and w_fp8[g], gemm, need_dgrad, need_wgrad
-        )
-        ys.append(y)
-        saved += [x_saved, w_saved]
-        records.append(
-            gemm_record(xs[g].shape, weights[g], bias, gemm, need_dgrad, need_wgrad, param_grads[g])
-        )
-    save_for_backward(ctx, *saved)
-    ctx.records = records
-    return torch.cat(ys)
-
-
-def _per_group_backward(ctx, dy: torch.Tensor):
-    saved = restore_saved(ctx)
-    splits: GroupSplits = ctx.splits
-    dys = dy.split(splits.sizes())
-    dxs, dws, dbs = [], [], []
-    for g, record in enumerate(ctx.records):
-        dx, dw, db = linear_backward(record, dys[g], saved[2 * g], saved[2 * g + 1])
-        dxs.append(dx)
-        dws.append(dw)
-        dbs.append(db)
-    dx = torch.cat(dxs) if ctx.need_dgrad else None
-    grads_are_new = ctx.need_wgrad and ctx.plan.gemms[0].main_grad is None
-    if grads_are_new and all(dw is not None for dw in dws) and ctx.num_gemms > 1:
-        dws = list(torch.stack(dws).unbind(0))  # one buffer, one view per weight
-    return dx, dws, dbs[: ctx.num_bias]
 
 
 @dataclass(slots=True, eq=False)
@@ -230,14 +146,14 @@ def grouped_linear_forward(ctx, inp, call: GroupedCall, params, grads):
     ctx.weight_dtype = weights[0].dtype
     needs = (need_dgrad, need_wgrad)
     if mode == "grouped":
-        return _grouped_forward(ctx, inp, splits, plan, weights, biases, needs)
+        return grouped_forward(ctx, inp, splits, plan, weights, biases, needs)
     if mode == "fp8":
         return fp8_forward(ctx, inp, splits, plan, biases, w_fp8, needs)
     if mode == "block":
         return block_forward(ctx, inp, splits, plan, biases, w_fp8, needs)
     bias_grads = bias_grads if biases else (False,) * num_gemms
     param_grads = list(zip(weight_grads, bias_grads, strict=True))
-    return _per_group_forward(ctx, inp, splits, plan, (weights, biases), w_fp8, needs, param_grads)
+    return per_group_forward(ctx, inp, splits, plan, (weights, biases), w_fp8, needs, param_grads)
 
 
 class NoGradContext:
@@ -330,8 +246,8 @@ def grouped_linear_backward(ctx, dy, dbias: torch.Tensor | None = None):
     if ctx.mode == "block":
         return block_backward(ctx, dy)
     if ctx.mode == "grouped":
-        return _grouped_backward(ctx, dy)
-    return _per_group_backward(ctx, dy)
+        return grouped_backward(ctx, dy)
+    return per_group_backward(ctx, dy)
 
 
 class _GroupedLinearFunction(torch.autograd.Function):
