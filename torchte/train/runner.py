@@ -73,15 +73,15 @@ def check_outputs(config: RunConfig) -> None:
         for path in paths:
             check_save_path(path)
     else:
-        _check_save_files(save, config.recipes)
+        _check_save_files(save, config.recipes, paths)
     check_writable(save.parent, f"--save {save}")
 
 
-def _check_save_files(save: Path, recipes: tuple[str, ...]) -> None:
+def _check_save_files(save: Path, recipes: tuple[str, ...], paths: list[Path]) -> None:
     """SystemExit if --save `save`, or with several recipes a file beside it that one of them
-    would be saved to, is a folder: a one-process checkpoint is a file."""
+    would be saved to (`paths`, one per recipe), is a folder: a one-process checkpoint is a
+    file."""
     several = len(recipes) > 1
-    paths = [checkpoint.recipe_path(save, name, several) for name in recipes]
     folders = [p for p in ([save] if several else []) + paths if p.is_dir()]
     if not folders:
         return
