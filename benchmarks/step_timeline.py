@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import tempfile
 from pathlib import Path
 
 import torch
 from block import FULL, KINDS, QUICK, TeBlock, TorchBlock, block_step
+from timing import gpu_ms
 from torch.profiler import ProfilerActivity, profile, record_function
 
 STEPS = 5  # steps per back-to-back timing and per profiled run
@@ -35,27 +35,11 @@ SLOW_CALL_US = 20.0  # CUDA API calls longer than this are listed (allocations, 
 
 
 def event_ms(step, steps: int, alone: bool, rounds: int = 7) -> float:
-    """Median ms per step: `steps` steps between two events (each alone: a synchronize first)."""
-    samples = []
-    for _ in range(rounds):
-        times = []
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        for i in range(steps):
-            if alone or i == 0:
-                torch.cuda.synchronize()
-                start.record()
-            step()
-            if alone:
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end))
-        if not alone:
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / steps)
-        samples.append(statistics.median(times))
-    return statistics.median(samples)
+    """Median ms per step: each step between two events after the last one finished (alone),
+    or `steps` steps between two events (back to back), `rounds` times (timing.gpu_ms)."""
+    if alone:
+        return gpu_ms(step, reps=rounds * steps, warmup=0)
+    return gpu_ms(step, reps=rounds, inner=steps, warmup=0)
 
 
 def trace_events(step, steps: int, alone: bool) -> list[dict]:
