@@ -5,11 +5,11 @@ m_splits), W_g (N, K) and b_g (N,) group g's weight and bias, y (T, N) with
 y[rows of g] = x[rows of g] W_g^T + b_g.
 
 Four paths, chosen per setting (the plan's mode):
-- "grouped" (_grouped_hp.py): bf16 on a GPU where torch._grouped_mm works (gemm.grouped_mm_supported), without
-  FP8 or fused wgrad accumulation: one grouped GEMM each for fprop, dgrad and wgrad, whatever
-  G is, and no host-device synchronization when m_splits is a device tensor. The weights are
-  views of one (G, N, K) buffer, so the GEMM reads them in place; the weight gradients come
-  out of one (G, N, K) buffer as views.
+- "grouped" (_grouped_hp.py): bf16 on a GPU where torch._grouped_mm works
+  (gemm.grouped_mm_supported), without FP8 or fused wgrad accumulation: one grouped GEMM each
+  for fprop, dgrad and wgrad, whatever G is, and no host-device synchronization when m_splits
+  is a device tensor. The weights are views of one (G, N, K) buffer, so the GEMM reads them in
+  place; the weight gradients come out of one (G, N, K) buffer as views.
 - "fp8": FP8 recipes (_grouped_fp8.py): x and dy quantized for all groups in one launch
   (delayed scaling; three under current scaling) into a GroupedStorage, the GEMMs per group as
   te.Linear runs them (fprop as one grouped GEMM where one runs: see _grouped_fp8.py), the weight
@@ -18,9 +18,10 @@ Four paths, chosen per setting (the plan's mode):
   device (see _grouped_fp8.py).
 - "block": Float8BlockScaling (_grouped_block.py): 1x128 / 128x128 block-scaled FP8, every
   GEMM one grouped launch reading the group sizes on the device.
-- "per_group" (_grouped_hp.py): everything else (fp32/fp16, calibration, bf16 main_grad, bf16 off the GPU): group g
-  goes through te.Linear's own forward and backward (module/_linear_core.py) with GEMM g's
-  quantizers. The weight gradients are stacked into one buffer and handed out as views.
+- "per_group" (_grouped_hp.py): everything else (fp32/fp16, calibration, bf16 main_grad, bf16
+  off the GPU): group g goes through te.Linear's own forward and backward
+  (module/_linear_core.py) with GEMM g's quantizers. The weight gradients are stacked into one
+  buffer and handed out as views.
 Outside the grouped fprop GEMMs, results equal a stack of te.Linear layers bit for bit; when
 determinism is asked for (torch.use_deterministic_algorithms(True), or TORCHTE_DETERMINISTIC=1
 at import) everywhere: "grouped" runs "per_group", the FP8 GEMMs run per group, and split sizes
